@@ -1,0 +1,183 @@
+//! The stable plugin ABI: what crosses between `host` and a plugin `.so`.
+//!
+//! Layering, from the outside in:
+//! 1. [`header`]: a pointer-free static the host reads from the file before loading it.
+//! 2. One `abi_stable` prefix-type root module per plugin kind ([`modules`]): a table of
+//!    `extern "C"` functions. Fields after `last_prefix_field` are optional, so a newer host can
+//!    load an older plugin and later versions can append functions without breaking anyone.
+//! 3. Values: `abi_stable` strings/vectors/results, JSON strings for settings and requests that
+//!    will grow, and libtorch tensor handles ([`TensorPtr`]).
+//!
+//! Why tensor handles are sound: a `TensorPtr` is a `torch::Tensor*` allocated by the libtorch
+//! C++ shim. Host and plugin link the *same* `libtorch_cpu.so` (the header check enforces the
+//! same libtorch and tch versions and target), so either side may use or free it.
+
+pub mod header;
+pub mod modules;
+
+use abi_stable::std_types::{RResult, RString};
+use abi_stable::StableAbi;
+use std::ffi::c_void;
+use std::mem::ManuallyDrop;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use tch::Tensor;
+
+pub use header::{HeaderInfo, PluginHeader, HEADER_SYMBOL};
+
+/// Bump when anything in this module changes incompatibly. Plugins built with another number
+/// are refused before any of their code runs.
+pub const ABI_VERSION: u32 = 1;
+
+/// The five plugin kinds. The numbers are part of the ABI.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PluginKind {
+    Encoder = 1,
+    Optimizer = 2,
+    Reader = 3,
+    Connector = 4,
+    Command = 5,
+}
+
+impl PluginKind {
+    pub const ALL: [PluginKind; 5] = [
+        PluginKind::Encoder,
+        PluginKind::Optimizer,
+        PluginKind::Reader,
+        PluginKind::Connector,
+        PluginKind::Command,
+    ];
+
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| *k as u32 == v)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PluginKind::Encoder => "encoder",
+            PluginKind::Optimizer => "optimizer",
+            PluginKind::Reader => "reader",
+            PluginKind::Connector => "connector",
+            PluginKind::Command => "command",
+        }
+    }
+}
+
+/// A libtorch tensor handle (`torch::Tensor*`). Whether it is borrowed or owned is stated by
+/// each function that takes or returns one.
+#[repr(transparent)]
+#[derive(StableAbi, Clone, Copy)]
+pub struct TensorPtr(*mut c_void);
+
+impl TensorPtr {
+    /// Lend a tensor for the duration of a call.
+    pub fn lend(t: &Tensor) -> Self {
+        TensorPtr(t.as_ptr() as *mut c_void)
+    }
+
+    /// Hand a tensor over; the receiver must [`TensorPtr::take`] it exactly once.
+    pub fn give(t: Tensor) -> Self {
+        let t = ManuallyDrop::new(t);
+        TensorPtr(t.as_ptr() as *mut c_void)
+    }
+
+    /// Use a lent tensor. The result shares the caller's `torch::Tensor` object and must not
+    /// be dropped as an owner, hence `ManuallyDrop`.
+    ///
+    /// # Safety
+    /// `self` must come from [`TensorPtr::lend`] on a tensor alive for the whole call.
+    pub unsafe fn borrow(self) -> ManuallyDrop<Tensor> {
+        ManuallyDrop::new(Tensor::from_ptr(self.0 as *mut _))
+    }
+
+    /// Take ownership of a tensor handed over with [`TensorPtr::give`].
+    ///
+    /// # Safety
+    /// `self` must come from [`TensorPtr::give`] and be taken once.
+    pub unsafe fn take(self) -> Tensor {
+        Tensor::from_ptr(self.0 as *mut _)
+    }
+}
+
+/// A named tensor; owned or lent as the function says.
+#[repr(C)]
+#[derive(StableAbi)]
+pub struct NamedTensor {
+    pub name: RString,
+    pub tensor: TensorPtr,
+}
+
+/// An opaque plugin-side object (an encoder, optimizer, ... instance), created by the kind's
+/// `create` and released by its `destroy`.
+#[repr(transparent)]
+#[derive(StableAbi, Clone, Copy)]
+pub struct Handle(*mut c_void);
+
+impl Handle {
+    /// Box a plugin object into a handle (plugin side).
+    pub fn new<T>(obj: T) -> Self {
+        Handle(Box::into_raw(Box::new(obj)) as *mut c_void)
+    }
+
+    /// # Safety
+    /// The handle must come from [`Handle::new::<T>`] and not be destroyed.
+    pub unsafe fn get<'a, T>(self) -> &'a mut T {
+        &mut *(self.0 as *mut T)
+    }
+
+    /// # Safety
+    /// The handle must come from [`Handle::new::<T>`]; it is invalid afterwards.
+    pub unsafe fn destroy<T>(self) {
+        drop(Box::from_raw(self.0 as *mut T));
+    }
+}
+
+/// Which tower of a dual encoder a text goes through.
+#[repr(u8)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Query = 0,
+    Passage = 1,
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "query" => Ok(Role::Query),
+            "passage" => Ok(Role::Passage),
+            _ => Err(format!("unknown role {s:?}: expected query or passage")),
+        }
+    }
+}
+
+/// Run plugin code at the ABI boundary: errors and panics become an `RErr` message instead
+/// of unwinding across `extern "C"` (which would abort the host).
+pub fn guard<T>(f: impl FnOnce() -> anyhow::Result<T>) -> RResult<T, RString> {
+    quiet_panics();
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => RResult::ROk(v),
+        Ok(Err(e)) => RResult::RErr(format!("{e:#}").into()),
+        Err(payload) => RResult::RErr(format!("panicked: {}", panic_message(&*payload)).into()),
+    }
+}
+
+/// The default panic hook would print a message and maybe a backtrace to the user's terminal;
+/// at the boundary the message travels in the error instead. Each cdylib has its own std, so
+/// this only affects the plugin that calls it.
+fn quiet_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| std::panic::set_hook(Box::new(|_| {})));
+}
+
+/// The text of a panic, cut before libtorch's C++ backtrace.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    let text = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into());
+    let cut = text.find("\nException raised from").unwrap_or(text.len());
+    text[..cut].trim_end().to_string()
+}

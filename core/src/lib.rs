@@ -1,0 +1,39 @@
+//! `rak-core`: the library behind the `host` binary and every plugin.
+//!
+//! - [`abi`]: the stable plugin ABI (compatibility header, one root module per plugin kind).
+//! - [`plugin`]: the SDK plugin authors implement (traits + `export_*!` macros).
+//! - [`optim`]: optimizer math shared by the optimizer plugins.
+//!
+//! It is not the CLI (that is `rak-host`) and it loads no plugins itself.
+
+pub mod abi;
+pub mod optim;
+pub mod plugin;
+
+#[doc(hidden)]
+pub use abi_stable;
+pub use tch;
+
+/// The tch version this toolkit pins (`tch = "=0.24.0"` in the workspace).
+pub const TCH_VERSION: &str = "0.24.0";
+/// The libtorch version this copy of the crate was compiled against (from `rak-build`).
+pub const LIBTORCH_VERSION: &str = env!("RAK_LIBTORCH_VERSION");
+/// The target triple this copy of the crate was compiled for.
+pub const TARGET: &str = env!("RAK_TARGET");
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn root_module_symbol_matches_abi_stable() {
+        let src = include_str!("plugin/ffi.rs");
+        let needle = format!("#[export_name = \"{}\"]", abi_stable::library::ROOT_MODULE_LOADER_NAME);
+        assert!(src.contains(&needle), "update __rak_export_root!: abi_stable expects {needle}");
+    }
+
+    #[test]
+    fn tch_version_matches_lockfile() {
+        let lock = include_str!("../../Cargo.lock");
+        let pinned = lock.split("[[package]]").find(|p| p.contains("name = \"tch\"")).unwrap();
+        assert!(pinned.contains(&format!("version = \"{}\"", super::TCH_VERSION)));
+    }
+}

@@ -1,0 +1,138 @@
+//! `host`: the retrieval-augmentation toolkit's one binary.
+
+use abi_stable::std_types::RStr;
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use rak_host::loader::{self, Module};
+use rak_host::{host_api, proxy, search_path, Registry, Source};
+use serde_json::json;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "host", version, about = "Retrieval-augmentation toolkit: multitask dense retrieval, AAR, augmentation")]
+struct Cli {
+    /// Load this plugin file (repeatable); searched before RAK_PLUGIN_PATH and the host's folder.
+    #[arg(long = "plugin", global = true, value_name = "PATH")]
+    plugins: Vec<PathBuf>,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Show the libtorch build, CUDA devices and the plugin search path.
+    Doctor,
+    /// List or inspect plugins.
+    #[command(subcommand)]
+    Plugins(PluginsCmd),
+    /// A subcommand provided by a command plugin.
+    #[command(external_subcommand)]
+    External(Vec<String>),
+}
+
+#[derive(Subcommand)]
+enum PluginsCmd {
+    /// Every plugin found on the search path: name, kind, version, file.
+    List,
+    /// Every field of one plugin file's metadata and whether this host can load it.
+    Inspect { path: PathBuf },
+}
+
+fn main() -> ExitCode {
+    // Any panic in the host is a bug; report it in one line rather than a backtrace.
+    std::panic::set_hook(Box::new(|info| {
+        eprintln!("error: internal error (please report): {}", rak_core::abi::panic_message(info.payload()));
+    }));
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    let sources = search_path(&cli.plugins);
+    match cli.command {
+        Cmd::Doctor => doctor(&sources),
+        Cmd::Plugins(PluginsCmd::List) => list(&sources),
+        Cmd::Plugins(PluginsCmd::Inspect { path }) => inspect(&path),
+        Cmd::External(args) => external(&sources, args),
+    }
+}
+
+fn doctor(sources: &[Source]) -> Result<ExitCode> {
+    println!("host            {}", env!("CARGO_PKG_VERSION"));
+    println!("plugin ABI      {}", rak_core::abi::ABI_VERSION);
+    println!("tch             {}", rak_core::TCH_VERSION);
+    println!("libtorch        {}", rak_core::LIBTORCH_VERSION);
+    println!("target          {}", rak_core::TARGET);
+    println!("cuda available  {}", tch::Cuda::is_available());
+    println!("cuda devices    {}", tch::Cuda::device_count());
+    println!("cudnn available {}", tch::Cuda::cudnn_is_available());
+    println!("cpu threads     {}", tch::get_num_threads());
+    println!("plugin search path:");
+    for s in sources {
+        match s {
+            Source::File(p) => println!("  file {}", p.display()),
+            Source::Dir(p) => println!("  dir  {}", p.display()),
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn list(sources: &[Source]) -> Result<ExitCode> {
+    let registry = Registry::discover(sources)?;
+    println!("{:<16} {:<10} {:<10} FILE", "NAME", "KIND", "VERSION");
+    for p in registry.iter() {
+        println!("{:<16} {:<10} {:<10} {}", p.header.name, p.header.kind, p.header.version, p.path.display());
+    }
+    for s in &registry.skipped {
+        eprintln!("warning: skipped {s}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn inspect(path: &PathBuf) -> Result<ExitCode> {
+    let header = loader::inspect(path)?;
+    let incompatibility = header.incompatibility();
+    let mut out = json!({
+        "file": path,
+        "metadata": header,
+        "host": host_side(),
+        "compatible": incompatibility.is_none(),
+    });
+    if let Some(why) = &incompatibility {
+        out["reason"] = json!(why);
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        anyhow::bail!("{}: incompatible plugin {:?}: {why}", path.display(), header.name);
+    }
+    let plugin = loader::load(path)?;
+    out["settings"] = proxy::settings_schema(&plugin);
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The fields of this host that a plugin header must match.
+fn host_side() -> serde_json::Value {
+    let h = rak_core::abi::HeaderInfo::this_build();
+    json!({"abi_version": h.abi_version, "tch_version": h.tch_version, "libtorch_version": h.libtorch_version, "target": h.target})
+}
+
+fn external(sources: &[Source], args: Vec<String>) -> Result<ExitCode> {
+    let (name, rest) = args.split_first().expect("clap gives the subcommand name");
+    let registry = Registry::discover(sources)?;
+    let Some(plugin) = registry.command(name) else {
+        anyhow::bail!("unknown command {name:?}; run `host --help`, or `host plugins list` for plugin commands");
+    };
+    let Module::Command(m) = plugin.module else { unreachable!("command() checks the kind") };
+    let argv: Vec<RStr<'_>> = rest.iter().map(|s| s.as_str().into()).collect();
+    let api = host_api::host_api(&registry);
+    let result = (m.run())(argv.as_slice().into(), api).into_result();
+    host_api::release(api);
+    let code = result.map_err(|e| anyhow::anyhow!("command {name:?} ({}) failed: {e}", plugin.path.display()))?;
+    Ok(ExitCode::from(code.clamp(0, 255) as u8))
+}

@@ -1,0 +1,144 @@
+//! Host-side wrappers that make a loaded plugin look like any `rak_core::plugin` trait object.
+//! Each call goes through the root module; errors come back naming the plugin.
+
+use crate::loader::Plugin;
+use abi_stable::std_types::{ROption, RResult, RString, RVec};
+use anyhow::{anyhow, Result};
+use rak_core::abi::modules::*;
+use rak_core::abi::{Handle, NamedTensor, Role, TensorPtr};
+use rak_core::plugin::{Connector, Encoder, Optimizer, Reader};
+use serde_json::Value;
+use std::path::Path;
+use tch::Tensor;
+
+/// Names the plugin in every error that crosses back.
+#[derive(Clone)]
+struct Origin(String);
+
+impl Origin {
+    fn of(p: &Plugin) -> Self {
+        Origin(format!("plugin {:?} ({})", p.header.name, p.path.display()))
+    }
+    fn check<T>(&self, what: &str, r: RResult<T, RString>) -> Result<T> {
+        r.into_result().map_err(|e| anyhow!("{} failed in {what}: {e}", self.0))
+    }
+    fn json(&self, what: &str, r: RResult<RString, RString>) -> Result<Value> {
+        let text = self.check(what, r)?;
+        serde_json::from_str(&text).map_err(|e| anyhow!("{} returned invalid JSON from {what}: {e}", self.0))
+    }
+}
+
+fn take_named(list: RVec<NamedTensor>) -> Vec<(String, Tensor)> {
+    list.into_iter().map(|nt| (nt.name.into_string(), unsafe { nt.tensor.take() })).collect()
+}
+
+macro_rules! proxy {
+    ($name:ident, $modref:ty) => {
+        pub struct $name {
+            module: $modref,
+            handle: Handle,
+            origin: Origin,
+        }
+
+        // The plugin object is only touched through `&mut self`, one call at a time.
+        unsafe impl Send for $name {}
+
+        impl $name {
+            pub fn create(p: &Plugin, module: $modref, settings: &Value) -> Result<Self> {
+                let origin = Origin::of(p);
+                let handle = origin.check("create", (module.create())(settings.to_string().as_str().into()))?;
+                Ok(Self { module, handle, origin })
+            }
+        }
+
+        impl Drop for $name {
+            fn drop(&mut self) {
+                (self.module.destroy())(self.handle);
+            }
+        }
+    };
+}
+
+proxy!(EncoderProxy, EncoderModRef);
+proxy!(OptimizerProxy, OptimizerModRef);
+proxy!(ReaderProxy, ReaderModRef);
+proxy!(ConnectorProxy, ConnectorModRef);
+
+impl Encoder for EncoderProxy {
+    fn encode(&mut self, texts: &[&str], role: Role, task: Option<&str>, train: bool) -> Result<Tensor> {
+        let texts: Vec<abi_stable::std_types::RStr<'_>> = texts.iter().map(|s| (*s).into()).collect();
+        let task = match task {
+            Some(t) => ROption::RSome(t.into()),
+            None => ROption::RNone,
+        };
+        let out = (self.module.encode())(self.handle, texts.as_slice().into(), role, task, train);
+        Ok(unsafe { self.origin.check("encode", out)?.take() })
+    }
+
+    fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(take_named(self.origin.check("parameters", (self.module.parameters())(self.handle))?))
+    }
+
+    fn info(&self) -> Result<Value> {
+        self.origin.json("info", (self.module.info())(self.handle))
+    }
+
+    fn save(&self, dir: &Path) -> Result<()> {
+        let dir = dir.to_string_lossy();
+        self.origin.check("save", (self.module.save())(self.handle, dir.as_ref().into()))
+    }
+}
+
+impl Optimizer for OptimizerProxy {
+    fn step(&mut self, params: &[Tensor], grads: &[Vec<Tensor>], lr: f64) -> Result<()> {
+        let p: Vec<TensorPtr> = params.iter().map(TensorPtr::lend).collect();
+        for (t, g) in grads.iter().enumerate() {
+            anyhow::ensure!(g.len() == params.len(), "task {t} has {} gradients for {} parameters", g.len(), params.len());
+        }
+        let g: Vec<TensorPtr> = grads.iter().flatten().map(TensorPtr::lend).collect();
+        let r = (self.module.step())(self.handle, p.as_slice().into(), g.as_slice().into(), grads.len() as u32, lr);
+        self.origin.check("step", r)
+    }
+
+    fn state(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(take_named(self.origin.check("state", (self.module.state())(self.handle))?))
+    }
+
+    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
+        let lent: Vec<NamedTensor> =
+            state.iter().map(|(n, t)| NamedTensor { name: n.as_str().into(), tensor: TensorPtr::lend(t) }).collect();
+        self.origin.check("load_state", (self.module.load_state())(self.handle, lent.as_slice().into()))
+    }
+}
+
+impl Reader for ReaderProxy {
+    fn generate(&mut self, request: Value) -> Result<Value> {
+        self.origin.json("generate", (self.module.generate())(self.handle, request.to_string().as_str().into()))
+    }
+    fn score_options(&mut self, request: Value) -> Result<Value> {
+        self.origin.json("score_options", (self.module.score_options())(self.handle, request.to_string().as_str().into()))
+    }
+    fn passage_preferences(&mut self, request: Value) -> Result<Value> {
+        let r = (self.module.passage_preferences())(self.handle, request.to_string().as_str().into());
+        self.origin.json("passage_preferences", r)
+    }
+}
+
+impl Connector for ConnectorProxy {
+    fn complete(&mut self, request: Value) -> Result<Value> {
+        self.origin.json("complete", (self.module.complete())(self.handle, request.to_string().as_str().into()))
+    }
+}
+
+/// The plugin's settings description, for `plugins inspect`.
+pub fn settings_schema(p: &Plugin) -> Value {
+    use crate::loader::Module::*;
+    let text: RString = match p.module {
+        Encoder(m) => (m.settings_schema())(),
+        Optimizer(m) => (m.settings_schema())(),
+        Reader(m) => (m.settings_schema())(),
+        Connector(m) => (m.settings_schema())(),
+        Command(m) => (m.settings_schema())(),
+    };
+    serde_json::from_str(&text).unwrap_or(Value::String(text.into_string()))
+}
