@@ -3,10 +3,14 @@
 //! - [`abi`]: the stable plugin ABI (compatibility header, one root module per plugin kind).
 //! - [`plugin`]: the SDK plugin authors implement (traits + `export_*!` macros).
 //! - [`optim`]: optimizer math shared by the optimizer plugins.
+//! - [`models`]: BERT and T5 in tch with Hugging Face names; checkpoints; tokenizers.
+//! - [`fsutil`]: atomic writes.
 //!
 //! It is not the CLI (that is `rak-host`) and it loads no plugins itself.
 
 pub mod abi;
+pub mod fsutil;
+pub mod models;
 pub mod optim;
 pub mod plugin;
 
