@@ -32,12 +32,18 @@ pub fn inspect(path: &Path) -> Result<HeaderInfo> {
     read_plugin_header(path).map_err(|r| anyhow!("{}: {r}", path.display()))
 }
 
+/// Refuse a plugin whose header does not match this host, naming both sides.
+pub fn check_compatible(path: &Path, header: &HeaderInfo) -> Result<()> {
+    match header.incompatibility() {
+        Some(why) => bail!("{}: incompatible plugin {:?}: {why}", path.display(), header.name),
+        None => Ok(()),
+    }
+}
+
 /// Check compatibility, then load. Nothing from the file runs before the header check passes.
 pub fn load(path: &Path) -> Result<Plugin> {
     let header = inspect(path)?;
-    if let Some(why) = header.incompatibility() {
-        bail!("{}: incompatible plugin {:?}: {why}", path.display(), header.name);
-    }
+    check_compatible(path, &header)?;
     let lib = lib_header_from_path(path).map_err(|e| load_error(path, e))?;
     let module = match header.kind.as_str() {
         "encoder" => Module::Encoder(init(path, lib)?),

@@ -51,11 +51,17 @@ impl Registry {
         let mut skipped = Vec::new();
         for source in sources {
             match source {
-                Source::File(path) => headers.push((path.clone(), loader::inspect(path)?, true)),
+                Source::File(path) => {
+                    let header = loader::inspect(path)?;
+                    loader::check_compatible(path, &header)?;
+                    headers.push((path.clone(), header, true));
+                }
                 Source::Dir(dir) => {
                     for path in shared_objects(dir) {
-                        if let Ok(h) = loader::inspect(&path) {
-                            headers.push((path, h, false));
+                        let Ok(header) = loader::inspect(&path) else { continue };
+                        match loader::check_compatible(&path, &header) {
+                            Ok(()) => headers.push((path, header, false)),
+                            Err(e) => skipped.push(format!("{e:#}")),
                         }
                     }
                 }

