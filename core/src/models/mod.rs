@@ -1,4 +1,7 @@
 //! Transformer models in tch with Hugging Face parameter names, one file per architecture
 //! (the config struct beside the model), plus checkpoint and tokenizer I/O.
 
+pub mod bert;
+pub mod pooling;
+pub mod tokenizer;
 pub mod weights;

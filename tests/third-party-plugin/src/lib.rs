@@ -35,7 +35,7 @@ impl PluginInfo for HashBow {
         }
         tch::manual_seed(seed);
         let vs = nn::VarStore::new(Device::Cpu);
-        let weight = vs.root().var("embedding.weight", &[buckets, dim], nn::Init::Randn { mean: 0.0, stdev: 1.0 });
+        let weight = (vs.root() / "embedding").var("weight", &[buckets, dim], nn::Init::Randn { mean: 0.0, stdev: 1.0 });
         Ok(HashBow { vs, weight, buckets, dim })
     }
 }

@@ -1,0 +1,284 @@
+//! BERT (Hugging Face `BertModel` parameter names), with optional TASER specialisation:
+//! every `T`-th block's feed-forward sub-layer exists twice (`q_ffn`, `p_ffn`) and a text's
+//! [`Role`] picks one; self-attention stays shared (REFERENCE §5).
+
+use crate::abi::Role;
+use crate::models::weights::Checkpoint;
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use std::path::Path;
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+
+/// The fields of a Hugging Face BERT `config.json` the model uses. The raw JSON is kept so a
+/// saved checkpoint carries every field it was loaded with.
+#[derive(Debug, Clone, Deserialize)]
+pub struct BertConfig {
+    pub vocab_size: i64,
+    pub hidden_size: i64,
+    pub num_hidden_layers: i64,
+    pub num_attention_heads: i64,
+    pub intermediate_size: i64,
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    #[serde(default = "default_dropout")]
+    pub hidden_dropout_prob: f64,
+    #[serde(default = "default_dropout")]
+    pub attention_probs_dropout_prob: f64,
+    pub max_position_embeddings: i64,
+    #[serde(default = "default_type_vocab")]
+    pub type_vocab_size: i64,
+    #[serde(default = "default_eps")]
+    pub layer_norm_eps: f64,
+    #[serde(default)]
+    pub model_type: Option<String>,
+    /// TASER: 1-based block indices divisible by this are specialised. Absent for plain BERT.
+    #[serde(default)]
+    pub taser_specialize_every: Option<i64>,
+    #[serde(skip)]
+    pub raw: serde_json::Value,
+}
+
+fn default_act() -> String {
+    "gelu".into()
+}
+fn default_dropout() -> f64 {
+    0.1
+}
+fn default_type_vocab() -> i64 {
+    2
+}
+fn default_eps() -> f64 {
+    1e-12
+}
+
+impl BertConfig {
+    /// Read `dir/config.json`; refuses other architectures with a message naming the file.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).with_context(|| format!("{}: cannot read", path.display()))?;
+        let raw: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+        let mut config: BertConfig =
+            serde_json::from_value(raw.clone()).with_context(|| format!("{}: not a BERT config", path.display()))?;
+        match config.model_type.as_deref() {
+            Some("bert") | None => {}
+            Some(other) => bail!("{}: model_type {other:?} is not supported here (expected \"bert\")", path.display()),
+        }
+        if config.hidden_size % config.num_attention_heads != 0 {
+            bail!("{}: hidden_size {} is not divisible by num_attention_heads {}", path.display(), config.hidden_size, config.num_attention_heads);
+        }
+        if !matches!(config.hidden_act.as_str(), "gelu" | "gelu_new" | "relu") {
+            bail!("{}: hidden_act {:?} is not supported (gelu, gelu_new, relu)", path.display(), config.hidden_act);
+        }
+        config.raw = raw;
+        Ok(config)
+    }
+
+    /// Whether block `i` (0-based) has separate query and passage feed-forward experts.
+    pub fn is_specialized(&self, i: i64) -> bool {
+        self.taser_specialize_every.is_some_and(|t| t > 0 && (i + 1) % t == 0)
+    }
+}
+
+/// Input of one forward pass, already on the model's device.
+pub struct BertInput {
+    pub input_ids: Tensor,
+    pub attention_mask: Tensor,
+    pub token_type_ids: Tensor,
+}
+
+struct Embeddings {
+    word: nn::Embedding,
+    position: nn::Embedding,
+    token_type: nn::Embedding,
+    norm: nn::LayerNorm,
+}
+
+struct FeedForward {
+    intermediate: nn::Linear,
+    output: nn::Linear,
+    norm: nn::LayerNorm,
+}
+
+impl FeedForward {
+    fn new(p: &nn::Path, c: &BertConfig) -> Self {
+        FeedForward {
+            intermediate: nn::linear(p / "intermediate" / "dense", c.hidden_size, c.intermediate_size, Default::default()),
+            output: nn::linear(p / "output" / "dense", c.intermediate_size, c.hidden_size, Default::default()),
+            norm: layer_norm(&(p / "output" / "LayerNorm"), c),
+        }
+    }
+
+    fn forward(&self, x: &Tensor, act: &str, dropout: f64, train: bool) -> Tensor {
+        let h = self.intermediate.forward(x);
+        let h = match act {
+            "relu" => h.relu(),
+            "gelu_new" => h.gelu("tanh"),
+            _ => h.gelu("none"),
+        };
+        let h = self.output.forward(&h).dropout(dropout, train);
+        self.norm.forward(&(h + x))
+    }
+}
+
+enum Ffn {
+    Shared(FeedForward),
+    /// TASER: (query expert, passage expert).
+    Specialized(FeedForward, FeedForward),
+}
+
+struct Layer {
+    query: nn::Linear,
+    key: nn::Linear,
+    value: nn::Linear,
+    attn_out: nn::Linear,
+    attn_norm: nn::LayerNorm,
+    ffn: Ffn,
+}
+
+fn layer_norm(p: &nn::Path, c: &BertConfig) -> nn::LayerNorm {
+    nn::layer_norm(p, vec![c.hidden_size], nn::LayerNormConfig { eps: c.layer_norm_eps, ..Default::default() })
+}
+
+/// A BERT encoder whose parameters live in its own `VarStore`, named as in Hugging Face.
+pub struct BertModel {
+    pub config: BertConfig,
+    pub vs: nn::VarStore,
+    embeddings: Embeddings,
+    layers: Vec<Layer>,
+}
+
+impl BertModel {
+    /// Build with fresh (random) parameters on `device`.
+    pub fn new(config: BertConfig, device: Device) -> Self {
+        let vs = nn::VarStore::new(device);
+        let root = vs.root();
+        let c = &config;
+        let e = &root / "embeddings";
+        let embeddings = Embeddings {
+            word: nn::embedding(&e / "word_embeddings", c.vocab_size, c.hidden_size, Default::default()),
+            position: nn::embedding(&e / "position_embeddings", c.max_position_embeddings, c.hidden_size, Default::default()),
+            token_type: nn::embedding(&e / "token_type_embeddings", c.type_vocab_size, c.hidden_size, Default::default()),
+            norm: layer_norm(&(&e / "LayerNorm"), c),
+        };
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| {
+                let p = &root / "encoder" / "layer" / i;
+                let a = &p / "attention";
+                let lin = |name: &str| nn::linear(&a / "self" / name, c.hidden_size, c.hidden_size, Default::default());
+                Layer {
+                    query: lin("query"),
+                    key: lin("key"),
+                    value: lin("value"),
+                    attn_out: nn::linear(&a / "output" / "dense", c.hidden_size, c.hidden_size, Default::default()),
+                    attn_norm: layer_norm(&(&a / "output" / "LayerNorm"), c),
+                    ffn: if c.is_specialized(i) {
+                        Ffn::Specialized(FeedForward::new(&(&p / "q_ffn"), c), FeedForward::new(&(&p / "p_ffn"), c))
+                    } else {
+                        Ffn::Shared(FeedForward::new(&p, c))
+                    },
+                }
+            })
+            .collect();
+        BertModel { config, vs, embeddings, layers }
+    }
+
+    /// Load `dir` (config.json + model.safetensors). Checkpoints saved from a task head
+    /// (`bert.` prefix) load too; extra tensors (pooler, `position_ids`) are ignored. A TASER
+    /// model loaded from plain BERT starts both experts from the shared feed-forward weights.
+    pub fn load(dir: &Path, config: BertConfig, device: Device) -> Result<Self> {
+        let mut model = BertModel::new(config, device);
+        let ckpt = Checkpoint::open(dir)?;
+        let mut aliases: Vec<(String, String)> = Vec::new();
+        for (name, _) in model.vs.variables() {
+            for expert in ["q_ffn.", "p_ffn."] {
+                if let Some(i) = name.find(expert) {
+                    let plain = format!("{}{}", &name[..i], &name[i + expert.len()..]);
+                    aliases.push((name.clone(), plain.clone()));
+                    aliases.push((name.clone(), format!("bert.{plain}")));
+                }
+            }
+        }
+        let aliases: Vec<(&str, &str)> = aliases.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+        ckpt.load_into(&mut model.vs, &["", "bert."], &aliases)?;
+        Ok(model)
+    }
+
+    /// Last hidden states `[B, L, hidden]`. `role` picks the TASER expert (ignored otherwise).
+    pub fn forward(&self, input: &BertInput, role: Role, train: bool) -> Tensor {
+        let c = &self.config;
+        let (b, l) = input.input_ids.size2().expect("input_ids is [batch, length]");
+        let device = input.input_ids.device();
+        let positions = Tensor::arange(l, (Kind::Int64, device)).unsqueeze(0);
+        let e = &self.embeddings;
+        let x = e.word.forward(&input.input_ids)
+            + e.position.forward(&positions)
+            + e.token_type.forward(&input.token_type_ids);
+        let mut x = e.norm.forward(&x).dropout(c.hidden_dropout_prob, train);
+        let kind = x.kind();
+        // Additive mask [B, 1, 1, L]: 0 where attended, the dtype's minimum on padding.
+        let mask = (input.attention_mask.to_kind(kind).ones_like() - input.attention_mask.to_kind(kind))
+            .view([b, 1, 1, l])
+            * min_value(kind);
+        let heads = c.num_attention_heads;
+        let head_dim = c.hidden_size / heads;
+        let split = |t: Tensor| t.view([b, l, heads, head_dim]).transpose(1, 2);
+        let attn_dropout = if train { c.attention_probs_dropout_prob } else { 0.0 };
+        for layer in &self.layers {
+            let q = split(layer.query.forward(&x));
+            let k = split(layer.key.forward(&x));
+            let v = split(layer.value.forward(&x));
+            let ctx = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&mask), attn_dropout, false, None, false);
+            let ctx = ctx.transpose(1, 2).contiguous().view([b, l, c.hidden_size]);
+            let h = layer.attn_out.forward(&ctx).dropout(c.hidden_dropout_prob, train);
+            x = layer.attn_norm.forward(&(h + &x));
+            let ffn = match (&layer.ffn, role) {
+                (Ffn::Shared(f), _) | (Ffn::Specialized(f, _), Role::Query) | (Ffn::Specialized(_, f), Role::Passage) => f,
+            };
+            x = ffn.forward(&x, &c.hidden_act, c.hidden_dropout_prob, train);
+        }
+        x
+    }
+
+    /// Number of scalar parameters.
+    pub fn num_parameters(&self) -> i64 {
+        self.vs.trainable_variables().iter().map(Tensor::numel).sum::<usize>() as i64
+    }
+
+    /// The config as saved: the loaded JSON with this model's structural fields.
+    pub fn config_json(&self) -> serde_json::Value {
+        let mut raw = self.config.raw.clone();
+        if !raw.is_object() {
+            raw = serde_json::json!({});
+        }
+        raw["model_type"] = "bert".into();
+        match self.config.taser_specialize_every {
+            Some(t) => raw["taser_specialize_every"] = t.into(),
+            None => {
+                if let Some(o) = raw.as_object_mut() {
+                    o.remove("taser_specialize_every");
+                }
+            }
+        }
+        raw
+    }
+
+    /// Write `dir/config.json` and `dir/model.safetensors` (Hugging Face `BertModel` layout).
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+        let text = serde_json::to_string_pretty(&self.config_json())?;
+        crate::fsutil::write_bytes(&dir.join("config.json"), text.as_bytes())?;
+        let tensors: Vec<(String, Tensor)> = self.vs.variables().into_iter().map(|(n, t)| (n, t.to_kind(Kind::Float))).collect();
+        crate::models::weights::save_safetensors(&dir.join("model.safetensors"), &tensors)
+    }
+}
+
+fn min_value(kind: Kind) -> f64 {
+    match kind {
+        Kind::BFloat16 => -3.3895313892515355e38,
+        Kind::Half => -65504.0,
+        Kind::Double => f64::MIN,
+        _ => f32::MIN as f64,
+    }
+}
