@@ -9,6 +9,7 @@
 //! It is not the CLI (that is `rak-host`) and it loads no plugins itself.
 
 pub mod abi;
+pub mod encoders;
 pub mod fsutil;
 pub mod models;
 pub mod optim;
