@@ -270,10 +270,10 @@ impl Attention {
     /// `bias` is the position bias plus the additive mask, broadcastable to [B, H, Tq, Tk].
     /// Returns the output and, when `keep_logits`, the pre-softmax `q·k` [B, H, Tq, Tk]
     /// (T5 does not scale by 1/sqrt(d_kv): the init of `q` absorbs it).
-    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, dropout: f64, train: bool, keep_logits: bool) -> (Tensor, Option<Tensor>) {
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, dropout: f64, keep_logits: bool) -> (Tensor, Option<Tensor>) {
         let logits = q.matmul(&k.transpose(-1, -2));
         let scores = &logits + bias;
-        let probs = scores.softmax(-1, scores.kind()).dropout(dropout, train);
+        let probs = scores.softmax(-1, scores.kind()).dropout(dropout, dropout > 0.0);
         let (b, _, t, _) = q.size4().unwrap();
         let out = probs.matmul(v).transpose(1, 2).contiguous().view([b, t, self.n_heads * self.d_kv]);
         (linear(&out, &self.o), keep_logits.then_some(logits))
@@ -325,15 +325,15 @@ impl LayerFF {
         Ok(LayerFF { ff, act, layer_norm: LayerNorm::new(&p / "layer_norm", c.d_model, c.layer_norm_epsilon) })
     }
 
-    fn forward(&self, x: &Tensor, dropout: f64, train: bool) -> Tensor {
+    fn forward(&self, x: &Tensor, dropout: f64) -> Tensor {
         let h = self.layer_norm.forward(x);
         let (h, wo) = match &self.ff {
             FeedForward::Dense { wi, wo } => (self.act.apply(&linear(&h, wi)), wo),
             FeedForward::Gated { wi_0, wi_1, wo } => (self.act.apply(&linear(&h, wi_0)) * linear(&h, wi_1), wo),
         };
         // `wo` may be kept in f32 while the rest is bf16 (transformers does that for Flan-T5-XXL).
-        let h = linear(&h.dropout(dropout, train).to_kind(wo.kind()), wo);
-        x + h.to_kind(x.kind()).dropout(dropout, train)
+        let h = linear(&h.dropout(dropout, dropout > 0.0).to_kind(wo.kind()), wo);
+        x + h.to_kind(x.kind()).dropout(dropout, dropout > 0.0)
     }
 }
 
@@ -425,6 +425,7 @@ impl Stack {
         Tensor::embedding(table, &bucket, -1, false, false).permute([2, 0, 1]).unsqueeze(0)
     }
 
+    #[allow(clippy::assign_op_pattern)]
     fn forward(
         &self,
         embeds: &Tensor,
@@ -432,7 +433,6 @@ impl Stack {
         encoder: Option<(&Tensor, &Tensor)>,
         mut extras: DecoderExtras,
         dropout: f64,
-        train: bool,
     ) -> Tensor {
         let kind = embeds.kind();
         let device = embeds.device();
@@ -449,6 +449,7 @@ impl Stack {
             self_bias = self_bias + future.view([1, 1, t, k_len]);
         }
         if let Some(mask) = self_mask {
+            // not `+=`: in place cannot broadcast [1, H, T, T] up to [B, H, T, T]
             self_bias = self_bias + additive_mask(mask, kind);
         }
         let cross_bias = encoder.map(|(_, m)| additive_mask(m, kind));
@@ -457,7 +458,7 @@ impl Stack {
             cache.layers.resize_with(self.blocks.len().max(cache.layers.len()), LayerCache::default);
         }
 
-        let mut h = embeds.dropout(dropout, train);
+        let mut h = embeds.dropout(dropout, dropout > 0.0);
         for (i, block) in self.blocks.iter().enumerate() {
             // self-attention
             let a = &block.self_attn;
@@ -473,8 +474,8 @@ impl Stack {
                 }
                 *slot = Some((k.shallow_clone(), v.shallow_clone()));
             }
-            let (out, _) = a.attend(&q, &k, &v, &self_bias, dropout, train, false);
-            h = &h + out.dropout(dropout, train);
+            let (out, _) = a.attend(&q, &k, &v, &self_bias, dropout, false);
+            h = &h + out.dropout(dropout, dropout > 0.0);
 
             // cross-attention
             if let (Some((ln, ca)), Some((enc, _))) = (&block.cross, encoder) {
@@ -492,19 +493,19 @@ impl Stack {
                     }
                 };
                 let keep = extras.cross_logits.is_some();
-                let (out, logits) = ca.attend(&q, &k, &v, cross_bias.as_ref().unwrap(), dropout, train, keep);
+                let (out, logits) = ca.attend(&q, &k, &v, cross_bias.as_ref().unwrap(), dropout, keep);
                 if let (Some(sink), Some(l)) = (extras.cross_logits.as_deref_mut(), logits) {
                     sink.push(l);
                 }
-                h = &h + out.dropout(dropout, train);
+                h = &h + out.dropout(dropout, dropout > 0.0);
             }
 
-            h = block.ff.forward(&h, dropout, train);
+            h = block.ff.forward(&h, dropout);
         }
         if let Some(cache) = extras.cache.as_deref_mut() {
             cache.len = k_len;
         }
-        self.final_layer_norm.forward(&h).dropout(dropout, train)
+        self.final_layer_norm.forward(&h).dropout(dropout, dropout > 0.0)
     }
 }
 
@@ -612,7 +613,7 @@ impl T5Model {
     pub fn encode(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Tensor {
         let mask = attention_mask.to_device(self.device());
         let extras = DecoderExtras { cache: None, cross_logits: None };
-        self.encoder.forward(&self.embed(input_ids), Some(&mask), None, extras, self.dropout(), self.train)
+        self.encoder.forward(&self.embed(input_ids), Some(&mask), None, extras, self.dropout())
     }
 
     /// Decoder hidden states [B, T, d] after the final layer norm (before any output scaling).
@@ -623,7 +624,7 @@ impl T5Model {
 
     fn decode_with(&self, ids: &Tensor, enc: &Tensor, enc_mask: &Tensor, extras: DecoderExtras) -> Tensor {
         let enc_mask = enc_mask.to_device(self.device());
-        self.decoder.forward(&self.embed(ids), None, Some((enc, &enc_mask)), extras, self.dropout(), self.train)
+        self.decoder.forward(&self.embed(ids), None, Some((enc, &enc_mask)), extras, self.dropout())
     }
 
     /// Vocabulary logits [.., V] from decoder hidden states.
@@ -702,9 +703,9 @@ impl T5Model {
         let t = options.iter().map(Vec::len).max().unwrap();
         let (mut labels, mut dec_in) = (Vec::new(), Vec::new());
         for o in options {
-            labels.extend(o.iter().copied().chain(std::iter::repeat(-100).take(t - o.len())));
+            labels.extend(o.iter().copied().chain(std::iter::repeat_n(-100, t - o.len())));
             dec_in.push(self.config.decoder_start_token_id);
-            dec_in.extend(o[..o.len() - 1].iter().copied().chain(std::iter::repeat(self.config.pad_token_id).take(t - o.len())));
+            dec_in.extend(o[..o.len() - 1].iter().copied().chain(std::iter::repeat_n(self.config.pad_token_id, t - o.len())));
         }
         let t = t as i64;
         let labels = Tensor::from_slice(&labels).view([1, k, t]).expand([b, k, t], false).reshape([b * k, t]).to_device(device);
