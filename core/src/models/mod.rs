@@ -3,5 +3,6 @@
 
 pub mod bert;
 pub mod pooling;
+pub mod t5;
 pub mod tokenizer;
 pub mod weights;
