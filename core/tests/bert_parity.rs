@@ -1,0 +1,129 @@
+//! BERT and tokenizer parity with Hugging Face on the real all-MiniLM-L6-v2 weights and real
+//! mini-KILT text. Reference values come from `scripts/fixtures/minilm_reference.py`
+//! (transformers 5.23, float32), which `scripts/test.sh` runs before the tests.
+
+use rak_core::abi::Role;
+use rak_core::models::bert::{BertConfig, BertInput, BertModel};
+use rak_core::models::pooling::{pool, Pooling};
+use rak_core::models::tokenizer::{Padding, TextTokenizer};
+use std::path::PathBuf;
+use tch::{Device, Tensor};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn model_dir() -> PathBuf {
+    let d = root().join(".cache/models/all-MiniLM-L6-v2");
+    assert!(d.join("model.safetensors").exists(), "{} missing: run scripts/test.sh (it fetches the model)", d.display());
+    d
+}
+
+fn fixtures() -> PathBuf {
+    let d = root().join(".cache/fixtures/minilm");
+    assert!(d.join("expected.safetensors").exists(), "{} missing: run scripts/test.sh (it makes the references)", d.display());
+    d
+}
+
+fn expected() -> std::collections::HashMap<String, Tensor> {
+    Tensor::read_safetensors(fixtures().join("expected.safetensors")).unwrap().into_iter().collect()
+}
+
+fn texts() -> Vec<String> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixtures().join("texts.json")).unwrap()).unwrap();
+    v["texts"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect()
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+#[test]
+fn tokenizer_ids_equal_the_python_fast_tokenizer_on_1200_corpus_lines() {
+    let tok = TextTokenizer::load(&model_dir()).unwrap();
+    let text = std::fs::read_to_string(fixtures().join("tokenizer_ids.jsonl")).unwrap();
+    let mut checked = 0;
+    for line in text.lines() {
+        let row: serde_json::Value = serde_json::from_str(line).unwrap();
+        let first = row["text"].as_str().unwrap();
+        let second = row["text_pair"].as_str();
+        let padding = if row["mode"] == "pad_max_length" { Padding::Fixed(128) } else { Padding::None };
+        let pairs = second.map(|s| vec![s]);
+        let enc = tok.encode(&[first], pairs.as_deref(), 128, padding).unwrap();
+        for (field, got) in [("ids", &enc.input_ids), ("attention_mask", &enc.attention_mask), ("token_type_ids", &enc.token_type_ids)] {
+            let want: Vec<i64> = row[field].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect();
+            let got: Vec<i64> = got.view([-1]).try_into().unwrap();
+            assert_eq!(got, want, "{field} differ for {}", row["id"]);
+        }
+        checked += 1;
+    }
+    assert!(checked >= 1000, "only {checked} lines");
+}
+
+#[test]
+fn minilm_hidden_states_and_pooling_match_transformers() {
+    let dir = model_dir();
+    let model = BertModel::load(&dir, BertConfig::load(&dir).unwrap(), Device::Cpu).unwrap();
+    let tok = TextTokenizer::load(&dir).unwrap();
+    let texts = texts();
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let exp = expected();
+    let enc = tok.encode(&refs, None, 128, Padding::Longest).unwrap();
+    assert_eq!(enc.input_ids.size(), vec![64, 128]);
+    assert!(enc.input_ids.equal(&exp["input_ids"]), "one padded batch tokenised as in Python");
+    assert!(enc.attention_mask.equal(&exp["attention_mask"]));
+    let input = BertInput { input_ids: enc.input_ids, attention_mask: enc.attention_mask.shallow_clone(), token_type_ids: enc.token_type_ids };
+    let states = tch::no_grad(|| model.forward(&input, Role::Passage, false));
+    // Padding positions are unconstrained in Python too; compare real tokens only.
+    let m = enc.attention_mask.unsqueeze(-1).to_kind(tch::Kind::Float);
+    let diff = max_abs(&(&states * &m), &(&exp["last_hidden_state"] * &m));
+    assert!(diff < 1e-5, "last_hidden_state max abs diff {diff}");
+    let cls = pool(&states, &enc.attention_mask, Pooling::Cls, false);
+    assert!(max_abs(&cls, &exp["cls"]) < 1e-5);
+    let mean = pool(&states, &enc.attention_mask, Pooling::Mean, false);
+    let diff = max_abs(&mean, &exp["mean_pooled"]);
+    assert!(diff < 1e-5, "mean_pooled max abs diff {diff}");
+}
+
+#[test]
+fn bad_checkpoints_name_the_file_and_tensor() {
+    let dir = model_dir();
+    let tmp = root().join("target").join(format!("bert-bad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(dir.join(f), tmp.join(f)).unwrap();
+    }
+    let load = || BertModel::load(&tmp, BertConfig::load(&tmp)?, Device::Cpu).map(|_| ());
+
+    // Missing weights.
+    let msg = format!("{:#}", load().unwrap_err());
+    assert!(msg.contains("model.safetensors") && msg.contains(tmp.to_str().unwrap()), "{msg}");
+
+    // Corrupt weights (truncated).
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    std::fs::write(tmp.join("model.safetensors"), &bytes[..bytes.len() / 3]).unwrap();
+    let msg = format!("{:#}", load().unwrap_err());
+    assert!(msg.contains("model.safetensors"), "{msg}");
+
+    // A shape that disagrees with config.json.
+    std::fs::write(tmp.join("model.safetensors"), &bytes).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    cfg["intermediate_size"] = 1000.into();
+    std::fs::write(tmp.join("config.json"), cfg.to_string()).unwrap();
+    let msg = format!("{:#}", load().unwrap_err());
+    assert!(msg.contains("model.safetensors") && msg.contains("config.json implies") && msg.contains("1000"), "{msg}");
+
+    // An unknown model_type.
+    cfg["intermediate_size"] = 1536.into();
+    cfg["model_type"] = "gpt2".into();
+    std::fs::write(tmp.join("config.json"), cfg.to_string()).unwrap();
+    let msg = format!("{:#}", load().unwrap_err());
+    assert!(msg.contains("config.json") && msg.contains("gpt2"), "{msg}");
+
+    // A missing tokenizer.
+    std::fs::remove_file(tmp.join("tokenizer.json")).unwrap();
+    let msg = format!("{:#}", TextTokenizer::load(&tmp).err().unwrap());
+    assert!(msg.contains("tokenizer.json") && msg.contains("missing tokenizer"), "{msg}");
+    let _ = std::fs::remove_dir_all(&tmp);
+}

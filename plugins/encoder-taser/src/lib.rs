@@ -1,0 +1,69 @@
+//! The `taser` encoder plugin: one shared BERT whose every T-th block has a query and a
+//! passage feed-forward expert (TASER, REFERENCE §5). Both experts start from the pretrained
+//! feed-forward weights; queries route to Q-FFN, passages to P-FFN. `info()` reports the
+//! parameter count and layer-wise learning-rate factors (decay 0.8) as `lr_scale`.
+
+use anyhow::{bail, Result};
+use rak_core::abi::Role;
+use rak_core::encoders::bert::{BertEncoder, BertEncoderSettings};
+use rak_core::plugin::{Encoder, PluginInfo};
+use serde_json::{json, Value};
+use std::path::Path;
+use tch::Tensor;
+
+/// The authors' released checkpoints specialise blocks 3, 6, 9, 12 (the paper says 2).
+const DEFAULT_EVERY: i64 = 3;
+
+pub struct Taser(BertEncoder);
+
+impl PluginInfo for Taser {
+    const NAME: &'static str = "taser";
+
+    fn settings_schema() -> Value {
+        json!({
+            "model": {"type": "path", "required": true, "help": "BERT checkpoint (plain BERT, or a saved TASER checkpoint)"},
+            "taser_every": {"type": "int", "default": DEFAULT_EVERY, "help": "specialise every T-th block (1-based index divisible by T)"},
+            "pooling": {"type": "cls|mean", "default": "cls"},
+            "normalize": {"type": "bool", "default": false},
+            "max_length": {"type": "int", "default": 256},
+            "query_max_length": {"type": "int", "default": "max_length"},
+            "device": {"type": "string", "default": "cpu"},
+            "bf16": {"type": "bool", "default": false},
+        })
+    }
+
+    fn create(mut settings: Value) -> Result<Self> {
+        if settings.get("passage_model").is_some() {
+            bail!("taser shares one encoder between queries and passages: remove \"passage_model\"");
+        }
+        if settings.get("taser_every").and_then(Value::as_i64).is_some_and(|t| t < 1) {
+            bail!("taser_every must be at least 1");
+        }
+        // TASER embeds with [CLS] unless told otherwise, whatever sentence-transformers says.
+        if settings.get("pooling").is_none() {
+            settings["pooling"] = json!("cls");
+        }
+        if settings.get("normalize").is_none() {
+            settings["normalize"] = json!(false);
+        }
+        let defaults = BertEncoderSettings { taser_every: Some(DEFAULT_EVERY), ..Default::default() };
+        Ok(Taser(BertEncoder::create(settings, defaults)?))
+    }
+}
+
+impl Encoder for Taser {
+    fn encode(&mut self, texts: &[&str], role: Role, task: Option<&str>, train: bool) -> Result<Tensor> {
+        self.0.encode(texts, role, task, train)
+    }
+    fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        self.0.parameters()
+    }
+    fn info(&self) -> Result<Value> {
+        self.0.info()
+    }
+    fn save(&self, dir: &Path) -> Result<()> {
+        self.0.save(dir)
+    }
+}
+
+rak_core::export_encoder!(Taser);
