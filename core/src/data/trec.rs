@@ -41,7 +41,8 @@ pub fn read_lines(path: &Path) -> Result<Records<RunLine>> {
 /// descending; the rank column is checked to be an integer and otherwise ignored, as trec_eval
 /// does). A passage listed twice for one query is an error naming the line, as in trec_eval.
 pub fn read_run(path: &Path) -> Result<Run> {
-    let mut by_query: BTreeMap<String, (Vec<(String, f64)>, HashSet<String>)> = BTreeMap::new();
+    type Ranked = (Vec<(String, f64)>, HashSet<String>);
+    let mut by_query: BTreeMap<String, Ranked> = BTreeMap::new();
     for line in read_lines(path)? {
         let l = line?;
         let (docs, seen) = by_query.entry(l.qid.clone()).or_default();
