@@ -4,12 +4,16 @@
 //! - [`plugin`]: the SDK plugin authors implement (traits + `export_*!` macros).
 //! - [`optim`]: optimizer math shared by the optimizer plugins.
 //! - [`models`]: BERT and T5 in tch with Hugging Face names; checkpoints; tokenizers.
+//! - [`data`]: data sets and runs: BEIR, KILT, DPR, MS MARCO, TREC runs, mini-KILT.
+//! - [`eval`]: retrieval metrics (trec_eval measures, KILT page R-precision, DPR answer accuracy).
 //! - [`fsutil`]: atomic writes.
 //!
 //! It is not the CLI (that is `rak-host`) and it loads no plugins itself.
 
 pub mod abi;
+pub mod data;
 pub mod encoders;
+pub mod eval;
 pub mod fsutil;
 pub mod models;
 pub mod optim;

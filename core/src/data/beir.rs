@@ -1,0 +1,114 @@
+//! BEIR: `corpus.jsonl` (`{"_id", "title", "text"}`), `queries.jsonl` (`{"_id", "text"}`, plus
+//! mini-KILT's optional `"answers"` and `"pages"`), and `qrels/*.tsv`
+//! (`query-id\tcorpus-id\tscore`, the header line optional).
+
+use super::lines::Records;
+use super::{id_string, Corpus, Passage, Qrels, Query};
+use anyhow::{anyhow, Result};
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::path::Path;
+
+#[derive(Deserialize)]
+struct CorpusLine {
+    #[serde(rename = "_id", deserialize_with = "id_string")]
+    id: String,
+    #[serde(default)]
+    title: String,
+    text: String,
+}
+
+#[derive(Deserialize)]
+struct QueryLine {
+    #[serde(rename = "_id", deserialize_with = "id_string")]
+    id: String,
+    text: String,
+    #[serde(default)]
+    answers: Vec<String>,
+    #[serde(default)]
+    pages: Vec<String>,
+}
+
+fn parse_passage(_: usize, line: &str) -> Result<Option<Passage>, String> {
+    let p: CorpusLine = serde_json::from_str(line).map_err(|e| {
+        format!("expected a JSON object with \"_id\" and \"text\" (and optional \"title\") strings: {e}")
+    })?;
+    Ok(Some(Passage { id: p.id, title: p.title, text: p.text }))
+}
+
+fn parse_query(_: usize, line: &str) -> Result<Option<Query>, String> {
+    let q: QueryLine = serde_json::from_str(line).map_err(|e| {
+        format!("expected a JSON object with \"_id\" and \"text\" strings (optional \"answers\", \"pages\": lists of strings): {e}")
+    })?;
+    Ok(Some(Query { id: q.id, text: q.text, answers: q.answers, pages: q.pages, page_sets: Vec::new() }))
+}
+
+/// Stream the passages of a BEIR `corpus.jsonl`.
+pub fn read_corpus(path: &Path) -> Result<Records<Passage>> {
+    Records::open(path, "passages", parse_passage)
+}
+
+/// Stream the queries of a BEIR (or mini-KILT) `queries.jsonl`.
+pub fn read_queries(path: &Path) -> Result<Records<Query>> {
+    Records::open(path, "queries", parse_query)
+}
+
+/// Read a whole corpus; the first bad line, or a repeated id, is an error naming its line.
+pub fn load_corpus(path: &Path) -> Result<Corpus> {
+    let mut map = HashMap::new();
+    for (i, p) in read_corpus(path)?.enumerate() {
+        let p = p?;
+        if map.contains_key(&p.id) {
+            return Err(anyhow!("{}: passage id {:?} occurs twice (record {})", path.display(), p.id, i + 1));
+        }
+        map.insert(p.id.clone(), p);
+    }
+    Ok(Corpus::from_map(map))
+}
+
+/// Read all queries in file order; the first bad line is an error.
+pub fn load_queries(path: &Path) -> Result<Vec<Query>> {
+    read_queries(path)?.collect()
+}
+
+struct QrelLine {
+    line: usize,
+    qid: String,
+    docid: String,
+    grade: i32,
+}
+
+fn parse_qrel(n: usize, line: &str) -> Result<Option<QrelLine>, String> {
+    let cols: Vec<&str> = line.split('\t').collect();
+    if cols.len() != 3 {
+        return Err(format!("expected 3 tab-separated columns (query-id, corpus-id, score), found {}", cols.len()));
+    }
+    let grade = cols[2].trim();
+    match grade.parse::<i32>() {
+        Ok(g) => Ok(Some(QrelLine { line: n, qid: cols[0].trim().into(), docid: cols[1].trim().into(), grade: g })),
+        // The header (`query-id corpus-id score`) is the one non-numeric line allowed.
+        Err(_) if n == 1 => Ok(None),
+        Err(_) => Err(format!("score {grade:?} is not an integer")),
+    }
+}
+
+/// Read a BEIR qrels tsv. A repeated (query, passage) pair is an error naming its line.
+pub fn read_qrels(path: &Path) -> Result<Qrels> {
+    let mut records = Records::open(path, "judgements", parse_qrel)?;
+    collect_qrels(&mut records, |r| (r.line, r.qid, r.docid, r.grade))
+}
+
+pub(crate) fn collect_qrels<T>(
+    records: &mut Records<T>,
+    fields: impl Fn(T) -> (usize, String, String, i32),
+) -> Result<Qrels> {
+    let mut qrels = Qrels::new();
+    let path = records.path().to_path_buf();
+    for r in records {
+        let (line, q, d, g) = fields(r?);
+        if qrels.entry(q.clone()).or_default().insert(d.clone(), g).is_some() {
+            return Err(anyhow!("{}:{}: judgement for query {q:?}, passage {d:?} given twice", path.display(), line));
+        }
+    }
+    Ok(qrels)
+}
