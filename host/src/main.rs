@@ -4,7 +4,7 @@ use abi_stable::std_types::RStr;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use rak_host::loader::{self, Module};
-use rak_host::{host_api, proxy, search_path, Registry, Source};
+use rak_host::{commands, host_api, proxy, search_path, Registry, Source};
 use serde_json::json;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -26,6 +26,15 @@ enum Cmd {
     /// List or inspect plugins.
     #[command(subcommand)]
     Plugins(PluginsCmd),
+    /// Embed a JSONL file of passages or queries into embeddings.npy + ids.txt.
+    Encode(commands::encode::EncodeArgs),
+    /// Build or describe an index (flat, hnsw, bm25).
+    #[command(subcommand)]
+    Index(commands::index::IndexCmd),
+    /// Retrieve the top-k passages for each query into a TREC run.
+    Search(commands::search::SearchArgs),
+    /// Evaluate TREC runs against qrels: R-precision (page, passage), recall, MRR, nDCG, answer accuracy.
+    Eval(commands::eval::EvalArgs),
     /// A subcommand provided by a command plugin.
     #[command(external_subcommand)]
     External(Vec<String>),
@@ -60,6 +69,24 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Doctor => doctor(&sources),
         Cmd::Plugins(PluginsCmd::List) => list(&sources),
         Cmd::Plugins(PluginsCmd::Inspect { path }) => inspect(&path),
+        Cmd::Encode(args) => {
+            commands::encode::run(&Registry::discover(&sources)?, &args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Index(cmd) => {
+            let out = commands::index::run(&cmd)?;
+            println!("{}", serde_json::to_string_pretty(&out)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Search(args) => {
+            commands::search::run(&Registry::discover(&sources)?, &args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Eval(args) => {
+            let out = commands::eval::run(&args)?;
+            println!("{}", serde_json::to_string_pretty(&out)?);
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::External(args) => external(&sources, args),
     }
 }
