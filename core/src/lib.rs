@@ -4,6 +4,7 @@
 //! - [`plugin`]: the SDK plugin authors implement (traits + `export_*!` macros).
 //! - [`optim`]: optimizer math shared by the optimizer plugins.
 //! - [`models`]: BERT and T5 in tch with Hugging Face names; checkpoints; tokenizers.
+//! - [`encoders`], [`readers`]: the models behind the built-in encoder and reader plugins.
 //! - [`fsutil`]: atomic writes.
 //!
 //! It is not the CLI (that is `rak-host`) and it loads no plugins itself.
@@ -14,6 +15,7 @@ pub mod fsutil;
 pub mod models;
 pub mod optim;
 pub mod plugin;
+pub mod readers;
 
 #[doc(hidden)]
 pub use abi_stable;
