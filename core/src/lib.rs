@@ -6,6 +6,7 @@
 //! - [`models`]: BERT and T5 in tch with Hugging Face names; checkpoints; tokenizers.
 //! - [`data`]: data sets and runs: BEIR, KILT, DPR, MS MARCO, TREC runs, mini-KILT.
 //! - [`eval`]: retrieval metrics (trec_eval measures, KILT page R-precision, DPR answer accuracy).
+//! - [`encoders`], [`readers`]: the models behind the built-in encoder and reader plugins.
 //! - [`fsutil`]: atomic writes.
 //!
 //! It is not the CLI (that is `rak-host`) and it loads no plugins itself.
@@ -18,6 +19,7 @@ pub mod fsutil;
 pub mod models;
 pub mod optim;
 pub mod plugin;
+pub mod readers;
 
 #[doc(hidden)]
 pub use abi_stable;
