@@ -5,13 +5,18 @@
 //! - [`optim`]: optimizer math shared by the optimizer plugins.
 //! - [`models`]: BERT and T5 in tch with Hugging Face names; checkpoints; tokenizers.
 //! - [`fsutil`]: atomic writes.
+//! - [`npy`]: `.npy` float32 matrices (streaming writer, memory-mapped reader) and `ids.txt`.
+//! - [`index`]: exact inner product, HNSW (maximum inner product via an L2 reduction) and BM25
+//!   indexes, each a directory with `index.json`.
 //!
 //! It is not the CLI (that is `rak-host`) and it loads no plugins itself.
 
 pub mod abi;
 pub mod encoders;
 pub mod fsutil;
+pub mod index;
 pub mod models;
+pub mod npy;
 pub mod optim;
 pub mod plugin;
 
