@@ -8,6 +8,9 @@
 //! - [`eval`]: retrieval metrics (trec_eval measures, KILT page R-precision, DPR answer accuracy).
 //! - [`encoders`], [`readers`]: the models behind the built-in encoder and reader plugins.
 //! - [`fsutil`]: atomic writes.
+//! - [`npy`]: `.npy` float32 matrices (streaming writer, memory-mapped reader) and `ids.txt`.
+//! - [`index`]: exact inner product, HNSW (maximum inner product via an L2 reduction) and BM25
+//!   indexes, each a directory with `index.json`.
 //!
 //! It is not the CLI (that is `rak-host`) and it loads no plugins itself.
 
@@ -16,7 +19,9 @@ pub mod data;
 pub mod encoders;
 pub mod eval;
 pub mod fsutil;
+pub mod index;
 pub mod models;
+pub mod npy;
 pub mod optim;
 pub mod plugin;
 pub mod readers;

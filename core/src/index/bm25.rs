@@ -1,0 +1,137 @@
+//! Lexical BM25 search (tantivy): maintained, BM25 built in, memory-mapped segments.
+//!
+//! Title and text are indexed as two fields with tantivy's default tokenizer (split on
+//! non-alphanumerics, lowercase, drop tokens over 40 bytes). A document's score is the sum of
+//! the BM25 scores of the query terms in both fields.
+//!
+//! tantivy fixes BM25's constants at k1 = 1.2, b = 0.75 (private constants in
+//! `tantivy::query::bm25`); Pyserini's k1 = 0.9, b = 0.4 cannot be set without a custom scorer.
+//!
+//! User text is never given to tantivy's query parser (where `title:x`, quotes, `AND`, `-`
+//! and parentheses mean something, and unbalanced ones are errors): it is tokenized with the
+//! field's own analyzer and each token becomes an optional term query, so any string searches.
+//!
+//! Files: `index.json` beside tantivy's own files.
+
+use super::IndexMeta;
+use anyhow::{Context, Result};
+use std::path::Path;
+use tantivy::collector::TopDocs;
+use tantivy::query::{BooleanQuery, Occur, Query, TermQuery};
+use tantivy::schema::{Field, IndexRecordOption, Schema, Value, STORED, STRING, TEXT};
+use tantivy::{Index, IndexReader, ReloadPolicy, TantivyDocument, Term};
+
+/// The k1 tantivy uses (not configurable).
+pub const BM25_K1: f32 = 1.2;
+/// The b tantivy uses (not configurable).
+pub const BM25_B: f32 = 0.75;
+
+pub struct Bm25Index {
+    index: Index,
+    reader: IndexReader,
+    id: Field,
+    title: Field,
+    text: Field,
+    meta: IndexMeta,
+}
+
+fn schema() -> (Schema, Field, Field, Field) {
+    let mut b = Schema::builder();
+    let id = b.add_text_field("id", STRING | STORED);
+    let title = b.add_text_field("title", TEXT);
+    let text = b.add_text_field("text", TEXT);
+    (b.build(), id, title, text)
+}
+
+impl Bm25Index {
+    /// Index `(id, title, text)` documents into `dir` (atomically), then open it.
+    pub fn build<I, S1, S2, S3>(dir: &Path, corpus: I) -> Result<Self>
+    where
+        I: IntoIterator<Item = (S1, S2, S3)>,
+        S1: AsRef<str>,
+        S2: AsRef<str>,
+        S3: AsRef<str>,
+    {
+        super::write_dir_atomically(dir, |tmp| {
+            let (schema, id, title, text) = schema();
+            let index = Index::create_in_dir(tmp, schema).with_context(|| format!("{}: cannot create a tantivy index", tmp.display()))?;
+            let mut writer: tantivy::IndexWriter = index.writer(200_000_000)?;
+            let mut count = 0usize;
+            for (i, (d_id, d_title, d_text)) in corpus.into_iter().enumerate() {
+                let d_id = d_id.as_ref();
+                if d_id.is_empty() {
+                    anyhow::bail!("document #{i} has an empty id");
+                }
+                let mut doc = TantivyDocument::default();
+                doc.add_text(id, d_id);
+                doc.add_text(title, d_title.as_ref());
+                doc.add_text(text, d_text.as_ref());
+                writer.add_document(doc)?;
+                count += 1;
+            }
+            if count == 0 {
+                anyhow::bail!("empty corpus: nothing to index");
+            }
+            writer.commit()?;
+            writer.wait_merging_threads()?;
+            let params = serde_json::json!({
+                "k1": BM25_K1, "b": BM25_B, "fields": ["title", "text"],
+                "tokenizer": "tantivy default (lowercase, split on non-alphanumerics)",
+                "tantivy": "0.27",
+            });
+            IndexMeta::new("bm25", 0, count, "bm25", params).write(tmp)
+        })?;
+        Self::open(dir)
+    }
+
+    pub fn open(dir: &Path) -> Result<Self> {
+        let meta = IndexMeta::read(dir)?;
+        meta.expect_kind(dir, "bm25")?;
+        let index = Index::open_in_dir(dir).with_context(|| format!("{}: cannot open the tantivy index", dir.display()))?;
+        let schema = index.schema();
+        let field = |name: &str| schema.get_field(name).with_context(|| format!("{}: tantivy schema has no {name:?} field", dir.display()));
+        let (id, title, text) = (field("id")?, field("title")?, field("text")?);
+        let reader = index.reader_builder().reload_policy(ReloadPolicy::Manual).try_into()?;
+        Ok(Self { index, reader, id, title, text, meta })
+    }
+
+    pub fn meta(&self) -> &IndexMeta {
+        &self.meta
+    }
+    pub fn len(&self) -> usize {
+        self.meta.count
+    }
+    pub fn is_empty(&self) -> bool {
+        self.meta.count == 0
+    }
+
+    /// The `k` best documents for free text `query`, as `(id, score)`, best first. A query with
+    /// no indexable token returns nothing.
+    pub fn search(&self, query: &str, k: usize) -> Result<Vec<(String, f32)>> {
+        if k == 0 {
+            anyhow::bail!("k must be at least 1");
+        }
+        let mut clauses: Vec<(Occur, Box<dyn Query>)> = Vec::new();
+        for field in [self.title, self.text] {
+            let mut analyzer = self.index.tokenizer_for_field(field)?;
+            let mut stream = analyzer.token_stream(query);
+            while let Some(tok) = stream.next() {
+                let term = Term::from_field_text(field, &tok.text);
+                clauses.push((Occur::Should, Box::new(TermQuery::new(term, IndexRecordOption::WithFreqs))));
+            }
+        }
+        if clauses.is_empty() {
+            return Ok(vec![]);
+        }
+        let q = BooleanQuery::new(clauses);
+        let searcher = self.reader.searcher();
+        let top = searcher.search(&q, &TopDocs::with_limit(k).order_by_score())?;
+        top.into_iter()
+            .map(|(score, addr)| {
+                let doc: TantivyDocument = searcher.doc(addr)?;
+                let id = doc.get_first(self.id).and_then(|v| v.as_str()).context("document without an id")?.to_string();
+                Ok((id, score))
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,203 @@
+//! Exact maximum-inner-product search by scanning every vector.
+//!
+//! Files: `index.json`, `embeddings.npy` (`[count, dim]` `<f4`, memory-mapped on load),
+//! `ids.txt`.
+
+use super::{check_ids, check_matrix, check_queries, simd, top_k, Hit, IndexMeta};
+use crate::npy::{self, NpyF32};
+use anyhow::{Context, Result};
+use rayon::prelude::*;
+use std::path::Path;
+use tch::{Device, Kind, Tensor};
+
+/// How [`FlatIndex`] computes scores. Both are exact (f32 accumulation; the order of additions
+/// differs, so scores can differ in the last bits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FlatBackend {
+    /// libtorch `matmul` + `topk` over blocks of rows (BLAS sgemm): fast for query batches.
+    #[default]
+    Torch,
+    /// A plain Rust scan with AVX2 dot products, queries in parallel (rayon).
+    Rust,
+}
+
+enum Storage {
+    Owned(Vec<f32>),
+    Mapped(NpyF32),
+}
+
+pub struct FlatIndex {
+    storage: Storage,
+    dim: usize,
+    ids: Vec<String>,
+    meta: IndexMeta,
+}
+
+impl FlatIndex {
+    /// An in-memory index over `vectors` (`[ids.len(), dim]`, row-major).
+    pub fn new(vectors: Vec<f32>, dim: usize, ids: Vec<String>) -> Result<Self> {
+        let rows = check_matrix("embeddings", &vectors, dim)?;
+        check_ids(&ids, rows)?;
+        let meta = IndexMeta::new("flat", dim, rows, "ip", serde_json::json!({}));
+        Ok(Self { storage: Storage::Owned(vectors), dim, ids, meta })
+    }
+
+    /// Index an `.npy` file of embeddings in place (memory-mapped, not copied).
+    pub fn from_npy(embeddings: &Path, ids: Vec<String>) -> Result<Self> {
+        let arr = NpyF32::open(embeddings)?;
+        let (rows, dim) = (arr.rows(), arr.dim());
+        check_matrix(&embeddings.display().to_string(), arr.data(), dim)?;
+        check_ids(&ids, rows).with_context(|| embeddings.display().to_string())?;
+        let meta = IndexMeta::new("flat", dim, rows, "ip", serde_json::json!({}));
+        Ok(Self { storage: Storage::Mapped(arr), dim, ids, meta })
+    }
+
+    /// Write the index to `dir` (atomically: built under a temporary name, then renamed).
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        super::write_dir_atomically(dir, |tmp| {
+            npy::write_f32(&tmp.join("embeddings.npy"), self.vectors(), self.dim)?;
+            npy::write_ids(&tmp.join("ids.txt"), &self.ids)?;
+            self.meta.write(tmp)
+        })
+    }
+
+    /// Open an index written by [`save`](Self::save); embeddings are memory-mapped.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let meta = IndexMeta::read(dir)?;
+        meta.expect_kind(dir, "flat")?;
+        let arr = NpyF32::open(&dir.join("embeddings.npy"))?;
+        let ids = npy::read_ids(&dir.join("ids.txt"))?;
+        check_ids(&ids, arr.rows()).with_context(|| dir.display().to_string())?;
+        if arr.dim() != meta.dim || arr.rows() != meta.count {
+            anyhow::bail!("{}: index.json says ({}, {}), embeddings.npy is ({}, {})", dir.display(), meta.count, meta.dim, arr.rows(), arr.dim());
+        }
+        Ok(Self { dim: arr.dim(), storage: Storage::Mapped(arr), ids, meta })
+    }
+
+    pub fn vectors(&self) -> &[f32] {
+        match &self.storage {
+            Storage::Owned(v) => v,
+            Storage::Mapped(a) => a.data(),
+        }
+    }
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+    pub fn ids(&self) -> &[String] {
+        &self.ids
+    }
+    pub fn meta(&self) -> &IndexMeta {
+        &self.meta
+    }
+
+    /// The `k` rows with the largest inner product for each query (`[nq, dim]` row-major),
+    /// best first.
+    pub fn search(&self, queries: &[f32], dim: usize, k: usize) -> Result<Vec<Vec<Hit>>> {
+        self.search_with(FlatBackend::Torch, queries, dim, k)
+    }
+
+    pub fn search_with(&self, backend: FlatBackend, queries: &[f32], dim: usize, k: usize) -> Result<Vec<Vec<Hit>>> {
+        let nq = check_queries(queries, dim, self.dim, k)?;
+        if nq == 0 {
+            return Ok(vec![]);
+        }
+        let k = k.min(self.len());
+        match backend {
+            FlatBackend::Torch => self.search_torch(queries, nq, k),
+            FlatBackend::Rust => Ok(self.search_rust(queries, k)),
+        }
+    }
+
+    fn search_torch(&self, queries: &[f32], nq: usize, k: usize) -> Result<Vec<Vec<Hit>>> {
+        let _guard = tch::no_grad_guard();
+        let d = self.dim;
+        let base = self.vectors();
+        let n = self.len();
+        let q = Tensor::from_slice(queries).view([nq as i64, d as i64]);
+        // Keep the score block near 64 MiB whatever the batch size.
+        let block = ((16usize << 20) / nq).clamp(4096, 1 << 18).min(n);
+        let mut cands: Vec<Vec<Hit>> = vec![Vec::with_capacity(k * n.div_ceil(block)); nq];
+        for start in (0..n).step_by(block) {
+            let rows = block.min(n - start);
+            let slice = &base[start * d..(start + rows) * d];
+            // Safety: `slice` outlives `b` (dropped at the end of this iteration) and libtorch
+            // only reads it (matmul); no copy of a possibly memory-mapped matrix is made.
+            let b = unsafe { Tensor::f_from_blob(slice.as_ptr() as *const u8, &[rows as i64, d as i64], &[d as i64, 1], Kind::Float, Device::Cpu) }?;
+            let scores = q.f_matmul(&b.tr())?;
+            let kk = k.min(rows) as i64;
+            let (vals, idx) = scores.f_topk(kk, -1, true, true)?;
+            let vals = Vec::<f32>::try_from(vals.contiguous().view(-1))?;
+            let idx = Vec::<i64>::try_from(idx.contiguous().view(-1))?;
+            for (qi, cand) in cands.iter_mut().enumerate() {
+                for j in 0..kk as usize {
+                    let o = qi * kk as usize + j;
+                    cand.push(Hit { row: start + idx[o] as usize, score: vals[o] });
+                }
+            }
+        }
+        Ok(cands.into_iter().map(|c| top_k(c, k)).collect())
+    }
+
+    fn search_rust(&self, queries: &[f32], k: usize) -> Vec<Vec<Hit>> {
+        let dot = simd::dot_kernel();
+        let base = self.vectors();
+        queries
+            .par_chunks(self.dim)
+            .map(|q| {
+                let mut best = TopK::new(k);
+                for (row, x) in base.chunks_exact(self.dim).enumerate() {
+                    best.push(row, dot(q, x));
+                }
+                best.into_sorted()
+            })
+            .collect()
+    }
+}
+
+/// A bounded min-heap of the best `k` hits.
+pub(crate) struct TopK {
+    k: usize,
+    heap: std::collections::BinaryHeap<std::cmp::Reverse<Ord32>>,
+}
+
+#[derive(PartialEq)]
+struct Ord32(f32, usize);
+impl Eq for Ord32 {}
+impl PartialOrd for Ord32 {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Ord32 {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        // Higher score is "greater"; on ties the lower row is greater (kept first).
+        self.0.total_cmp(&o.0).then(o.1.cmp(&self.1))
+    }
+}
+
+impl TopK {
+    pub(crate) fn new(k: usize) -> Self {
+        Self { k, heap: std::collections::BinaryHeap::with_capacity(k + 1) }
+    }
+    #[inline]
+    pub(crate) fn push(&mut self, row: usize, score: f32) {
+        if self.heap.len() < self.k {
+            self.heap.push(std::cmp::Reverse(Ord32(score, row)));
+        } else if let Some(min) = self.heap.peek() {
+            if Ord32(score, row) > min.0 {
+                self.heap.pop();
+                self.heap.push(std::cmp::Reverse(Ord32(score, row)));
+            }
+        }
+    }
+    pub(crate) fn into_sorted(self) -> Vec<Hit> {
+        // into_sorted_vec is ascending in Reverse order = descending score.
+        self.heap.into_sorted_vec().into_iter().map(|std::cmp::Reverse(Ord32(s, r))| Hit { row: r, score: s }).collect()
+    }
+}

@@ -1,0 +1,183 @@
+//! Passage indexes: exact inner product ([`FlatIndex`]), approximate maximum inner product
+//! ([`HnswIndex`], hnsw_rs) and lexical BM25 ([`Bm25Index`], tantivy).
+//!
+//! Every index lives in a directory holding `index.json` ([`IndexMeta`]) beside its own files;
+//! [`open`] reads any of them. Directories are built under a temporary name and renamed into
+//! place ([`write_dir_atomically`]), so a killed `host index` never leaves one that looks whole.
+
+mod bm25;
+mod flat;
+mod hnsw;
+mod simd;
+
+pub use bm25::{Bm25Index, BM25_B, BM25_K1};
+pub use flat::{FlatBackend, FlatIndex};
+pub use hnsw::{HnswIndex, HnswParams, InnerProductDist};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// One search hit of a dense index: the row in the index (see `ids()`) and its inner product.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Hit {
+    pub row: usize,
+    pub score: f32,
+}
+
+/// `index.json`: what `host index info` prints.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct IndexMeta {
+    /// `flat`, `hnsw` or `bm25`.
+    pub kind: String,
+    /// Vector width (0 for bm25).
+    pub dim: usize,
+    /// Number of vectors / documents.
+    pub count: usize,
+    /// `ip` (inner product, larger is better) or `bm25`.
+    pub metric: String,
+    /// Kind-specific build parameters.
+    pub params: serde_json::Value,
+    /// `rak-core <version>`.
+    pub created_by: String,
+}
+
+impl IndexMeta {
+    pub(crate) fn new(kind: &str, dim: usize, count: usize, metric: &str, params: serde_json::Value) -> Self {
+        Self { kind: kind.into(), dim, count, metric: metric.into(), params, created_by: created_by() }
+    }
+    pub fn read(dir: &Path) -> Result<Self> {
+        let p = dir.join("index.json");
+        let text = std::fs::read_to_string(&p).with_context(|| format!("{}: cannot read (is {} an index directory?)", p.display(), dir.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("{}: not a valid index.json", p.display()))
+    }
+    pub(crate) fn write(&self, dir: &Path) -> Result<()> {
+        crate::fsutil::write_bytes(&dir.join("index.json"), serde_json::to_string_pretty(self)?.as_bytes())
+    }
+    pub(crate) fn expect_kind(&self, dir: &Path, kind: &str) -> Result<()> {
+        if self.kind != kind {
+            bail!("{}: is a {} index, not {kind}", dir.display(), self.kind);
+        }
+        Ok(())
+    }
+}
+
+pub fn created_by() -> String {
+    format!("rak-core {}", env!("CARGO_PKG_VERSION"))
+}
+
+/// Any index, as found on disk.
+pub enum Index {
+    Flat(FlatIndex),
+    Hnsw(HnswIndex),
+    Bm25(Bm25Index),
+}
+
+/// Open the index in `dir`, whatever its kind.
+pub fn open(dir: &Path) -> Result<Index> {
+    let meta = IndexMeta::read(dir)?;
+    Ok(match meta.kind.as_str() {
+        "flat" => Index::Flat(FlatIndex::load(dir)?),
+        "hnsw" => Index::Hnsw(HnswIndex::load(dir)?),
+        "bm25" => Index::Bm25(Bm25Index::open(dir)?),
+        k => bail!("{}: unknown index kind {k:?} (expected flat, hnsw or bm25)", dir.display()),
+    })
+}
+
+/// `index.json` of the index in `dir`, as JSON (for `host index info`), without loading it.
+pub fn info(dir: &Path) -> Result<serde_json::Value> {
+    Ok(serde_json::to_value(IndexMeta::read(dir)?)?)
+}
+
+impl Index {
+    pub fn meta(&self) -> &IndexMeta {
+        match self {
+            Index::Flat(i) => i.meta(),
+            Index::Hnsw(i) => i.meta(),
+            Index::Bm25(i) => i.meta(),
+        }
+    }
+    pub fn info(&self) -> serde_json::Value {
+        serde_json::to_value(self.meta()).expect("IndexMeta serializes")
+    }
+}
+
+/// Build a directory under a temporary sibling name, then rename it to `dir`. An existing `dir`
+/// is replaced only after the new one is complete.
+pub fn write_dir_atomically(dir: &Path, build: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let tmp = crate::fsutil::temp_path(dir);
+    if let Some(parent) = dir.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).with_context(|| format!("{}: cannot create directory", parent.display()))?;
+    }
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).with_context(|| format!("{}: cannot remove stale temporary directory", tmp.display()))?;
+    }
+    std::fs::create_dir(&tmp).with_context(|| format!("{}: cannot create directory", tmp.display()))?;
+    if let Err(e) = build(&tmp) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    let old: Option<PathBuf> = if dir.exists() {
+        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let old = dir.with_file_name(format!(".{name}.old-{}", std::process::id()));
+        std::fs::rename(dir, &old).with_context(|| format!("{}: cannot move the old index aside", dir.display()))?;
+        Some(old)
+    } else {
+        None
+    };
+    std::fs::rename(&tmp, dir).with_context(|| format!("{}: cannot move into place", dir.display()))?;
+    if let Some(old) = old {
+        let _ = std::fs::remove_dir_all(old);
+    }
+    Ok(())
+}
+
+/// Check a `[n, dim]` row-major matrix: non-empty, whole rows, finite. `what` names it in errors.
+pub(crate) fn check_matrix(what: &str, data: &[f32], dim: usize) -> Result<usize> {
+    if dim == 0 {
+        bail!("{what}: dimension is 0");
+    }
+    if data.is_empty() {
+        bail!("{what}: no vectors (empty embeddings)");
+    }
+    if data.len() % dim != 0 {
+        bail!("{what}: {} values is not a whole number of rows of width {dim}", data.len());
+    }
+    if let Some(i) = data.iter().position(|v| !v.is_finite()) {
+        bail!("{what}: row {} holds a non-finite value ({})", i / dim, data[i]);
+    }
+    Ok(data.len() / dim)
+}
+
+/// Check queries against an index of width `index_dim`.
+pub(crate) fn check_queries(queries: &[f32], query_dim: usize, index_dim: usize, k: usize) -> Result<usize> {
+    if query_dim != index_dim {
+        bail!("dimension mismatch: the index holds {index_dim}-d vectors, the queries are {query_dim}-d");
+    }
+    if k == 0 {
+        bail!("k must be at least 1");
+    }
+    if queries.is_empty() {
+        return Ok(0);
+    }
+    check_matrix("queries", queries, query_dim)
+}
+
+/// Check that ids and embeddings agree.
+pub(crate) fn check_ids(ids: &[String], rows: usize) -> Result<()> {
+    if ids.len() != rows {
+        bail!("{} ids for {rows} embeddings: ids.txt and the embeddings must have one line per row", ids.len());
+    }
+    Ok(())
+}
+
+/// Keep the best `k` (largest score) of `(row, score)` pairs, sorted descending, ties by row.
+pub(crate) fn top_k(mut hits: Vec<Hit>, k: usize) -> Vec<Hit> {
+    let cmp = |a: &Hit, b: &Hit| b.score.total_cmp(&a.score).then(a.row.cmp(&b.row));
+    if hits.len() > k {
+        hits.select_nth_unstable_by(k - 1, cmp);
+        hits.truncate(k);
+    }
+    hits.sort_by(cmp);
+    hits
+}
