@@ -110,8 +110,38 @@ pub fn run(args: &EvalArgs) -> Result<Value> {
     for (k, (s, c)) in sums {
         out["macro"][k] = json!(s / c as f64);
     }
+    eprint!("{}", table(&out));
     if let Some(path) = &args.output {
         rak_core::fsutil::write_bytes(path, serde_json::to_string_pretty(&out)?.as_bytes())?;
     }
     Ok(out)
+}
+
+/// The human summary: one row per task (and the macro average), the headline measures.
+pub fn table(out: &Value) -> String {
+    const COLS: [&str; 8] = ["rprec_page", "rprec_passage", "recall@5", "recall@20", "recall@100", "mrr@10", "ndcg@10", "answer_acc@20"];
+    let mut s = format!("{:<12}", "task");
+    for c in COLS {
+        s += &format!(" {c:>13}");
+    }
+    s.push('\n');
+    let mut row = |name: &str, m: &Value| {
+        s += &format!("{name:<12}");
+        for c in COLS {
+            s += &match m.get(c).and_then(Value::as_f64) {
+                Some(v) => format!(" {v:>13.4}"),
+                None => format!(" {:>13}", "-"),
+            };
+        }
+        s.push('\n');
+    };
+    if let Some(tasks) = out["tasks"].as_object() {
+        for (name, t) in tasks {
+            row(name, &t["metrics"]);
+        }
+        if tasks.len() > 1 {
+            row("macro", &out["macro"]);
+        }
+    }
+    s
 }
