@@ -137,6 +137,18 @@ struct Layer {
     ffn: Ffn,
 }
 
+impl Layer {
+    /// The query, key and value projections stacked into one `[3H, H]` weight. Built per
+    /// forward pass (a small copy next to the GEMMs) so training still updates the HF-named
+    /// parameters.
+    fn fused_qkv(&self) -> (Tensor, Tensor) {
+        let bias = |l: &nn::Linear| l.bs.as_ref().expect("BERT projections have a bias").shallow_clone();
+        let w = Tensor::cat(&[&self.query.ws, &self.key.ws, &self.value.ws], 0);
+        let b = Tensor::cat(&[bias(&self.query), bias(&self.key), bias(&self.value)], 0);
+        (w, b)
+    }
+}
+
 fn layer_norm(p: &nn::Path, c: &BertConfig) -> nn::LayerNorm {
     nn::layer_norm(p, vec![c.hidden_size], nn::LayerNormConfig { eps: c.layer_norm_eps, ..Default::default() })
 }
@@ -226,9 +238,13 @@ impl BertModel {
         let split = |t: Tensor| t.view([b, l, heads, head_dim]).transpose(1, 2);
         let attn_dropout = if train { c.attention_probs_dropout_prob } else { 0.0 };
         for layer in &self.layers {
-            let q = split(layer.query.forward(&x));
-            let k = split(layer.key.forward(&x));
-            let v = split(layer.value.forward(&x));
+            // One GEMM for Q, K and V: larger matrices run closer to the machine's peak.
+            let (w, bias) = layer.fused_qkv();
+            let qkv = x.linear(&w, Some(&bias));
+            let h = c.hidden_size;
+            let q = split(qkv.narrow(-1, 0, h));
+            let k = split(qkv.narrow(-1, h, h));
+            let v = split(qkv.narrow(-1, 2 * h, h));
             let ctx = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&mask), attn_dropout, false, None, false);
             let ctx = ctx.transpose(1, 2).contiguous().view([b, l, c.hidden_size]);
             let h = layer.attn_out.forward(&ctx).dropout(c.hidden_dropout_prob, train);
