@@ -12,7 +12,7 @@ mod simd;
 
 pub use bm25::{Bm25Index, BM25_B, BM25_K1};
 pub use flat::{FlatBackend, FlatIndex};
-pub use hnsw::{HnswIndex, HnswParams, InnerProductDist};
+pub use hnsw::{HnswIndex, HnswParams, InnerProductDist, DROPPED_LINKS};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
