@@ -240,7 +240,7 @@ fn npy_round_trip_resume_and_ids() {
 }
 
 fn npy_with_header(dict: &str, payload: usize) -> Vec<u8> {
-    let mut h = format!("{dict}");
+    let mut h = dict.to_string();
     while (10 + h.len() + 1) % 64 != 0 {
         h.push(' ');
     }
@@ -248,7 +248,7 @@ fn npy_with_header(dict: &str, payload: usize) -> Vec<u8> {
     let mut b = b"\x93NUMPY\x01\x00".to_vec();
     b.extend_from_slice(&(h.len() as u16).to_le_bytes());
     b.extend_from_slice(h.as_bytes());
-    b.extend(std::iter::repeat(0u8).take(payload));
+    b.extend(std::iter::repeat_n(0u8, payload));
     b
 }
 
