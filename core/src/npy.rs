@@ -95,7 +95,7 @@ impl NpyWriter {
 
     /// Append whole rows (`values.len()` must be a multiple of the width).
     pub fn append(&mut self, values: &[f32]) -> Result<()> {
-        if values.len() % self.dim != 0 {
+        if !values.len().is_multiple_of(self.dim) {
             bail!("{}: appending {} values, not a multiple of the row width {}", self.path.display(), values.len(), self.dim);
         }
         let out = self.out.as_mut().expect("NpyWriter used after finish");

@@ -107,7 +107,7 @@ fn hnsw_mips_recall_and_persistence() {
         assert!(a.windows(2).all(|w| w[0].score >= w[1].score));
     }
     let recall = found as f64 / (nq * k) as f64;
-    eprintln!("HNSW MIPS recall@{k} = {recall:.4} (n={n}, d={d}, m=16, efC=200, ef=128)");
+    eprintln!("HNSW MIPS recall@{k} = {recall:.4} (n={n}, d={d}, m=16, efC=200, ef=128); cross-layer links dropped: {}", index::DROPPED_LINKS.load(Ordering::Relaxed));
     assert!(recall >= 0.98, "recall@{k} = {recall}");
 
     // save → load → identical results; open() finds the kind; info() is index.json.
@@ -131,11 +131,19 @@ fn hnsw_mips_recall_and_persistence() {
     hnsw.save(&dir).unwrap();
 
     // A damaged dump is an error, not a process exit.
-    let graph = dir.join("hnsw.hnsw.graph");
+    let graph = dir.join("graph.bin");
     let len = std::fs::metadata(&graph).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&graph).unwrap().set_len(len / 2).unwrap();
     let e = err(HnswIndex::load(&dir));
-    assert!(e.contains("hnsw.hnsw.graph") && e.contains("rebuild"), "{e}");
+    assert!(e.contains("graph.bin") && e.contains("rebuild"), "{e}");
+    // An out-of-range neighbour id is caught too (same length, one id corrupted).
+    hnsw.save(&dir).unwrap();
+    let mut b = std::fs::read(&graph).unwrap();
+    let at = 8 + 8 + 4 + n + (n + 1) * 8; // first layer-0 neighbour
+    b[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+    std::fs::write(&graph, b).unwrap();
+    let e = err(HnswIndex::load(&dir));
+    assert!(e.contains("out of range"), "{e}");
 }
 
 #[test]
@@ -232,7 +240,7 @@ fn npy_round_trip_resume_and_ids() {
 }
 
 fn npy_with_header(dict: &str, payload: usize) -> Vec<u8> {
-    let mut h = format!("{dict}");
+    let mut h = dict.to_string();
     while (10 + h.len() + 1) % 64 != 0 {
         h.push(' ');
     }
@@ -240,7 +248,7 @@ fn npy_with_header(dict: &str, payload: usize) -> Vec<u8> {
     let mut b = b"\x93NUMPY\x01\x00".to_vec();
     b.extend_from_slice(&(h.len() as u16).to_le_bytes());
     b.extend_from_slice(h.as_bytes());
-    b.extend(std::iter::repeat(0u8).take(payload));
+    b.extend(std::iter::repeat_n(0u8, payload));
     b
 }
 

@@ -12,7 +12,7 @@ mod simd;
 
 pub use bm25::{Bm25Index, BM25_B, BM25_K1};
 pub use flat::{FlatBackend, FlatIndex};
-pub use hnsw::{HnswIndex, HnswParams, InnerProductDist};
+pub use hnsw::{HnswIndex, HnswParams, InnerProductDist, DROPPED_LINKS};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -140,7 +140,7 @@ pub(crate) fn check_matrix(what: &str, data: &[f32], dim: usize) -> Result<usize
     if data.is_empty() {
         bail!("{what}: no vectors (empty embeddings)");
     }
-    if data.len() % dim != 0 {
+    if !data.len().is_multiple_of(dim) {
         bail!("{what}: {} values is not a whole number of rows of width {dim}", data.len());
     }
     if let Some(i) = data.iter().position(|v| !v.is_finite()) {

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""rak-core indexes vs faiss-cpu on the same vectors, side by side.
+
+    . scripts/env.sh && cargo build --release -p rak-core --example bench_index
+    python bench/index_vs_faiss.py --n 200000 --threads 2
+
+Data (deterministic, cached under .cache/bench/): N base and NQ query vectors of width 384,
+x = z @ A + 0.1 * noise with z ~ N(0, I_64) (a 64-d latent, like real embeddings' low intrinsic
+dimension), then each vector scaled by exp(0.25 * N(0, 1)) so norms vary: maximum inner product
+differs from cosine. Ground truth: faiss IndexFlatIP (exact).
+
+Each measurement runs in its own process (this script re-invoked as a worker, or the Rust
+example) so that peak RSS (VmHWM) is per system.
+
+HNSW on both sides builds the graph on inner product (faiss: IndexHNSWFlat(d, M,
+METRIC_INNER_PRODUCT); rak-core: HnswIndex, see core/src/index/hnsw.rs for why not the MIPS->L2
+reduction). Same M, efConstruction, efSearch sweep, k, threads; all queries in one batch.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def peak_rss_mib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def make_data(path, n, d, seed):
+    rng = np.random.default_rng(seed)
+    a = np.random.default_rng(12345).standard_normal((64, d), dtype=np.float32) / 8.0
+    out = np.lib.format.open_memmap(path + ".tmp.npy", mode="w+", dtype="<f4", shape=(n, d))
+    for s in range(0, n, 100_000):
+        e = min(n, s + 100_000)
+        z = rng.standard_normal((e - s, 64), dtype=np.float32)
+        x = z @ a + 0.1 * rng.standard_normal((e - s, d), dtype=np.float32)
+        x *= np.exp(0.25 * rng.standard_normal((e - s, 1))).astype(np.float32)
+        out[s:e] = x
+    out.flush()
+    del out
+    os.replace(path + ".tmp.npy", path)
+
+
+def recall(found, gt, k):
+    return float(np.mean([len(set(f[:k]) & set(g[:k])) / k for f, g in zip(found, gt)]))
+
+
+def worker(args):
+    import faiss
+
+    faiss.omp_set_num_threads(args.threads)
+    xb = np.load(args.base, mmap_mode="r")
+    xq = np.load(args.queries)
+    k = args.k
+    out = {"n": xb.shape[0], "dim": xb.shape[1], "nq": xq.shape[0], "k": k, "threads": args.threads}
+    if args.worker == "flat":
+        index = faiss.IndexFlatIP(xb.shape[1])
+        index.add(np.ascontiguousarray(xb))
+        t = time.perf_counter()
+        _, ids = index.search(xq, k)
+        s = time.perf_counter() - t
+        np.save(args.gt + ".tmp.npy", ids.astype(np.float32))
+        os.replace(args.gt + ".tmp.npy", args.gt)
+        out["flat_faiss"] = {"seconds": s, "qps": xq.shape[0] / s}
+    else:
+        gt = np.load(args.gt).astype(np.int64)
+        t = time.perf_counter()
+        index = faiss.IndexHNSWFlat(xb.shape[1], args.m, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = args.efc
+        for s in range(0, xb.shape[0], 100_000):
+            index.add(np.ascontiguousarray(xb[s : s + 100_000]))
+        out["build_seconds"] = time.perf_counter() - t
+        qa = xq
+        runs = []
+        for ef in args.efs:
+            index.hnsw.efSearch = ef
+            t = time.perf_counter()
+            _, ids = index.search(qa, k)
+            s = time.perf_counter() - t
+            runs.append({"ef": ef, "qps": xq.shape[0] / s, "recall": recall(ids, gt, k)})
+        out["search"] = runs
+    out["peak_rss_mib"] = peak_rss_mib()
+    print(json.dumps(out))
+
+
+def run(cmd, env=None):
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    r = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def first_at(runs, target):
+    ok = [r for r in runs if r["recall"] >= target]
+    return ok[0] if ok else None
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", type=int, default=200_000)
+    p.add_argument("--nq", type=int, default=1000)
+    p.add_argument("--dim", type=int, default=384)
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--m", type=int, default=16)
+    p.add_argument("--efc", type=int, default=100)
+    p.add_argument("--efs", type=lambda s: [int(v) for v in s.split(",")], default=[16, 32, 64, 128, 256])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--target", type=float, default=0.98)
+    p.add_argument("--skip", default="", help="comma list of: flat, faiss-hnsw, rak-hnsw")
+    p.add_argument("--worker", choices=["flat", "hnsw"])
+    p.add_argument("--base"), p.add_argument("--queries"), p.add_argument("--gt")
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+
+    cache = os.path.join(ROOT, ".cache", "bench")
+    os.makedirs(cache, exist_ok=True)
+    base = os.path.join(cache, f"base-{args.n}x{args.dim}.npy")
+    queries = os.path.join(cache, f"queries-{args.nq}x{args.dim}.npy")
+    gt = os.path.join(cache, f"gt-{args.n}x{args.dim}-q{args.nq}-k{args.k}.npy")
+    if not os.path.exists(base):
+        make_data(base, args.n, args.dim, seed=1)
+    if not os.path.exists(queries):
+        make_data(queries, args.nq, args.dim, seed=2)
+    me = [sys.executable, os.path.abspath(__file__), "--base", base, "--queries", queries, "--gt", gt,
+          "--k", str(args.k), "--threads", str(args.threads), "--m", str(args.m), "--efc", str(args.efc),
+          "--efs", ",".join(map(str, args.efs))]
+    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
+    rust = [os.path.join(target, "release", "examples", "bench_index")]
+    env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads), RAK_THREADS=str(args.threads),
+               OMP_NUM_THREADS=str(args.threads))
+    skip = set(args.skip.split(","))
+    res = {"config": vars(args) | {"cpu": os.cpu_count()}}
+    res["faiss_flat"] = run(me + ["--worker", "flat"], env)  # also writes the ground truth
+    if "flat" not in skip:
+        res["rak_flat"] = run(rust + ["flat", base, queries, gt, str(args.k)], env)
+    if "faiss-hnsw" not in skip:
+        res["faiss_hnsw"] = run(me + ["--worker", "hnsw"], env)
+    if "rak-hnsw" not in skip:
+        res["rak_hnsw"] = run(rust + ["hnsw", base, queries, gt, str(args.k), str(args.m), str(args.efc),
+                                      ",".join(map(str, args.efs))], env)
+    print(json.dumps(res, indent=1))
+    # Summary.
+    f, r = res.get("faiss_hnsw"), res.get("rak_hnsw")
+    if f and r:
+        fa, ra = first_at(f["search"], args.target), first_at(r["search"], args.target)
+        print(f"build: rak {r['build_seconds']:.1f}s faiss {f['build_seconds']:.1f}s "
+              f"ratio {r['build_seconds'] / f['build_seconds']:.2f}x", file=sys.stderr)
+        if fa and ra:
+            print(f"QPS at recall>={args.target}: rak {ra['qps']:.0f} (ef {ra['ef']}, R {ra['recall']:.3f}) "
+                  f"faiss {fa['qps']:.0f} (ef {fa['ef']}, R {fa['recall']:.3f}) ratio {ra['qps'] / fa['qps']:.2f}",
+                  file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

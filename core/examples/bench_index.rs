@@ -1,0 +1,75 @@
+//! Index benchmark driven by `bench/index_vs_faiss.py` (which also runs faiss on the same files).
+//!
+//! bench_index flat  BASE.npy QUERIES.npy GT.npy K
+//! bench_index hnsw  BASE.npy QUERIES.npy GT.npy K M EF_CONSTRUCTION EF1,EF2,...
+//!
+//! GT.npy holds the exact top-K rows per query (as float32). Prints one JSON object on stdout.
+//! Threads: RAYON_NUM_THREADS (HNSW, Rust flat) and tch::set_num_threads from RAK_THREADS.
+
+use rak_core::index::{FlatBackend, FlatIndex, HnswIndex, HnswParams, Hit};
+use rak_core::npy::NpyF32;
+use std::path::Path;
+use std::time::Instant;
+
+fn peak_rss_mib() -> f64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0) / 1024.0
+}
+
+fn recall(hits: &[Vec<Hit>], gt: &NpyF32, k: usize) -> f64 {
+    let mut found = 0;
+    for (qi, h) in hits.iter().enumerate() {
+        let truth: std::collections::HashSet<usize> = gt.row(qi)[..k].iter().map(|&v| v as usize).collect();
+        found += h.iter().take(k).filter(|x| truth.contains(&x.row)).count();
+    }
+    found as f64 / (hits.len() * k) as f64
+}
+
+fn main() -> anyhow::Result<()> {
+    let a: Vec<String> = std::env::args().collect();
+    let threads: i32 = std::env::var("RAK_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
+    tch::set_num_threads(threads);
+    let (mode, base, queries, gt, k) = (&a[1], NpyF32::open(Path::new(&a[2]))?, NpyF32::open(Path::new(&a[3]))?, NpyF32::open(Path::new(&a[4]))?, a[5].parse::<usize>()?);
+    let d = base.dim();
+    let nq = queries.rows();
+    let ids: Vec<String> = (0..base.rows()).map(|i| i.to_string()).collect();
+    let mut out = serde_json::json!({"n": base.rows(), "dim": d, "nq": nq, "k": k, "threads": threads});
+    match mode.as_str() {
+        "flat" => {
+            let flat = FlatIndex::from_npy(Path::new(&a[2]), ids)?;
+            let t = Instant::now();
+            let hits = flat.search_with(FlatBackend::Torch, queries.data(), d, k)?;
+            let s = t.elapsed().as_secs_f64();
+            out["flat_torch"] = serde_json::json!({"seconds": s, "qps": nq as f64 / s, "recall": recall(&hits, &gt, k)});
+            // The Rust scan is memory-bound per query; time it on a slice of the queries.
+            let nr = nq.min(100);
+            let t = Instant::now();
+            let hits = flat.search_with(FlatBackend::Rust, &queries.data()[..nr * d], d, k)?;
+            let s = t.elapsed().as_secs_f64();
+            out["flat_rust"] = serde_json::json!({"queries": nr, "seconds": s, "qps": nr as f64 / s, "recall": recall(&hits, &gt, k)});
+        }
+        "hnsw" => {
+            let (m, efc) = (a[6].parse()?, a[7].parse()?);
+            let efs: Vec<usize> = a[8].split(',').map(|v| v.parse()).collect::<Result<_, _>>()?;
+            let t = Instant::now();
+            let mut h = HnswIndex::build(base.data(), d, ids, HnswParams { m, ef_construction: efc, ef_search: efs[0] })?;
+            let build = t.elapsed().as_secs_f64();
+            out["build_seconds"] = build.into();
+            let mut runs = vec![];
+            for ef in efs {
+                h.set_ef_search(ef)?;
+                let t = Instant::now();
+                let hits = h.search(queries.data(), d, k)?;
+                let s = t.elapsed().as_secs_f64();
+                runs.push(serde_json::json!({"ef": ef, "qps": nq as f64 / s, "recall": recall(&hits, &gt, k)}));
+            }
+            out["search"] = runs.into();
+            out["m"] = m.into();
+            out["ef_construction"] = efc.into();
+        }
+        _ => anyhow::bail!("mode must be flat or hnsw"),
+    }
+    out["peak_rss_mib"] = peak_rss_mib().into();
+    println!("{out}");
+    Ok(())
+}
