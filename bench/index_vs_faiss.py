@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """rak-core indexes vs faiss-cpu on the same vectors, side by side.
 
-    . scripts/env.sh && cargo build --release -p rak-core --example bench_index
+    . scripts/env.sh && cargo build --release -p rak-retrieval --example bench_index
     python bench/index_vs_faiss.py --n 200000 --threads 2
 
 Data (deterministic, cached under .cache/bench/): N base and NQ query vectors of width 384,

@@ -1,7 +1,6 @@
 //! The `dpr` and `taser` encoder plugins through the real ABI, on the real all-MiniLM-L6-v2.
 
 use rak_core::abi::Role;
-use rak_core::plugin::Encoder;
 use rak_e2e::*;
 use rak_host::{Registry, Source};
 use serde_json::json;

@@ -157,8 +157,8 @@ fn encode_shards_and_resumes() {
     assert!(stderr(&rest).contains("resuming"), "{}", stderr(&rest));
     assert!(done.len() >= 2);
     assert_eq!(std::fs::read(whole.join("ids.txt")).unwrap(), std::fs::read(sharded.join("ids.txt")).unwrap());
-    let a = rak_core::npy::NpyF32::open(&whole.join("embeddings.npy")).unwrap();
-    let b = rak_core::npy::NpyF32::open(&sharded.join("embeddings.npy")).unwrap();
+    let a = rak_retrieval::npy::NpyF32::open(&whole.join("embeddings.npy")).unwrap();
+    let b = rak_retrieval::npy::NpyF32::open(&sharded.join("embeddings.npy")).unwrap();
     assert_eq!(a.rows(), b.rows());
     let max = a.data().iter().zip(b.data()).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
     assert!(max < 1e-5, "sharded and one-shot embeddings differ by {max}");
@@ -196,7 +196,7 @@ fn bad_inputs_are_clear_errors_with_no_partial_output() {
     // Embeddings and ids of different lengths.
     let emb = dir.path().join("emb");
     std::fs::create_dir_all(&emb).unwrap();
-    rak_core::npy::write_f32(&emb.join("embeddings.npy"), &vec![0.5f32; 4 * 16], 16).unwrap();
+    rak_retrieval::npy::write_f32(&emb.join("embeddings.npy"), &vec![0.5f32; 4 * 16], 16).unwrap();
     std::fs::write(emb.join("ids.txt"), "a\nb\nc\n").unwrap();
     fails(&["index", "build", "--kind", "flat", "--embeddings", p(&emb), "--output", p(&dir.path().join("f"))], "ids.txt");
 

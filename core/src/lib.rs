@@ -4,24 +4,16 @@
 //! - [`plugin`]: the SDK plugin authors implement (traits + `export_*!` macros).
 //! - [`optim`]: optimizer math shared by the optimizer plugins.
 //! - [`models`]: BERT and T5 in tch with Hugging Face names; checkpoints; tokenizers.
-//! - [`data`]: data sets and runs: BEIR, KILT, DPR, MS MARCO, TREC runs, mini-KILT.
-//! - [`eval`]: retrieval metrics (trec_eval measures, KILT page R-precision, DPR answer accuracy).
 //! - [`encoders`], [`readers`]: the models behind the built-in encoder and reader plugins.
 //! - [`fsutil`]: atomic writes.
-//! - [`npy`]: `.npy` float32 matrices (streaming writer, memory-mapped reader) and `ids.txt`.
-//! - [`index`]: exact inner product, HNSW (maximum inner product via an L2 reduction) and BM25
-//!   indexes, each a directory with `index.json`.
 //!
-//! It is not the CLI (that is `rak-host`) and it loads no plugins itself.
+//! It is not the CLI (that is `rak-host`), not the retrieval pipeline (`rak-retrieval`), and
+//! it loads no plugins itself.
 
 pub mod abi;
-pub mod data;
 pub mod encoders;
-pub mod eval;
 pub mod fsutil;
-pub mod index;
 pub mod models;
-pub mod npy;
 pub mod optim;
 pub mod plugin;
 pub mod readers;

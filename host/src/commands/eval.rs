@@ -2,8 +2,8 @@
 //! and their macro average when several runs are given.
 
 use anyhow::{bail, Result};
-use rak_core::data::{beir, check_qrels_ids, trec, Corpus, Query};
-use rak_core::eval::{evaluate_tasks, EvalOptions, MissingQueries};
+use rak_retrieval::data::{beir, check_qrels_ids, trec, Corpus, Query};
+use rak_retrieval::eval::{evaluate_tasks, EvalOptions, MissingQueries};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 

@@ -2,9 +2,9 @@
 //! index from a corpus.
 
 use anyhow::{bail, Context, Result};
-use rak_core::data::beir;
-use rak_core::index::{self, Bm25Index, FlatIndex, HnswIndex, HnswParams};
-use rak_core::npy::{self, NpyF32};
+use rak_retrieval::data::beir;
+use rak_retrieval::index::{self, Bm25Index, FlatIndex, HnswIndex, HnswParams};
+use rak_retrieval::npy::{self, NpyF32};
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, clap::Subcommand)]

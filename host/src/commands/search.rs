@@ -5,8 +5,8 @@ use super::encode::{encoder_settings, progress};
 use crate::registry::Registry;
 use anyhow::{bail, Context, Result};
 use rak_core::abi::Role;
-use rak_core::data::{beir, trec, Run};
-use rak_core::index::{self, Index};
+use rak_retrieval::data::{beir, trec, Run};
+use rak_retrieval::index::{self, Index};
 use std::path::PathBuf;
 
 #[derive(Debug, Clone, clap::Args)]

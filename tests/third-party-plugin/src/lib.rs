@@ -33,11 +33,31 @@ impl PluginInfo for HashBow {
         if dim <= 0 || buckets <= 0 {
             bail!("hashbow: dim and buckets must be positive (got {dim}, {buckets})");
         }
-        tch::manual_seed(seed);
         let vs = nn::VarStore::new(Device::Cpu);
-        let weight = (vs.root() / "embedding").var("weight", &[buckets, dim], nn::Init::Randn { mean: 0.0, stdev: 1.0 });
+        // Seeded locally, not with tch::manual_seed: the global RNG is shared with the host and
+        // every other plugin, so two instances created concurrently would race for it.
+        let init = Tensor::from_slice(&normal_samples(seed as u64, (buckets * dim) as usize)).view([buckets, dim]);
+        let weight = (vs.root() / "embedding").var_copy("weight", &init);
         Ok(HashBow { vs, weight, buckets, dim })
     }
+}
+
+/// Standard normal samples from a splitmix64 stream (Box-Muller).
+fn normal_samples(seed: u64, n: usize) -> Vec<f32> {
+    let mut state = seed;
+    let mut uniform = move || {
+        state = state.wrapping_add(0x9e3779b97f4a7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    (0..n)
+        .map(|_| {
+            let (u1, u2) = (uniform().max(f64::MIN_POSITIVE), uniform());
+            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+        })
+        .collect()
 }
 
 /// FNV-1a: stable across runs and platforms, unlike std's randomised hasher.

@@ -1,7 +1,7 @@
 //! Indexes and `.npy` files: exactness, recall, persistence, and every error path.
 
-use rak_core::index::{self, Bm25Index, FlatBackend, FlatIndex, HnswIndex, HnswParams, Index};
-use rak_core::npy::{self, NpyF32, NpyWriter};
+use rak_retrieval::index::{self, Bm25Index, FlatBackend, FlatIndex, HnswIndex, HnswParams, Index};
+use rak_retrieval::npy::{self, NpyF32, NpyWriter};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 

@@ -6,8 +6,8 @@
 //! GT.npy holds the exact top-K rows per query (as float32). Prints one JSON object on stdout.
 //! Threads: RAYON_NUM_THREADS (HNSW, Rust flat) and tch::set_num_threads from RAK_THREADS.
 
-use rak_core::index::{FlatBackend, FlatIndex, HnswIndex, HnswParams, Hit};
-use rak_core::npy::NpyF32;
+use rak_retrieval::index::{FlatBackend, FlatIndex, HnswIndex, HnswParams, Hit};
+use rak_retrieval::npy::NpyF32;
 use std::path::Path;
 use std::time::Instant;
 

@@ -20,7 +20,7 @@ pub mod kilt;
 pub mod trec;
 
 use crate::data::{Corpus, Qrels, Query, Run};
-use crate::fsutil;
+use rak_core::fsutil;
 use anyhow::Result;
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};

@@ -2,8 +2,8 @@
 //! through scripts/fixtures/make_eval_fixtures.py, committed in tests/fixtures/eval), KILT's
 //! page-level R-precision on a hand-computed fixture, and DPR answer matching.
 
-use rak_core::data::{beir, trec, Corpus, Passage, Qrels, Query, Run};
-use rak_core::eval::{self, answer, EvalOptions, MissingQueries};
+use rak_retrieval::data::{beir, trec, Corpus, Passage, Qrels, Query, Run};
+use rak_retrieval::eval::{self, answer, EvalOptions, MissingQueries};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

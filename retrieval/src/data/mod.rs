@@ -11,7 +11,7 @@
 //!
 //! Readers stream: records come one line at a time as `Result`s, and every parse error names
 //! the file and the 1-based line (`corpus.jsonl:17: ...`). A corpus, query or qrels file with no
-//! records is an error naming the file. Every writer is atomic ([`crate::fsutil`]).
+//! records is an error naming the file. Every writer is atomic ([`rak_core::fsutil`]).
 
 pub mod beir;
 pub mod dpr;

@@ -52,7 +52,7 @@ impl IndexMeta {
         serde_json::from_str(&text).with_context(|| format!("{}: not a valid index.json", p.display()))
     }
     pub(crate) fn write(&self, dir: &Path) -> Result<()> {
-        crate::fsutil::write_bytes(&dir.join("index.json"), serde_json::to_string_pretty(self)?.as_bytes())
+        rak_core::fsutil::write_bytes(&dir.join("index.json"), serde_json::to_string_pretty(self)?.as_bytes())
     }
     pub(crate) fn expect_kind(&self, dir: &Path, kind: &str) -> Result<()> {
         if self.kind != kind {
@@ -105,7 +105,7 @@ impl Index {
 /// Build a directory under a temporary sibling name, then rename it to `dir`. An existing `dir`
 /// is replaced only after the new one is complete.
 pub fn write_dir_atomically(dir: &Path, build: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let tmp = crate::fsutil::temp_path(dir);
+    let tmp = rak_core::fsutil::temp_path(dir);
     if let Some(parent) = dir.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).with_context(|| format!("{}: cannot create directory", parent.display()))?;
     }

@@ -268,5 +268,5 @@ pub fn write_ids(path: &Path, ids: &[impl AsRef<str>]) -> Result<()> {
         text.push_str(id);
         text.push('\n');
     }
-    crate::fsutil::write_bytes(path, text.as_bytes())
+    rak_core::fsutil::write_bytes(path, text.as_bytes())
 }

@@ -237,7 +237,7 @@ impl Graph {
                 }
             }
         }
-        crate::fsutil::write_bytes(path, &b)
+        rak_core::fsutil::write_bytes(path, &b)
     }
 
     fn read(path: &Path, n_expected: usize) -> Result<Self> {

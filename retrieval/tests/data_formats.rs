@@ -1,7 +1,7 @@
-//! Every reader and writer of `rak_core::data` on small inline fixtures, each bad-input case,
+//! Every reader and writer of `rak_retrieval::data` on small inline fixtures, each bad-input case,
 //! and the vendored mini-KILT files (counts must equal its STATS.json).
 
-use rak_core::data::{self, beir, dpr, kilt, minikilt::MiniKilt, msmarco, trec, Passage, Query, Run};
+use rak_retrieval::data::{self, beir, dpr, kilt, minikilt::MiniKilt, msmarco, trec, Passage, Query, Run};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 

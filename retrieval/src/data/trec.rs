@@ -2,7 +2,7 @@
 
 use super::lines::Records;
 use super::Run;
-use crate::fsutil;
+use rak_core::fsutil;
 use anyhow::{anyhow, bail, Result};
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;

@@ -3,7 +3,7 @@
 
 use super::lines::Records;
 use super::{id_string, push_unique, Corpus, Query, Run};
-use crate::fsutil;
+use rak_core::fsutil;
 use anyhow::{Context, Result};
 use serde::Deserialize;
 use serde_json::json;

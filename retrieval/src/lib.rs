@@ -1,0 +1,15 @@
+//! `rak-retrieval`: the retrieval pipeline's library, behind `host encode | index | search |
+//! eval`.
+//!
+//! - [`data`]: data sets and runs: BEIR, KILT, DPR, MS MARCO, TREC runs, mini-KILT.
+//! - [`eval`]: retrieval metrics (trec_eval measures, KILT page R-precision, DPR answer accuracy).
+//! - [`index`]: exact inner product, HNSW maximum inner product, BM25 (tantivy).
+//! - [`npy`]: `.npy` float32 matrices and `ids.txt`, the embedding files.
+//!
+//! Plugins do not need it: it is kept apart from `rak-core` so that a plugin builds against
+//! the ABI and the models only.
+
+pub mod data;
+pub mod eval;
+pub mod index;
+pub mod npy;
