@@ -87,6 +87,18 @@ impl Encoder for EncoderProxy {
         let dir = dir.to_string_lossy();
         self.origin.check("save", (self.module.save())(self.handle, dir.as_ref().into()))
     }
+
+    fn token_lengths(&mut self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Option<Vec<usize>>> {
+        // Plugins built before this function existed simply lack it.
+        let Some(f) = self.module.token_lengths() else { return Ok(None) };
+        let texts: Vec<abi_stable::std_types::RStr<'_>> = texts.iter().map(|s| (*s).into()).collect();
+        let task = match task {
+            Some(t) => ROption::RSome(t.into()),
+            None => ROption::RNone,
+        };
+        let out = self.origin.check("token_lengths", f(self.handle, texts.as_slice().into(), role, task))?;
+        Ok(out.into_option().map(|v| v.into_iter().map(|n| n as usize).collect()))
+    }
 }
 
 impl Optimizer for OptimizerProxy {

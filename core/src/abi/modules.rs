@@ -39,6 +39,11 @@ pub struct EncoderMod {
     pub save: extern "C" fn(h: Handle, dir: RStr<'_>) -> Res<()>,
     #[sabi(last_prefix_field)]
     pub destroy: extern "C" fn(h: Handle),
+    /// Optional (added after the first release, so older plugins lack it): the number of
+    /// tokens each text becomes, so callers can batch by token length. `RNone` when the
+    /// encoder cannot tell.
+    pub token_lengths:
+        extern "C" fn(h: Handle, texts: RSlice<'_, RStr<'_>>, role: Role, task: ROption<RStr<'_>>) -> Res<ROption<RVec<u32>>>,
 }
 
 /// Optimizers. `grads` is task-major: `grads[t * params.len() + i]` is task `t`'s gradient of

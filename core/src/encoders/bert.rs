@@ -264,6 +264,12 @@ impl crate::plugin::Encoder for BertEncoder {
         Ok(out)
     }
 
+    fn token_lengths(&mut self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Option<Vec<usize>>> {
+        let enc = self.tokenize(texts, role, task)?;
+        let lengths: Vec<i64> = enc.attention_mask.sum_dim_intlist(1, false, Kind::Int64).try_into()?;
+        Ok(Some(lengths.into_iter().map(|n| n as usize).collect()))
+    }
+
     fn info(&self) -> Result<Value> {
         let parameters: i64 = self.models().iter().map(|(_, m)| m.num_parameters()).sum();
         Ok(json!({

@@ -81,6 +81,20 @@ extern "C" fn encoder_save<T: Encoder + PluginInfo>(h: Handle, dir: RStr<'_>) ->
     guard(|| unsafe { h.get::<T>() }.save(Path::new(dir.as_str())))
 }
 
+extern "C" fn encoder_token_lengths<T: Encoder + PluginInfo>(
+    h: Handle,
+    texts: RSlice<'_, RStr<'_>>,
+    role: Role,
+    task: ROption<RStr<'_>>,
+) -> Res<ROption<RVec<u32>>> {
+    guard(|| {
+        let texts: Vec<&str> = texts.iter().map(|s| s.as_str()).collect();
+        let task = task.as_ref().map(|s| s.as_str()).into_option();
+        let lengths = unsafe { h.get::<T>() }.token_lengths(&texts, role, task)?;
+        Ok(lengths.map(|v| v.into_iter().map(|n| n as u32).collect()).into())
+    })
+}
+
 /// The root module of an encoder plugin.
 pub fn encoder_module<T: Encoder + PluginInfo>() -> EncoderModRef {
     EncoderModRef(
@@ -92,6 +106,7 @@ pub fn encoder_module<T: Encoder + PluginInfo>() -> EncoderModRef {
             info: encoder_info::<T>,
             save: encoder_save::<T>,
             destroy: destroy::<T>,
+            token_lengths: encoder_token_lengths::<T>,
         })
         .static_as_prefix(),
     )

@@ -39,6 +39,9 @@ impl Encoder for Taco {
     fn save(&self, dir: &Path) -> Result<()> {
         self.0.save(dir)
     }
+    fn token_lengths(&mut self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Option<Vec<usize>>> {
+        self.0.token_lengths(texts, role, task)
+    }
 }
 
 rak_core::export_encoder!(Taco);
