@@ -1,7 +1,7 @@
 //! Lexical BM25 search (tantivy): maintained, BM25 built in, memory-mapped segments.
 //!
-//! Title and text are indexed as two fields with tantivy's default tokenizer (split on
-//! non-alphanumerics, lowercase, drop tokens over 40 bytes). A document's score is the sum of
+//! Title and text are indexed as two fields with tantivy's `en_stem` analyzer (split on
+//! non-alphanumerics, drop tokens over 40 bytes, lowercase, English Snowball stemming). A document's score is the sum of
 //! the BM25 scores of the query terms in both fields.
 //!
 //! tantivy fixes BM25's constants at k1 = 1.2, b = 0.75 (private constants in
@@ -18,7 +18,7 @@ use anyhow::{Context, Result};
 use std::path::Path;
 use tantivy::collector::TopDocs;
 use tantivy::query::{BooleanQuery, Occur, Query, TermQuery};
-use tantivy::schema::{Field, IndexRecordOption, Schema, Value, STORED, STRING, TEXT};
+use tantivy::schema::{Field, IndexRecordOption, Schema, TextFieldIndexing, TextOptions, Value, STORED, STRING};
 use tantivy::{Index, IndexReader, ReloadPolicy, TantivyDocument, Term};
 
 /// The k1 tantivy uses (not configurable).
@@ -38,8 +38,13 @@ pub struct Bm25Index {
 fn schema() -> (Schema, Field, Field, Field) {
     let mut b = Schema::builder();
     let id = b.add_text_field("id", STRING | STORED);
-    let title = b.add_text_field("title", TEXT);
-    let text = b.add_text_field("text", TEXT);
+    // English stemming, as Lucene/Pyserini BM25 baselines use: on mini-KILT it lifts squad
+    // dev MRR@10 from 0.733 (no stemming) to the level of the pack's own BM25 baseline.
+    let stemmed = TextOptions::default().set_indexing_options(
+        TextFieldIndexing::default().set_tokenizer("en_stem").set_index_option(IndexRecordOption::WithFreqsAndPositions),
+    );
+    let title = b.add_text_field("title", stemmed.clone());
+    let text = b.add_text_field("text", stemmed);
     (b.build(), id, title, text)
 }
 
@@ -76,7 +81,7 @@ impl Bm25Index {
             writer.wait_merging_threads()?;
             let params = serde_json::json!({
                 "k1": BM25_K1, "b": BM25_B, "fields": ["title", "text"],
-                "tokenizer": "tantivy default (lowercase, split on non-alphanumerics)",
+                "tokenizer": "tantivy en_stem (split on non-alphanumerics, lowercase, English Snowball stemmer)",
                 "tantivy": "0.27",
             });
             IndexMeta::new("bm25", 0, count, "bm25", params).write(tmp)
