@@ -20,6 +20,8 @@ pub mod readers;
 
 #[doc(hidden)]
 pub use abi_stable;
+#[doc(hidden)]
+pub use anyhow;
 pub use tch;
 
 /// The tch version this toolkit pins (`tch = "=0.24.0"` in the workspace).

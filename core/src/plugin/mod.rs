@@ -44,6 +44,42 @@ pub trait Encoder: Send {
     }
 }
 
+/// Implement [`Encoder`] for a newtype `struct Name(Inner)` by delegating every method to
+/// `Inner` (how the built-in plugins wrap the encoders in `rak_core::encoders`).
+#[macro_export]
+macro_rules! delegate_encoder {
+    ($ty:ty) => {
+        impl $crate::plugin::Encoder for $ty {
+            fn encode(
+                &mut self,
+                texts: &[&str],
+                role: $crate::abi::Role,
+                task: Option<&str>,
+                train: bool,
+            ) -> $crate::anyhow::Result<$crate::tch::Tensor> {
+                self.0.encode(texts, role, task, train)
+            }
+            fn parameters(&self) -> $crate::anyhow::Result<Vec<(String, $crate::tch::Tensor)>> {
+                self.0.parameters()
+            }
+            fn info(&self) -> $crate::anyhow::Result<serde_json::Value> {
+                self.0.info()
+            }
+            fn save(&self, dir: &std::path::Path) -> $crate::anyhow::Result<()> {
+                self.0.save(dir)
+            }
+            fn token_lengths(
+                &mut self,
+                texts: &[&str],
+                role: $crate::abi::Role,
+                task: Option<&str>,
+            ) -> $crate::anyhow::Result<Option<Vec<usize>>> {
+                self.0.token_lengths(texts, role, task)
+            }
+        }
+    };
+}
+
 /// Updates parameters from per-task gradients.
 pub trait Optimizer: Send {
     /// `grads[t][i]` is task `t`'s gradient for `params[i]` (undefined when the task has none).

@@ -40,16 +40,8 @@ pub struct EncodeArgs {
     /// Task name for query prefixes / markers.
     #[arg(long)]
     pub task: Option<String>,
-    #[arg(long, default_value_t = 64)]
-    pub batch_size: usize,
-    /// Max tokens per text (default: the encoder's).
-    #[arg(long)]
-    pub max_length: Option<usize>,
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// Run the model in bfloat16 (GPU).
-    #[arg(long)]
-    pub bf16: bool,
+    #[command(flatten)]
+    pub model_args: ModelArgs,
     /// Which shard of the parts this process encodes.
     #[arg(long, default_value_t = 0)]
     pub shard_id: usize,
@@ -59,14 +51,31 @@ pub struct EncodeArgs {
     /// Lines per part (the unit of resumption).
     #[arg(long, default_value_t = 4096)]
     pub part_size: usize,
+}
+
+/// How an encoder runs: the flags `encode` and `search` share.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ModelArgs {
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: usize,
+    /// Max tokens per text (default: the encoder's).
+    #[arg(long)]
+    pub max_length: Option<usize>,
+    /// `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Run the model in bfloat16 (GPU).
+    #[arg(long)]
+    pub bf16: bool,
     /// Extra encoder settings as a JSON object.
     #[arg(long)]
     pub encoder_settings: Option<String>,
 }
 
-/// Encoder settings from the common flags plus `--encoder-settings`.
-pub fn encoder_settings(model: &Path, max_length: Option<usize>, device: &str, bf16: bool, extra: Option<&str>) -> Result<Value> {
-    let mut s = match extra {
+/// Encoder settings for checkpoint `model` from the common flags plus `--encoder-settings`.
+pub fn encoder_settings(model: &Path, m: &ModelArgs) -> Result<Value> {
+    let (max_length, device, bf16) = (m.max_length, m.device.as_str(), m.bf16);
+    let mut s = match m.encoder_settings.as_deref() {
         Some(text) => serde_json::from_str(text).context("--encoder-settings is not a JSON object")?,
         None => json!({}),
     };
@@ -105,9 +114,9 @@ fn manifest(args: &EncodeArgs, lines: usize) -> Result<Value> {
         "model": std::fs::canonicalize(&args.model).unwrap_or(args.model.clone()),
         "role": args.role,
         "task": args.task,
-        "max_length": args.max_length,
-        "bf16": args.bf16,
-        "encoder_settings": args.encoder_settings,
+        "max_length": args.model_args.max_length,
+        "bf16": args.model_args.bf16,
+        "encoder_settings": args.model_args.encoder_settings,
         "part_size": args.part_size,
     }))
 }
@@ -136,7 +145,7 @@ pub fn run(registry: &Registry, args: &EncodeArgs) -> Result<()> {
     if args.shard_num == 0 || args.shard_id >= args.shard_num {
         bail!("--shard-id must be below --shard-num (got {} of {})", args.shard_id, args.shard_num);
     }
-    if args.batch_size == 0 || args.part_size == 0 {
+    if args.model_args.batch_size == 0 || args.part_size == 0 {
         bail!("--batch-size and --part-size must be positive");
     }
     let final_npy = args.output.join("embeddings.npy");
@@ -184,7 +193,7 @@ pub fn run(registry: &Registry, args: &EncodeArgs) -> Result<()> {
     }
 
     if !todo.is_empty() {
-        let settings = encoder_settings(&args.model, args.max_length, &args.device, args.bf16, args.encoder_settings.as_deref())?;
+        let settings = encoder_settings(&args.model, &args.model_args)?;
         let mut encoder = registry.encoder(&args.encoder, &settings)?;
         let bar = progress(todo_lines as u64, "encode");
         let mut records = records(args)?;
@@ -230,7 +239,7 @@ fn encode_sorted(encoder: &mut dyn Encoder, chunk: &[(String, String)], args: &E
     order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
     let mut out: Vec<f32> = Vec::new();
     let mut dim = 0;
-    for batch in order.chunks(args.batch_size) {
+    for batch in order.chunks(args.model_args.batch_size) {
         let texts: Vec<&str> = batch.iter().map(|&i| chunk[i].1.as_str()).collect();
         let emb = encoder.encode(&texts, args.role, args.task.as_deref(), false)?;
         let emb = emb.to_kind(tch::Kind::Float).to_device(tch::Device::Cpu).contiguous();

@@ -1,7 +1,7 @@
 //! `host search`: queries → top-k passages → a TREC run, with a dense index and an encoder
 //! plugin, or with a BM25 index.
 
-use super::encode::{encoder_settings, progress};
+use super::encode::{encoder_settings, progress, ModelArgs};
 use crate::registry::Registry;
 use anyhow::{bail, Context, Result};
 use rak_core::abi::Role;
@@ -34,20 +34,11 @@ pub struct SearchArgs {
     /// Task name (query prefixes / markers).
     #[arg(long)]
     pub task: Option<String>,
-    #[arg(long, default_value_t = 64)]
-    pub batch_size: usize,
-    #[arg(long)]
-    pub max_length: Option<usize>,
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    #[arg(long)]
-    pub bf16: bool,
+    #[command(flatten)]
+    pub model_args: ModelArgs,
     /// HNSW candidate list size at search time.
     #[arg(long)]
     pub ef_search: Option<usize>,
-    /// Extra encoder settings as a JSON object.
-    #[arg(long)]
-    pub encoder_settings: Option<String>,
     /// The run tag (6th column).
     #[arg(long, default_value = "rak")]
     pub tag: String,
@@ -77,10 +68,10 @@ pub fn run(registry: &Registry, args: &SearchArgs) -> Result<()> {
             if let (Index::Hnsw(h), Some(ef)) = (&mut *dense, args.ef_search) {
                 h.set_ef_search(ef)?;
             }
-            let settings = encoder_settings(model, args.max_length, &args.device, args.bf16, args.encoder_settings.as_deref())?;
+            let settings = encoder_settings(model, &args.model_args)?;
             let mut encoder = registry.encoder(name, &settings)?;
             let dim = dense.meta().dim;
-            for batch in queries.chunks(args.batch_size.max(1)) {
+            for batch in queries.chunks(args.model_args.batch_size.max(1)) {
                 let texts: Vec<&str> = batch.iter().map(|q| q.text.as_str()).collect();
                 let emb = encoder.encode(&texts, Role::Query, args.task.as_deref(), false)?;
                 let emb = emb.to_kind(tch::Kind::Float).to_device(tch::Device::Cpu).contiguous();

@@ -4,12 +4,9 @@
 //! settings say otherwise. MT-DPR's `?` suffix and task markers are settings.
 
 use anyhow::Result;
-use rak_core::abi::Role;
 use rak_core::encoders::bert::{BertEncoder, BertEncoderSettings};
-use rak_core::plugin::{Encoder, PluginInfo};
+use rak_core::plugin::PluginInfo;
 use serde_json::{json, Value};
-use std::path::Path;
-use tch::Tensor;
 
 pub struct Dpr(BertEncoder);
 
@@ -37,22 +34,6 @@ impl PluginInfo for Dpr {
     }
 }
 
-impl Encoder for Dpr {
-    fn encode(&mut self, texts: &[&str], role: Role, task: Option<&str>, train: bool) -> Result<Tensor> {
-        self.0.encode(texts, role, task, train)
-    }
-    fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        self.0.parameters()
-    }
-    fn info(&self) -> Result<Value> {
-        self.0.info()
-    }
-    fn save(&self, dir: &Path) -> Result<()> {
-        self.0.save(dir)
-    }
-    fn token_lengths(&mut self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Option<Vec<usize>>> {
-        self.0.token_lengths(texts, role, task)
-    }
-}
+rak_core::delegate_encoder!(Dpr);
 
 rak_core::export_encoder!(Dpr);

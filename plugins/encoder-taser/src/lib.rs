@@ -4,12 +4,9 @@
 //! parameter count and layer-wise learning-rate factors (decay 0.8) as `lr_scale`.
 
 use anyhow::{bail, Result};
-use rak_core::abi::Role;
 use rak_core::encoders::bert::{BertEncoder, BertEncoderSettings};
-use rak_core::plugin::{Encoder, PluginInfo};
+use rak_core::plugin::PluginInfo;
 use serde_json::{json, Value};
-use std::path::Path;
-use tch::Tensor;
 
 /// The authors' released checkpoints specialise blocks 3, 6, 9, 12 (the paper says 2).
 const DEFAULT_EVERY: i64 = 3;
@@ -51,22 +48,6 @@ impl PluginInfo for Taser {
     }
 }
 
-impl Encoder for Taser {
-    fn encode(&mut self, texts: &[&str], role: Role, task: Option<&str>, train: bool) -> Result<Tensor> {
-        self.0.encode(texts, role, task, train)
-    }
-    fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        self.0.parameters()
-    }
-    fn info(&self) -> Result<Value> {
-        self.0.info()
-    }
-    fn save(&self, dir: &Path) -> Result<()> {
-        self.0.save(dir)
-    }
-    fn token_lengths(&mut self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Option<Vec<usize>>> {
-        self.0.token_lengths(texts, role, task)
-    }
-}
+rak_core::delegate_encoder!(Taser);
 
 rak_core::export_encoder!(Taser);

@@ -3,7 +3,7 @@
 //! Files: `index.json`, `embeddings.npy` (`[count, dim]` `<f4`, memory-mapped on load),
 //! `ids.txt`.
 
-use super::{check_ids, check_matrix, check_queries, simd, top_k, Hit, IndexMeta};
+use super::{check_ids, check_matrix, check_queries, simd, top_k, Hit, IndexMeta, Scored};
 use crate::npy::{self, NpyF32};
 use anyhow::{Context, Result};
 use rayon::prelude::*;
@@ -163,22 +163,7 @@ impl FlatIndex {
 /// A bounded min-heap of the best `k` hits.
 pub(crate) struct TopK {
     k: usize,
-    heap: std::collections::BinaryHeap<std::cmp::Reverse<Ord32>>,
-}
-
-#[derive(PartialEq)]
-struct Ord32(f32, usize);
-impl Eq for Ord32 {}
-impl PartialOrd for Ord32 {
-    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Ord32 {
-    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        // Higher score is "greater"; on ties the lower row is greater (kept first).
-        self.0.total_cmp(&o.0).then(o.1.cmp(&self.1))
-    }
+    heap: std::collections::BinaryHeap<std::cmp::Reverse<Scored<usize>>>,
 }
 
 impl TopK {
@@ -188,16 +173,16 @@ impl TopK {
     #[inline]
     pub(crate) fn push(&mut self, row: usize, score: f32) {
         if self.heap.len() < self.k {
-            self.heap.push(std::cmp::Reverse(Ord32(score, row)));
+            self.heap.push(std::cmp::Reverse(Scored(score, row)));
         } else if let Some(min) = self.heap.peek() {
-            if Ord32(score, row) > min.0 {
+            if Scored(score, row) > min.0 {
                 self.heap.pop();
-                self.heap.push(std::cmp::Reverse(Ord32(score, row)));
+                self.heap.push(std::cmp::Reverse(Scored(score, row)));
             }
         }
     }
     pub(crate) fn into_sorted(self) -> Vec<Hit> {
         // into_sorted_vec is ascending in Reverse order = descending score.
-        self.heap.into_sorted_vec().into_iter().map(|std::cmp::Reverse(Ord32(s, r))| Hit { row: r, score: s }).collect()
+        self.heap.into_sorted_vec().into_iter().map(|std::cmp::Reverse(Scored(s, r))| Hit { row: r, score: s }).collect()
     }
 }

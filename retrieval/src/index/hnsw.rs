@@ -29,7 +29,7 @@
 //! u32 neighbour[..] of layer 0, then for each node of level ≥ 1 and each of its upper layers
 //! u32 count and u32 neighbour[count]).
 
-use super::{check_ids, check_matrix, check_queries, simd, Hit, IndexMeta};
+use super::{check_ids, check_matrix, check_queries, simd, Hit, IndexMeta, Scored};
 use crate::npy::{self, NpyF32};
 use anyhow::{bail, Context, Result};
 use hnsw_rs::prelude::{Distance, Hnsw};
@@ -307,21 +307,6 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch { stamp: Vec::new(), gen: 0 }) };
 }
 
-/// Max-heap key on score (f32 total order).
-#[derive(Clone, Copy, PartialEq)]
-struct Cand(f32, u32);
-impl Eq for Cand {}
-impl PartialOrd for Cand {
-    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Cand {
-    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        self.0.total_cmp(&o.0).then(o.1.cmp(&self.1))
-    }
-}
-
 impl HnswIndex {
     /// Build over `vectors` (`[ids.len(), dim]`, row-major), inserting in parallel on rayon's
     /// global pool (`RAYON_NUM_THREADS` sets its size).
@@ -446,11 +431,11 @@ impl HnswIndex {
             let gen = sc.gen;
             let stamp = &mut sc.stamp;
             stamp[cur as usize] = gen;
-            let mut cands: BinaryHeap<Cand> = BinaryHeap::with_capacity(ef * 4);
-            let mut best: BinaryHeap<Reverse<Cand>> = BinaryHeap::with_capacity(ef + 1);
-            cands.push(Cand(cur_s, cur));
-            best.push(Reverse(Cand(cur_s, cur)));
-            while let Some(Cand(s, node)) = cands.pop() {
+            let mut cands: BinaryHeap<Scored<u32>> = BinaryHeap::with_capacity(ef * 4);
+            let mut best: BinaryHeap<Reverse<Scored<u32>>> = BinaryHeap::with_capacity(ef + 1);
+            cands.push(Scored(cur_s, cur));
+            best.push(Reverse(Scored(cur_s, cur)));
+            while let Some(Scored(s, node)) = cands.pop() {
                 if best.len() >= ef && s < best.peek().unwrap().0 .0 {
                     break;
                 }
@@ -468,15 +453,15 @@ impl HnswIndex {
                     stamp[v as usize] = gen;
                     let sv = self.score(q, v);
                     if best.len() < ef || sv > best.peek().unwrap().0 .0 {
-                        cands.push(Cand(sv, v));
-                        best.push(Reverse(Cand(sv, v)));
+                        cands.push(Scored(sv, v));
+                        best.push(Reverse(Scored(sv, v)));
                         if best.len() > ef {
                             best.pop();
                         }
                     }
                 }
             }
-            let mut hits: Vec<Hit> = best.into_iter().map(|Reverse(Cand(s, v))| Hit { row: v as usize, score: s }).collect();
+            let mut hits: Vec<Hit> = best.into_iter().map(|Reverse(Scored(s, v))| Hit { row: v as usize, score: s }).collect();
             hits.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.row.cmp(&b.row)));
             hits.truncate(k);
             hits

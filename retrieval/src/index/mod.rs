@@ -25,6 +25,25 @@ pub struct Hit {
     pub score: f32,
 }
 
+/// A score with its row, ordered by score (f32 total order) and, on ties, lower row first: the
+/// heap key of every top-k search.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Scored<R>(pub f32, pub R);
+
+impl<R: Ord> Eq for Scored<R> {}
+
+impl<R: Ord> PartialOrd for Scored<R> {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+
+impl<R: Ord> Ord for Scored<R> {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&o.0).then(o.1.cmp(&self.1))
+    }
+}
+
 /// `index.json`: what `host index info` prints.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct IndexMeta {
