@@ -9,4 +9,12 @@ if [[ ! -f .cache/fixtures/minilm/expected.safetensors ]]; then
     python scripts/fixtures/minilm_reference.py --model .cache/models/all-MiniLM-L6-v2 --out .cache/fixtures/minilm
 fi
 cargo build --release --workspace
-cargo test --release --workspace
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+cargo test --release --workspace 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+# One closing line for the whole run (cargo's own last line is often a crate with no doc tests).
+awk '/^test result:/ { p += $4; f += $6 } END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
+exit "$status"
