@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""rak-core indexes vs faiss-cpu on the same vectors, side by side.
+"""rak-retrieval indexes vs faiss-cpu on the same vectors, side by side.
 
     . scripts/env.sh && cargo build --release -p rak-retrieval --example bench_index
     python bench/index_vs_faiss.py --n 200000 --threads 2
@@ -13,7 +13,7 @@ Each measurement runs in its own process (this script re-invoked as a worker, or
 example) so that peak RSS (VmHWM) is per system.
 
 HNSW on both sides builds the graph on inner product (faiss: IndexHNSWFlat(d, M,
-METRIC_INNER_PRODUCT); rak-core: HnswIndex, see core/src/index/hnsw.rs for why not the MIPS->L2
+METRIC_INNER_PRODUCT); rak-retrieval: HnswIndex, see retrieval/src/index/hnsw.rs for why not the MIPS->L2
 reduction). Same M, efConstruction, efSearch sweep, k, threads; all queries in one batch.
 """
 import argparse
