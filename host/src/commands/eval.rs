@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Result};
 use rak_retrieval::data::{beir, check_qrels_ids, trec, Corpus, Query};
-use rak_retrieval::eval::{evaluate_tasks, EvalOptions, MissingQueries};
+use rak_retrieval::eval::{evaluate_tasks, mean_of, EvalOptions, MissingQueries};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
@@ -82,7 +82,7 @@ pub fn run(args: &EvalArgs) -> Result<Value> {
         loaded.push((name, run, qrels, queries));
     }
     let mut out = json!({"tasks": {}, "macro": {}});
-    let mut means = Vec::new();
+    let mut means = std::collections::BTreeMap::new();
     for (name, run, qrels, queries) in &loaded {
         let opts = EvalOptions { missing, answer_accuracy: has_answer_strings(queries) };
         let tasks = [(name.as_str(), run, qrels, queries.as_slice())];
@@ -96,20 +96,9 @@ pub fn run(args: &EvalArgs) -> Result<Value> {
             entry["per_query"] = json!(e.per_query);
         }
         out["tasks"][name] = entry;
-        means.push(e.mean.clone());
+        means.insert(name.clone(), e.mean.clone());
     }
-    // Macro average over tasks of each measure the tasks have.
-    let mut sums: std::collections::BTreeMap<String, (f64, usize)> = Default::default();
-    for m in &means {
-        for (k, v) in m {
-            let e = sums.entry(k.clone()).or_default();
-            e.0 += v;
-            e.1 += 1;
-        }
-    }
-    for (k, (s, c)) in sums {
-        out["macro"][k] = json!(s / c as f64);
-    }
+    out["macro"] = json!(mean_of(&means));
     eprint!("{}", table(&out));
     if let Some(path) = &args.output {
         rak_core::fsutil::write_bytes(path, serde_json::to_string_pretty(&out)?.as_bytes())?;

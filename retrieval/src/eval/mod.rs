@@ -81,7 +81,9 @@ impl Evaluation {
     }
 }
 
-fn mean_of(per_query: &BTreeMap<String, BTreeMap<String, f64>>) -> BTreeMap<String, f64> {
+/// The mean of each measure over the entries that have it (per-query means, or the macro
+/// average over tasks).
+pub fn mean_of(per_query: &BTreeMap<String, BTreeMap<String, f64>>) -> BTreeMap<String, f64> {
     let mut sums: BTreeMap<String, (f64, usize)> = BTreeMap::new();
     for m in per_query.values() {
         for (k, v) in m {
