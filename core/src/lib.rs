@@ -6,6 +6,7 @@
 //! - [`models`]: BERT and T5 in tch with Hugging Face names; checkpoints; tokenizers.
 //! - [`encoders`], [`readers`]: the models behind the built-in encoder and reader plugins.
 //! - [`fsutil`]: atomic writes.
+//! - [`malloc`]: glibc allocator settings for tensor workloads.
 //!
 //! It is not the CLI (that is `rak-host`), not the retrieval pipeline (`rak-retrieval`), and
 //! it loads no plugins itself.
@@ -13,6 +14,7 @@
 pub mod abi;
 pub mod encoders;
 pub mod fsutil;
+pub mod malloc;
 pub mod models;
 pub mod optim;
 pub mod plugin;

@@ -53,6 +53,7 @@ fn main() -> ExitCode {
     std::panic::set_hook(Box::new(|info| {
         eprintln!("error: internal error (please report): {}", rak_core::abi::panic_message(info.payload()));
     }));
+    rak_core::malloc::keep_freed_buffers();
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,

@@ -1,12 +1,14 @@
 //! Index benchmark driven by `bench/index_vs_faiss.py` (which also runs faiss on the same files).
 //!
 //! bench_index flat  BASE.npy QUERIES.npy GT.npy K
-//! bench_index hnsw  BASE.npy QUERIES.npy GT.npy K M EF_CONSTRUCTION EF1,EF2,...
+//! bench_index hnsw  BASE.npy QUERIES.npy GT.npy K M EF_CONSTRUCTION EF1,EF2,... [native|hnsw_rs [REPEAT]]
+//!
+//! Each ef is timed REPEAT times (default 1) and the median kept.
 //!
 //! GT.npy holds the exact top-K rows per query (as float32). Prints one JSON object on stdout.
 //! Threads: RAYON_NUM_THREADS (HNSW, Rust flat) and tch::set_num_threads from RAK_THREADS.
 
-use rak_retrieval::index::{FlatBackend, FlatIndex, HnswIndex, HnswParams, Hit};
+use rak_retrieval::index::{FlatBackend, FlatIndex, HnswBuilder, HnswIndex, HnswParams, Hit};
 use rak_retrieval::npy::NpyF32;
 use std::path::Path;
 use std::time::Instant;
@@ -26,6 +28,7 @@ fn recall(hits: &[Vec<Hit>], gt: &NpyF32, k: usize) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
+    rak_core::malloc::keep_freed_buffers(); // as `host` does
     let a: Vec<String> = std::env::args().collect();
     let threads: i32 = std::env::var("RAK_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
     tch::set_num_threads(threads);
@@ -51,21 +54,39 @@ fn main() -> anyhow::Result<()> {
         "hnsw" => {
             let (m, efc) = (a[6].parse()?, a[7].parse()?);
             let efs: Vec<usize> = a[8].split(',').map(|v| v.parse()).collect::<Result<_, _>>()?;
+            let builder: HnswBuilder = a.get(9).map_or(Ok(HnswBuilder::Native), |b| b.parse())?;
             let t = Instant::now();
-            let mut h = HnswIndex::build(base.data(), d, ids, HnswParams { m, ef_construction: efc, ef_search: efs[0] })?;
+            // RAK_BENCH_REUSE=DIR: load the index from DIR if it is there, else build and save it
+            // there (for search-only experiments; the build time is then the load time).
+            let reuse = std::env::var_os("RAK_BENCH_REUSE").map(std::path::PathBuf::from);
+            let mut h = match &reuse {
+                Some(dir) if dir.exists() => HnswIndex::load(dir)?,
+                _ => HnswIndex::build_with(base.data(), d, ids, HnswParams { m, ef_construction: efc, ef_search: efs[0] }, builder)?,
+            };
+            if let Some(dir) = reuse.filter(|d| !d.exists()) {
+                h.save(&dir)?;
+            }
             let build = t.elapsed().as_secs_f64();
             out["build_seconds"] = build.into();
             let mut runs = vec![];
+            let repeat: usize = a.get(10).map_or(Ok(1), |r| r.parse())?;
             for ef in efs {
                 h.set_ef_search(ef)?;
-                let t = Instant::now();
-                let hits = h.search(queries.data(), d, k)?;
-                let s = t.elapsed().as_secs_f64();
+                let mut times = vec![];
+                let mut hits = vec![];
+                for _ in 0..repeat.max(1) {
+                    let t = Instant::now();
+                    hits = h.search(queries.data(), d, k)?;
+                    times.push(t.elapsed().as_secs_f64());
+                }
+                times.sort_by(f64::total_cmp);
+                let s = times[times.len() / 2];
                 runs.push(serde_json::json!({"ef": ef, "qps": nq as f64 / s, "recall": recall(&hits, &gt, k)}));
             }
             out["search"] = runs.into();
             out["m"] = m.into();
             out["ef_construction"] = efc.into();
+            out["builder"] = builder.to_string().into();
         }
         _ => anyhow::bail!("mode must be flat or hnsw"),
     }

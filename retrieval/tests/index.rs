@@ -1,6 +1,6 @@
 //! Indexes and `.npy` files: exactness, recall, persistence, and every error path.
 
-use rak_retrieval::index::{self, Bm25Index, FlatBackend, FlatIndex, HnswIndex, HnswParams, Index};
+use rak_retrieval::index::{self, Bm25Index, FlatBackend, FlatIndex, HnswBuilder, HnswIndex, HnswParams, Index};
 use rak_retrieval::npy::{self, NpyF32, NpyWriter};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -83,16 +83,16 @@ fn flat_equals_brute_force_on_both_backends() {
     assert_eq!(small.search(&queries[..d], d, 50).unwrap()[0].len(), 5);
 }
 
-#[test]
-fn hnsw_mips_recall_and_persistence() {
-    let (n, d, nq, k) = (20_000, 64, 200, 10);
-    let base = vectors(n, d, 3);
-    let queries = vectors(nq, d, 4);
-    let flat = FlatIndex::new(base.clone(), d, ids(n)).unwrap();
-    let exact = flat.search(&queries, d, k).unwrap();
+/// Build with `builder` on unnormalised vectors; recall@10 against exact search must be ≥ 0.98
+/// and every score an exact inner product.
+fn check_mips_recall(builder: HnswBuilder, base: &[f32], queries: &[f32], d: usize) -> HnswIndex {
+    let (n, nq, k) = (base.len() / d, queries.len() / d, 10);
+    let flat = FlatIndex::new(base.to_vec(), d, ids(n)).unwrap();
+    let exact = flat.search(queries, d, k).unwrap();
     let params = HnswParams { m: 16, ef_construction: 200, ef_search: 128 };
-    let hnsw = HnswIndex::build(&base, d, ids(n), params).unwrap();
-    let approx = hnsw.search(&queries, d, k).unwrap();
+    let hnsw = HnswIndex::build_with(base, d, ids(n), params, builder).unwrap();
+    assert_eq!(hnsw.builder(), builder);
+    let approx = hnsw.search(queries, d, k).unwrap();
     let mut found = 0;
     for (a, e) in approx.iter().zip(&exact) {
         let truth: std::collections::HashSet<usize> = e.iter().map(|h| h.row).collect();
@@ -107,8 +107,42 @@ fn hnsw_mips_recall_and_persistence() {
         assert!(a.windows(2).all(|w| w[0].score >= w[1].score));
     }
     let recall = found as f64 / (nq * k) as f64;
-    eprintln!("HNSW MIPS recall@{k} = {recall:.4} (n={n}, d={d}, m=16, efC=200, ef=128); cross-layer links dropped: {}", index::DROPPED_LINKS.load(Ordering::Relaxed));
-    assert!(recall >= 0.98, "recall@{k} = {recall}");
+    eprintln!("HNSW ({builder}) MIPS recall@{k} = {recall:.4} (n={n}, d={d}, m=16, efC=200, ef=128)");
+    assert!(recall >= 0.98, "{builder}: recall@{k} = {recall}");
+    hnsw
+}
+
+#[test]
+fn hnsw_rs_builder_mips_recall() {
+    let d = 64;
+    let hnsw = check_mips_recall(HnswBuilder::HnswRs, &vectors(20_000, d, 3), &vectors(200, d, 4), d);
+    eprintln!("hnsw_rs cross-layer links dropped: {}", index::DROPPED_LINKS.load(Ordering::Relaxed));
+    // The builder is recorded in index.json and survives a reload.
+    let dir = tmpdir("hnsw-rs").join("idx");
+    hnsw.save(&dir).unwrap();
+    assert_eq!(index::info(&dir).unwrap()["params"]["builder"], "hnsw_rs");
+    assert_eq!(HnswIndex::load(&dir).unwrap().builder(), HnswBuilder::HnswRs);
+}
+
+#[test]
+fn hnsw_native_builder_is_reproducible_on_one_thread() {
+    let d = 32;
+    let base = vectors(3_000, d, 7);
+    let p = HnswParams { m: 8, ef_construction: 64, ef_search: 64 };
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let build = || pool.install(|| HnswIndex::build(&base, d, ids(3_000), p).unwrap());
+    let (a, b) = (tmpdir("repro-a").join("idx"), tmpdir("repro-b").join("idx"));
+    build().save(&a).unwrap();
+    build().save(&b).unwrap();
+    assert_eq!(std::fs::read(a.join("graph.bin")).unwrap(), std::fs::read(b.join("graph.bin")).unwrap());
+}
+
+#[test]
+fn hnsw_mips_recall_and_persistence() {
+    let (n, d, k) = (20_000, 64, 10);
+    let queries = vectors(200, d, 4);
+    let hnsw = check_mips_recall(HnswBuilder::Native, &vectors(n, d, 3), &queries, d);
+    let approx = hnsw.search(&queries, d, k).unwrap();
 
     // save → load → identical results; open() finds the kind; info() is index.json.
     let dir = tmpdir("hnsw").join("idx");
@@ -122,6 +156,7 @@ fn hnsw_mips_recall_and_persistence() {
     assert_eq!(info["count"], n);
     assert_eq!(info["metric"], "ip");
     assert_eq!(info["params"]["m"], 16);
+    assert_eq!(info["params"]["builder"], "native");
     assert!(info["created_by"].as_str().unwrap().starts_with("rak-core "));
     match index::open(&dir).unwrap() {
         Index::Hnsw(h) => assert_eq!(h.len(), n),
@@ -313,9 +348,12 @@ fn errors_are_clear_and_never_panic() {
     assert!(e.contains("8-d") && e.contains("4-d"), "{e}");
     assert!(err(h.set_ef_search(0)).contains("ef_search"));
     h.set_ef_search(64).unwrap();
-    // A one-vector index works (hnsw_rs special-cases the first point).
-    let one = HnswIndex::build(&base[..d], d, ids(1), ok).unwrap();
-    assert_eq!(one.search(&base[..d], d, 3).unwrap()[0].len(), 1);
+    // A one-vector index works with either builder (hnsw_rs special-cases the first point).
+    for b in [HnswBuilder::Native, HnswBuilder::HnswRs] {
+        let one = HnswIndex::build_with(&base[..d], d, ids(1), ok, b).unwrap();
+        assert_eq!(one.search(&base[..d], d, 3).unwrap()[0].len(), 1);
+    }
+    assert!(err("faiss".parse::<HnswBuilder>()).contains("expected native or hnsw_rs"));
 
     // Loading from a non-index directory or of the wrong kind.
     let nowhere = tmpdir("none");

@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use rak_retrieval::data::beir;
-use rak_retrieval::index::{self, Bm25Index, FlatIndex, HnswIndex, HnswParams};
+use rak_retrieval::index::{self, Bm25Index, FlatIndex, HnswBuilder, HnswIndex, HnswParams};
 use rak_retrieval::npy::{self, NpyF32};
 use std::path::{Path, PathBuf};
 
@@ -38,6 +38,9 @@ pub struct BuildArgs {
     /// HNSW candidate list while searching (stored; `host search --ef-search` overrides).
     #[arg(long, default_value_t = HnswParams::default().ef_search)]
     pub ef_search: usize,
+    /// HNSW graph builder: `native` (hnswlib's algorithm on flat arrays) or `hnsw_rs`.
+    #[arg(long, default_value_t = HnswBuilder::default())]
+    pub hnsw_builder: HnswBuilder,
 }
 
 pub fn run(cmd: &IndexCmd) -> Result<serde_json::Value> {
@@ -75,8 +78,16 @@ fn build(args: &BuildArgs) -> Result<serde_json::Value> {
             } else {
                 let params = HnswParams { m: args.m, ef_construction: args.ef_construction, ef_search: args.ef_search };
                 params.validate()?;
-                eprintln!("index: building HNSW over {} vectors (m={}, ef_construction={})", vectors.rows(), params.m, params.ef_construction);
-                let idx = HnswIndex::build(vectors.data(), vectors.dim(), ids, params)?;
+                eprintln!(
+                    "index: building HNSW over {} vectors (m={}, ef_construction={}, builder {})",
+                    vectors.rows(),
+                    params.m,
+                    params.ef_construction,
+                    args.hnsw_builder
+                );
+                let bar = super::encode::progress(vectors.rows() as u64, "hnsw");
+                let idx = HnswIndex::build_with_progress(vectors.data(), vectors.dim(), ids, params, args.hnsw_builder, &|done| bar.set_position(done as u64))?;
+                bar.finish_and_clear();
                 idx.save(&args.output)?;
                 idx.meta().clone()
             }

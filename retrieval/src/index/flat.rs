@@ -120,8 +120,9 @@ impl FlatIndex {
         let base = self.vectors();
         let n = self.len();
         let q = Tensor::from_slice(queries).view([nq as i64, d as i64]);
-        // Keep the score block near 64 MiB whatever the batch size.
-        let block = ((16usize << 20) / nq).clamp(4096, 1 << 18).min(n);
+        // Score blocks of at most 4M floats (16 MiB): reused from the heap, not mapped afresh
+        // (see rak_core::malloc), and closer to the caches for topk.
+        let block = ((4usize << 20) / nq).clamp(1024, 1 << 18).min(n);
         let mut cands: Vec<Vec<Hit>> = vec![Vec::with_capacity(k * n.div_ceil(block)); nq];
         for start in (0..n).step_by(block) {
             let rows = block.min(n - start);

@@ -1,5 +1,5 @@
 //! Passage indexes: exact inner product ([`FlatIndex`]), approximate maximum inner product
-//! ([`HnswIndex`], hnsw_rs) and lexical BM25 ([`Bm25Index`], tantivy).
+//! ([`HnswIndex`], an HNSW graph) and lexical BM25 ([`Bm25Index`], tantivy).
 //!
 //! Every index lives in a directory holding `index.json` ([`IndexMeta`]) beside its own files;
 //! [`open`] reads any of them. Directories are built under a temporary name and renamed into
@@ -8,11 +8,12 @@
 mod bm25;
 mod flat;
 mod hnsw;
+mod hnsw_build;
 mod simd;
 
 pub use bm25::{Bm25Index, BM25_B, BM25_K1};
 pub use flat::{FlatBackend, FlatIndex};
-pub use hnsw::{HnswIndex, HnswParams, InnerProductDist, DROPPED_LINKS};
+pub use hnsw::{HnswBuilder, HnswIndex, HnswParams, InnerProductDist, DROPPED_LINKS};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};

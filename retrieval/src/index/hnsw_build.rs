@@ -1,0 +1,399 @@
+//! HNSW graph construction on flat arrays, in parallel (the algorithm of hnswlib and faiss).
+//!
+//! Why not hnsw_rs's builder: it links points through `Arc`s in `RwLock`ed lists and allocates
+//! per visited candidate, and on 200k × 384 it built 3.2× slower than faiss on the same two
+//! cores. Here every node owns a fixed block of link slots (`1 + 2M` on layer 0, `1 + M` on
+//! each upper layer: a count, then neighbour ids) in one array of atomics, guarded by a
+//! per-node mutex. A thread holds at most one node lock at a time (read a list, or rewrite
+//! one), so insertions cannot deadlock; the relaxed atomics make the racy-but-locked
+//! accesses plain loads and stores while keeping the code free of `unsafe`.
+//!
+//! Similarity is the inner product (larger is closer), used directly as HNSW's non-metric
+//! distance, like faiss's `METRIC_INNER_PRODUCT`; see `hnsw.rs` for why not the MIPS→L2
+//! reduction. Neighbours are chosen with the usual heuristic (keep a candidate only if it is
+//! closer to the new point than to every neighbour already kept); a new point gets `M` links
+//! on each of its layers and accepts back-links up to `2M` on layer 0 and `M` above
+//! (hnswlib's choice).
+
+use super::simd;
+use super::Scored;
+use rayon::prelude::*;
+use std::cell::RefCell;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::Relaxed};
+use std::sync::Mutex;
+
+/// The graph a build produces: per node its level and, per layer `0..=level`, its neighbours.
+pub(crate) struct BuiltGraph {
+    pub entry: u32,
+    pub level: Vec<u8>,
+    /// `links[node][layer]`.
+    pub links: Vec<Vec<Vec<u32>>>,
+}
+
+/// Highest level a node may draw (levels are geometric with ratio 1/M, so this is never hit
+/// in practice; it bounds the per-node storage).
+const MAX_LEVEL: u8 = 15;
+
+struct Builder<'a> {
+    data: &'a [f32],
+    dim: usize,
+    m: usize,
+    m0: usize,
+    ef: usize,
+    level: Vec<u8>,
+    /// Layer 0: node `i` owns `[i * (1 + m0), (i + 1) * (1 + m0))`: count, then links.
+    l0: Vec<AtomicU32>,
+    /// Upper layers: node `i` owns `level[i]` blocks of `1 + m` from `up_start[i]`.
+    up_start: Vec<usize>,
+    up: Vec<AtomicU32>,
+    locks: Vec<Mutex<()>>,
+    /// Entry point and the top level; held for a whole insertion by a point that will raise
+    /// the top level.
+    entry: Mutex<(u32, u8)>,
+    dot: simd::Kernel,
+    dot4: simd::Kernel4,
+}
+
+/// Per-thread scratch: a visited table stamped with a generation number, and buffers.
+#[derive(Default)]
+struct Scratch {
+    stamp: Vec<u32>,
+    gen: u32,
+    links: Vec<u32>,
+    fresh: Vec<u32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+impl Scratch {
+    /// A fresh generation of the visited table for a graph of `n` nodes.
+    fn next_gen(&mut self, n: usize) -> u32 {
+        if self.stamp.len() < n {
+            self.stamp = vec![0; n];
+            self.gen = 0;
+        }
+        self.gen = self.gen.wrapping_add(1);
+        if self.gen == 0 {
+            self.stamp.iter_mut().for_each(|s| *s = 0);
+            self.gen = 1;
+        }
+        self.gen
+    }
+}
+
+/// A geometric level per node, `floor(-ln(U) / ln(M))`, from a fixed seed (splitmix64), so a
+/// build is reproducible up to thread interleaving.
+fn draw_levels(n: usize, m: usize, seed: u64) -> Vec<u8> {
+    let ml = 1.0 / (m as f64).ln();
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            let u = ((z >> 11) as f64 + 0.5) / (1u64 << 53) as f64; // in (0, 1)
+            ((-u.ln() * ml).floor() as u64).min(MAX_LEVEL as u64) as u8
+        })
+        .collect()
+}
+
+/// Build the graph over `n = data.len() / dim` vectors with `m` links per node and layer and
+/// `ef` candidates per insertion, on rayon's current pool; `progress(points inserted)` is
+/// called every few thousand points.
+pub(crate) fn build(data: &[f32], dim: usize, m: usize, ef: usize, progress: &(dyn Fn(usize) + Sync)) -> BuiltGraph {
+    let n = data.len() / dim;
+    let level = draw_levels(n, m, 0x5EED_4A7C_0DE5_1234);
+    let m0 = 2 * m;
+    let mut up_start = Vec::with_capacity(n);
+    let mut total = 0usize;
+    for &l in &level {
+        up_start.push(total);
+        total += l as usize * (1 + m);
+    }
+    let zeros = |len: usize| (0..len).map(|_| AtomicU32::new(0)).collect::<Vec<_>>();
+    let b = Builder {
+        data,
+        dim,
+        m,
+        m0,
+        ef,
+        l0: zeros(n * (1 + m0)),
+        up: zeros(total),
+        up_start,
+        locks: (0..n).map(|_| Mutex::new(())).collect(),
+        entry: Mutex::new((0, level[0])),
+        level,
+        dot: simd::dot_kernel(),
+        dot4: simd::dot4_kernel(),
+    };
+    let done = AtomicUsize::new(1);
+    (1..n).into_par_iter().with_min_len(64).for_each(|i| {
+        b.insert(i as u32);
+        let d = done.fetch_add(1, Relaxed) + 1;
+        if d % 4096 == 0 {
+            progress(d);
+        }
+    });
+    progress(n);
+    b.finish()
+}
+
+impl Builder<'_> {
+    fn vector(&self, i: u32) -> &[f32] {
+        let s = i as usize * self.dim;
+        &self.data[s..s + self.dim]
+    }
+
+    fn block(&self, node: u32, layer: usize) -> &[AtomicU32] {
+        if layer == 0 {
+            let s = node as usize * (1 + self.m0);
+            &self.l0[s..s + 1 + self.m0]
+        } else {
+            let s = self.up_start[node as usize] + (layer - 1) * (1 + self.m);
+            &self.up[s..s + 1 + self.m]
+        }
+    }
+
+    /// Copy a node's links on `layer` into `out` (under its lock).
+    fn read_links(&self, node: u32, layer: usize, out: &mut Vec<u32>) {
+        let block = self.block(node, layer);
+        out.clear();
+        let _g = self.locks[node as usize].lock().unwrap_or_else(|p| p.into_inner());
+        let c = block[0].load(Relaxed) as usize;
+        out.extend(block[1..=c].iter().map(|a| a.load(Relaxed)));
+    }
+
+    fn write_links(block: &[AtomicU32], links: &[u32]) {
+        block[0].store(links.len() as u32, Relaxed);
+        for (slot, &v) in block[1..].iter().zip(links) {
+            slot.store(v, Relaxed);
+        }
+    }
+
+    fn insert(&self, cur: u32) {
+        let q = self.vector(cur);
+        let my_level = self.level[cur as usize];
+        let mut top_guard = None;
+        let (entry, top) = {
+            let g = self.entry.lock().unwrap_or_else(|p| p.into_inner());
+            let e = *g;
+            if my_level > e.1 {
+                top_guard = Some(g); // this point becomes the entry: keep others out of the top
+            }
+            e
+        };
+        SCRATCH.with(|sc| {
+            let sc = &mut *sc.borrow_mut();
+            let mut ep = entry;
+            let mut ep_s = (self.dot)(q, self.vector(ep));
+            // Greedy descent through the layers above this point's own.
+            for layer in (my_level as usize + 1..=top as usize).rev() {
+                loop {
+                    let mut moved = false;
+                    self.read_links(ep, layer, &mut sc.links);
+                    for &v in &sc.links {
+                        let s = (self.dot)(q, self.vector(v));
+                        if s > ep_s {
+                            (ep, ep_s, moved) = (v, s, true);
+                        }
+                    }
+                    if !moved {
+                        break;
+                    }
+                }
+            }
+            for layer in (0..=my_level.min(top) as usize).rev() {
+                let found = self.search_layer(q, ep, ep_s, layer, sc);
+                let chosen = self.select(&found, if layer == 0 { self.m0 } else { self.m });
+                if let Some(best) = chosen.first() {
+                    (ep, ep_s) = (best.1, best.0);
+                }
+                let ids: Vec<u32> = chosen.iter().map(|s| s.1).collect();
+                {
+                    let _g = self.locks[cur as usize].lock().unwrap_or_else(|p| p.into_inner());
+                    Self::write_links(self.block(cur, layer), &ids);
+                }
+                for &nb in &ids {
+                    self.link_back(nb, cur, layer, &mut sc.links);
+                }
+            }
+        });
+        if let Some(mut g) = top_guard {
+            *g = (cur, my_level);
+        }
+    }
+
+    /// Add `cur` to `nb`'s list on `layer`, pruning with the heuristic when the list is full.
+    fn link_back(&self, nb: u32, cur: u32, layer: usize, buf: &mut Vec<u32>) {
+        let cap = if layer == 0 { self.m0 } else { self.m };
+        let block = self.block(nb, layer);
+        let _g = self.locks[nb as usize].lock().unwrap_or_else(|p| p.into_inner());
+        let c = block[0].load(Relaxed) as usize;
+        if c < cap {
+            block[1 + c].store(cur, Relaxed);
+            block[0].store(c as u32 + 1, Relaxed);
+            return;
+        }
+        buf.clear();
+        buf.extend(block[1..=c].iter().map(|a| a.load(Relaxed)));
+        buf.push(cur);
+        let base = self.vector(nb);
+        let mut cands: Vec<Scored<u32>> = buf.iter().map(|&v| Scored((self.dot)(base, self.vector(v)), v)).collect();
+        cands.sort_unstable_by(|a, b| b.cmp(a));
+        let kept = self.select_sorted(&cands, cap);
+        let ids: Vec<u32> = kept.iter().map(|s| s.1).collect();
+        Self::write_links(block, &ids);
+    }
+
+    /// Beam search on one layer from `ep`: up to `ef` closest nodes, unordered.
+    fn search_layer(&self, q: &[f32], ep: u32, ep_s: f32, layer: usize, sc: &mut Scratch) -> Vec<Scored<u32>> {
+        let gen = sc.next_gen(self.level.len());
+        sc.stamp[ep as usize] = gen;
+        let mut cands: BinaryHeap<Scored<u32>> = BinaryHeap::with_capacity(self.ef * 2);
+        let mut best: BinaryHeap<Reverse<Scored<u32>>> = BinaryHeap::with_capacity(self.ef + 1);
+        cands.push(Scored(ep_s, ep));
+        best.push(Reverse(Scored(ep_s, ep)));
+        let mut scores = Vec::new();
+        while let Some(Scored(s, node)) = cands.pop() {
+            if best.len() >= self.ef && s < best.peek().unwrap().0 .0 {
+                break;
+            }
+            self.read_links(node, layer, &mut sc.links);
+            sc.fresh.clear();
+            for &v in &sc.links {
+                if sc.stamp[v as usize] != gen {
+                    sc.stamp[v as usize] = gen;
+                    sc.fresh.push(v);
+                }
+            }
+            simd::dot_many(self.dot, self.dot4, q, self.data, self.dim, &sc.fresh, &mut scores);
+            for (&v, &sv) in sc.fresh.iter().zip(&scores) {
+                if best.len() < self.ef || sv > best.peek().unwrap().0 .0 {
+                    cands.push(Scored(sv, v));
+                    best.push(Reverse(Scored(sv, v)));
+                    if best.len() > self.ef {
+                        best.pop();
+                    }
+                }
+            }
+        }
+        best.into_iter().map(|r| r.0).collect()
+    }
+
+    /// The neighbour heuristic over unsorted candidates: at most `m`, best first.
+    fn select(&self, found: &[Scored<u32>], m: usize) -> Vec<Scored<u32>> {
+        let mut sorted = found.to_vec();
+        sorted.sort_unstable_by(|a, b| b.cmp(a));
+        self.select_sorted(&sorted, m)
+    }
+
+    /// Keep a candidate (best first) only if no kept one is closer to it than the base point
+    /// is: this spreads links over directions instead of clustering them.
+    fn select_sorted(&self, sorted: &[Scored<u32>], m: usize) -> Vec<Scored<u32>> {
+        if sorted.len() <= m {
+            return sorted.to_vec();
+        }
+        let mut kept: Vec<Scored<u32>> = Vec::with_capacity(m);
+        for &c in sorted {
+            if kept.len() >= m {
+                break;
+            }
+            let cv = self.vector(c.1);
+            if kept.iter().all(|k| (self.dot)(cv, self.vector(k.1)) <= c.0) {
+                kept.push(c);
+            }
+        }
+        kept
+    }
+
+    fn finish(self) -> BuiltGraph {
+        let n = self.level.len();
+        let entry = self.entry.lock().unwrap_or_else(|p| p.into_inner()).0;
+        let links = (0..n as u32)
+            .map(|i| {
+                (0..=self.level[i as usize] as usize)
+                    .map(|layer| {
+                        let b = self.block(i, layer);
+                        let c = b[0].load(Relaxed) as usize;
+                        b[1..=c].iter().map(|a| a.load(Relaxed)).collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        BuiltGraph { entry, level: self.level, links }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Unit vectors: on them inner product is cosine, a proper similarity, so the layer-0
+    /// graph should connect everything. (With varying norms, short vectors lose every in-link
+    /// to longer ones, as in any inner-product graph; they are rarely anyone's top hit.)
+    fn data(n: usize, d: usize) -> Vec<f32> {
+        let mut s = 42u64;
+        let mut v: Vec<f32> = (0..n * d)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect();
+        for row in v.chunks_mut(d) {
+            let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt();
+            row.iter_mut().for_each(|x| *x /= norm);
+        }
+        v
+    }
+
+    #[test]
+    fn graph_invariants() {
+        let (n, d, m) = (2_000, 16, 6);
+        let g = build(&data(n, d), d, m, 40, &|_| ());
+        assert_eq!(g.links.len(), n);
+        let top = *g.level.iter().max().unwrap();
+        assert_eq!(g.level[g.entry as usize], top, "entry is on the top layer");
+        for (i, layers) in g.links.iter().enumerate() {
+            assert_eq!(layers.len(), g.level[i] as usize + 1);
+            for (l, links) in layers.iter().enumerate() {
+                assert!(links.len() <= if l == 0 { 2 * m } else { m }, "node {i} layer {l}: {} links", links.len());
+                let mut u = links.clone();
+                u.sort_unstable();
+                u.dedup();
+                assert_eq!(u.len(), links.len(), "node {i} layer {l}: duplicate links");
+                for &v in links {
+                    assert_ne!(v as usize, i, "self link");
+                    assert!(g.level[v as usize] as usize >= l, "node {i} links to {v} absent from layer {l}");
+                }
+            }
+        }
+        // Every node is reachable from the entry on layer 0 (allowing for a rare orphan).
+        let mut seen = vec![false; n];
+        let mut stack = vec![g.entry];
+        seen[g.entry as usize] = true;
+        while let Some(v) = stack.pop() {
+            for &w in &g.links[v as usize][0] {
+                if !std::mem::replace(&mut seen[w as usize], true) {
+                    stack.push(w);
+                }
+            }
+        }
+        let reached = seen.iter().filter(|s| **s).count();
+        assert!(reached * 1000 >= n * 998, "{reached} of {n} reachable");
+    }
+
+    #[test]
+    fn levels_are_geometric() {
+        let lv = draw_levels(100_000, 16, 1);
+        let above = |l: u8| lv.iter().filter(|&&x| x >= l).count() as f64 / lv.len() as f64;
+        // P(level ≥ 1) = 1/M, P(level ≥ 2) = 1/M².
+        assert!((above(1) - 1.0 / 16.0).abs() < 0.005, "{}", above(1));
+        assert!((above(2) - 1.0 / 256.0).abs() < 0.001, "{}", above(2));
+    }
+}
