@@ -3,6 +3,7 @@
 
     . scripts/env.sh && cargo build --release -p rak-retrieval --example bench_index
     python bench/index_vs_faiss.py --n 200000 --threads 2
+    python bench/index_vs_faiss.py --base-npy EMB/embeddings.npy --queries-npy Q/embeddings.npy
 
 Data (deterministic, cached under .cache/bench/): N base and NQ query vectors of width 384,
 x = z @ A + 0.1 * noise with z ~ N(0, I_64) (a 64-d latent, like real embeddings' low intrinsic
@@ -110,6 +111,32 @@ def best_at(runs, target):
     return max(ok, key=lambda r: r["qps"]) if ok else None
 
 
+def qps_at(runs, target):
+    """QPS at exactly the target recall, interpolated linearly between the two sweep points
+    around it (ef sweeps are coarse, so the first ef past the target flatters nobody)."""
+    pts = sorted((r["recall"], r["qps"]) for r in runs)
+    for (r0, q0), (r1, q1) in zip(pts, pts[1:]):
+        if r0 <= target <= r1 and r1 > r0:
+            return q0 + (target - r0) / (r1 - r0) * (q1 - q0)
+    return None
+
+
+def summarize(res, target):
+    f, r = res.get("faiss_hnsw"), res.get("rak_hnsw")
+    if not (f and r):
+        return
+    print(f"build: rak {r['build_seconds']:.1f}s faiss {f['build_seconds']:.1f}s "
+          f"ratio {r['build_seconds'] / f['build_seconds']:.2f}x", file=sys.stderr)
+    fa, ra = best_at(f["search"], target), best_at(r["search"], target)
+    if fa and ra:
+        print(f"QPS at recall>={target}: rak {ra['qps']:.0f} (ef {ra['ef']}, R {ra['recall']:.3f}) "
+              f"faiss {fa['qps']:.0f} (ef {fa['ef']}, R {fa['recall']:.3f}) ratio {ra['qps'] / fa['qps']:.2f}",
+              file=sys.stderr)
+    fi, ri = qps_at(f["search"], target), qps_at(r["search"], target)
+    if fi and ri:
+        print(f"QPS interpolated at recall {target}: rak {ri:.0f} faiss {fi:.0f} ratio {ri / fi:.2f}", file=sys.stderr)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=200_000)
@@ -126,19 +153,31 @@ def main():
     p.add_argument("--skip", default="", help="comma list of: flat, faiss-hnsw, rak-hnsw")
     p.add_argument("--worker", choices=["flat", "hnsw"])
     p.add_argument("--base"), p.add_argument("--queries"), p.add_argument("--gt")
+    p.add_argument("--base-npy", help="real base vectors ([n, d] float32 .npy) instead of synthetic ones")
+    p.add_argument("--queries-npy", help="real query vectors, with --base-npy")
+    p.add_argument("--summarize", metavar="RESULT.json", help="only print the summary of an earlier run's output")
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.summarize:
+        return summarize(json.load(open(args.summarize)), args.target)
 
     cache = os.path.join(ROOT, ".cache", "bench")
     os.makedirs(cache, exist_ok=True)
-    base = os.path.join(cache, f"base-{args.n}x{args.dim}.npy")
-    queries = os.path.join(cache, f"queries-{args.nq}x{args.dim}.npy")
-    gt = os.path.join(cache, f"gt-{args.n}x{args.dim}-q{args.nq}-k{args.k}.npy")
-    if not os.path.exists(base):
-        make_data(base, args.n, args.dim, seed=1)
-    if not os.path.exists(queries):
-        make_data(queries, args.nq, args.dim, seed=2)
+    if args.base_npy:
+        base, queries = os.path.abspath(args.base_npy), os.path.abspath(args.queries_npy)
+        args.n, args.dim = np.load(base, mmap_mode="r").shape
+        args.nq = np.load(queries, mmap_mode="r").shape[0]
+        tag = os.path.basename(os.path.dirname(base)) or "real"
+        gt = os.path.join(cache, f"gt-{tag}-{args.n}x{args.dim}-q{args.nq}-k{args.k}.npy")
+    else:
+        base = os.path.join(cache, f"base-{args.n}x{args.dim}.npy")
+        queries = os.path.join(cache, f"queries-{args.nq}x{args.dim}.npy")
+        gt = os.path.join(cache, f"gt-{args.n}x{args.dim}-q{args.nq}-k{args.k}.npy")
+        if not os.path.exists(base):
+            make_data(base, args.n, args.dim, seed=1)
+        if not os.path.exists(queries):
+            make_data(queries, args.nq, args.dim, seed=2)
     me = [sys.executable, os.path.abspath(__file__), "--base", base, "--queries", queries, "--gt", gt,
           "--k", str(args.k), "--threads", str(args.threads), "--m", str(args.m), "--efc", str(args.efc),
           "--efs", ",".join(map(str, args.efs)), "--repeat", str(args.repeat)]
@@ -157,16 +196,7 @@ def main():
         res["rak_hnsw"] = run(rust + ["hnsw", base, queries, gt, str(args.k), str(args.m), str(args.efc),
                                       ",".join(map(str, args.efs)), args.rak_builder, str(args.repeat)], env)
     print(json.dumps(res, indent=1))
-    # Summary.
-    f, r = res.get("faiss_hnsw"), res.get("rak_hnsw")
-    if f and r:
-        fa, ra = best_at(f["search"], args.target), best_at(r["search"], args.target)
-        print(f"build: rak {r['build_seconds']:.1f}s faiss {f['build_seconds']:.1f}s "
-              f"ratio {r['build_seconds'] / f['build_seconds']:.2f}x", file=sys.stderr)
-        if fa and ra:
-            print(f"QPS at recall>={args.target}: rak {ra['qps']:.0f} (ef {ra['ef']}, R {ra['recall']:.3f}) "
-                  f"faiss {fa['qps']:.0f} (ef {fa['ef']}, R {fa['recall']:.3f}) ratio {ra['qps'] / fa['qps']:.2f}",
-                  file=sys.stderr)
+    summarize(res, args.target)
 
 
 if __name__ == "__main__":
