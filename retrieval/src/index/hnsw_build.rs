@@ -11,9 +11,10 @@
 //! Similarity is the inner product (larger is closer), used directly as HNSW's non-metric
 //! distance, like faiss's `METRIC_INNER_PRODUCT`; see `hnsw.rs` for why not the MIPS→L2
 //! reduction. Neighbours are chosen with the usual heuristic (keep a candidate only if it is
-//! closer to the new point than to every neighbour already kept); a new point gets `M` links
-//! on each of its layers and accepts back-links up to `2M` on layer 0 and `M` above
-//! (hnswlib's choice).
+//! closer to the new point than to every neighbour already kept). A new point takes up to `2M`
+//! links on layer 0 and `M` above, and lists are capped at the same sizes (faiss's choice;
+//! hnswlib gives a new point only `M` on layer 0, which cost recall: 0.980 against 0.987 at
+//! ef 256 on 200k × 384).
 
 use super::simd;
 use super::Scored;
@@ -208,19 +209,25 @@ impl Builder<'_> {
                     }
                 }
             }
+            // Choose the neighbours on every layer first, top down...
+            let mut chosen_per_layer = Vec::with_capacity(my_level as usize + 1);
             for layer in (0..=my_level.min(top) as usize).rev() {
                 let found = self.search_layer(q, ep, ep_s, layer, sc);
-                let chosen = self.select(&found, if layer == 0 { self.m0 } else { self.m });
+                let chosen = self.select(q, &found, if layer == 0 { self.m0 } else { self.m });
                 if let Some(best) = chosen.first() {
                     (ep, ep_s) = (best.1, best.0);
                 }
-                let ids: Vec<u32> = chosen.iter().map(|s| s.1).collect();
-                {
-                    let _g = self.locks[cur as usize].lock().unwrap_or_else(|p| p.into_inner());
-                    Self::write_links(self.block(cur, layer), &ids);
-                }
+                chosen_per_layer.push((layer, chosen.iter().map(|s| s.1).collect::<Vec<u32>>()));
+            }
+            // ...then link bottom up. Other threads can reach `cur` on a layer only through
+            // the back-links made there, and by then its own lists on that layer and every
+            // layer below are in place. (Linking top down, as the sequential algorithm does, let
+            // a concurrent insertion descend into `cur` on layer 0 before `cur` had any links
+            // there, find nothing else, and end up with `cur` as its only neighbour.)
+            for (layer, ids) in chosen_per_layer.into_iter().rev() {
+                self.add_links(cur, layer, &ids, &mut sc.links);
                 for &nb in &ids {
-                    self.link_back(nb, cur, layer, &mut sc.links);
+                    self.add_links(nb, layer, &[cur], &mut sc.links);
                 }
             }
         });
@@ -229,26 +236,29 @@ impl Builder<'_> {
         }
     }
 
-    /// Add `cur` to `nb`'s list on `layer`, pruning with the heuristic when the list is full.
-    fn link_back(&self, nb: u32, cur: u32, layer: usize, buf: &mut Vec<u32>) {
+    /// Add `new` to `node`'s list on `layer` (under its lock); when that overflows the list's
+    /// capacity, keep what the neighbour heuristic picks from old and new together.
+    fn add_links(&self, node: u32, layer: usize, new: &[u32], buf: &mut Vec<u32>) {
         let cap = if layer == 0 { self.m0 } else { self.m };
-        let block = self.block(nb, layer);
-        let _g = self.locks[nb as usize].lock().unwrap_or_else(|p| p.into_inner());
+        let block = self.block(node, layer);
+        let _g = self.locks[node as usize].lock().unwrap_or_else(|p| p.into_inner());
         let c = block[0].load(Relaxed) as usize;
-        if c < cap {
-            block[1 + c].store(cur, Relaxed);
-            block[0].store(c as u32 + 1, Relaxed);
-            return;
-        }
         buf.clear();
         buf.extend(block[1..=c].iter().map(|a| a.load(Relaxed)));
-        buf.push(cur);
-        let base = self.vector(nb);
+        for &v in new {
+            if v != node && !buf.contains(&v) {
+                buf.push(v);
+            }
+        }
+        if buf.len() <= cap {
+            Self::write_links(block, buf);
+            return;
+        }
+        let base = self.vector(node);
         let mut cands: Vec<Scored<u32>> = buf.iter().map(|&v| Scored((self.dot)(base, self.vector(v)), v)).collect();
         cands.sort_unstable_by(|a, b| b.cmp(a));
-        let kept = self.select_sorted(&cands, cap);
-        let ids: Vec<u32> = kept.iter().map(|s| s.1).collect();
-        Self::write_links(block, &ids);
+        let kept: Vec<u32> = self.select_sorted(&cands, cap).iter().map(|s| s.1).collect();
+        Self::write_links(block, &kept);
     }
 
     /// Beam search on one layer from `ep`: up to `ef` closest nodes, unordered.
@@ -286,9 +296,12 @@ impl Builder<'_> {
         best.into_iter().map(|r| r.0).collect()
     }
 
-    /// The neighbour heuristic over unsorted candidates: at most `m`, best first.
-    fn select(&self, found: &[Scored<u32>], m: usize) -> Vec<Scored<u32>> {
-        let mut sorted = found.to_vec();
+    /// The neighbour heuristic over the candidates of a search around `q`: at most `m`, best
+    /// first. Scores are recomputed with the one-vector kernel: the search's four-at-a-time
+    /// kernel sums in another order, and the heuristic's comparisons must not hinge on the
+    /// last bit (with duplicate vectors they are exact ties).
+    fn select(&self, q: &[f32], found: &[Scored<u32>], m: usize) -> Vec<Scored<u32>> {
+        let mut sorted: Vec<Scored<u32>> = found.iter().map(|s| Scored((self.dot)(q, self.vector(s.1)), s.1)).collect();
         sorted.sort_unstable_by(|a, b| b.cmp(a));
         self.select_sorted(&sorted, m)
     }
@@ -355,7 +368,9 @@ mod tests {
     #[test]
     fn graph_invariants() {
         let (n, d, m) = (2_000, 16, 6);
-        let g = build(&data(n, d), d, m, 40, &|_| ());
+        // More threads than cores, so that insertions interleave.
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
+        let g = pool.install(|| build(&data(n, d), d, m, 40, &|_| ()));
         assert_eq!(g.links.len(), n);
         let top = *g.level.iter().max().unwrap();
         assert_eq!(g.level[g.entry as usize], top, "entry is on the top layer");
@@ -373,7 +388,7 @@ mod tests {
                 }
             }
         }
-        // Every node is reachable from the entry on layer 0 (allowing for a rare orphan).
+        // Every node is reachable from the entry on layer 0.
         let mut seen = vec![false; n];
         let mut stack = vec![g.entry];
         seen[g.entry as usize] = true;
@@ -385,7 +400,16 @@ mod tests {
             }
         }
         let reached = seen.iter().filter(|s| **s).count();
-        assert!(reached * 1000 >= n * 998, "{reached} of {n} reachable");
+        assert_eq!(reached, n, "{reached} of {n} reachable");
+    }
+
+    #[test]
+    fn duplicate_vectors_keep_their_links() {
+        // Every inner product ties: the heuristic must keep ties, not prune on rounding noise.
+        let (n, d, m) = (300, 40, 4);
+        let g = build(&vec![0.25; n * d], d, m, 16, &|_| ());
+        let mean = g.links.iter().map(|l| l[0].len()).sum::<usize>() as f64 / n as f64;
+        assert!(mean >= m as f64, "mean layer-0 degree {mean}");
     }
 
     #[test]
