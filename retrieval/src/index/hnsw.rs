@@ -31,14 +31,11 @@
 //! u32 neighbour[..] of layer 0, then for each node of level ≥ 1 and each of its upper layers
 //! u32 count and u32 neighbour[count]).
 
-use super::hnsw_build::{self, BuiltGraph};
+use super::hnsw_build::{self, beam_search, greedy, BuiltGraph, Scorer, SCRATCH};
 use super::{check_ids, check_matrix, check_queries, simd, Hit, IndexMeta, Scored};
 use crate::npy::{self, NpyF32};
 use anyhow::{bail, Context, Result};
 use hnsw_rs::prelude::{Distance, Hnsw};
-use std::cell::RefCell;
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -350,18 +347,6 @@ impl Graph {
     }
 }
 
-/// Per-thread scratch: a visited table stamped with a generation number, and buffers.
-struct Scratch {
-    stamp: Vec<u32>,
-    gen: u32,
-    fresh: Vec<u32>,
-    scores: Vec<f32>,
-}
-
-thread_local! {
-    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch { stamp: Vec::new(), gen: 0, fresh: Vec::new(), scores: Vec::new() }) };
-}
-
 impl HnswIndex {
     /// Build over `vectors` (`[ids.len(), dim]`, row-major) with the native builder,
     /// inserting in parallel on rayon's global pool (`RAYON_NUM_THREADS` sets its size).
@@ -475,12 +460,6 @@ impl HnswIndex {
         Ok(())
     }
 
-    #[inline]
-    fn score(&self, q: &[f32], node: u32) -> f32 {
-        let i = node as usize * self.dim;
-        (self.dot)(q, &self.vectors.data()[i..i + self.dim])
-    }
-
     /// The (approximately) `k` largest inner products per query (`[nq, dim]`), best first,
     /// queries in parallel. Scores are exact inner products.
     pub fn search(&self, queries: &[f32], dim: usize, k: usize) -> Result<Vec<Vec<Hit>>> {
@@ -494,67 +473,23 @@ impl HnswIndex {
 
     fn search_one(&self, q: &[f32], k: usize, ef: usize) -> Vec<Hit> {
         let g = &self.graph;
-        // Greedy descent through the upper layers.
-        let mut cur = g.entry;
-        let mut cur_s = self.score(q, cur);
-        for layer in (1..=g.level[cur as usize] as usize).rev() {
-            loop {
-                let mut moved = false;
-                for &v in &g.upper[cur as usize][layer - 1] {
-                    let s = self.score(q, v);
-                    if s > cur_s {
-                        (cur, cur_s, moved) = (v, s, true);
-                    }
-                }
-                if !moved {
-                    break;
-                }
-            }
-        }
-        // Beam search on layer 0.
+        let s = Scorer { data: self.vectors.data(), dim: self.dim, dot: self.dot, dot4: self.dot4 };
         SCRATCH.with(|sc| {
-            let mut sc = sc.borrow_mut();
-            if sc.stamp.len() < g.n {
-                sc.stamp = vec![0; g.n];
-                sc.gen = 0;
+            let sc = &mut *sc.borrow_mut();
+            let mut buf = Vec::new();
+            // Greedy descent through the upper layers, then a beam search on layer 0.
+            let (mut cur, mut cur_s) = (g.entry, s.score(q, g.entry));
+            for layer in (1..=g.level[cur as usize] as usize).rev() {
+                (cur, cur_s) = greedy(&s, q, cur, cur_s, &mut buf, |v, out| {
+                    out.clear();
+                    out.extend_from_slice(&g.upper[v as usize][layer - 1]);
+                });
             }
-            sc.gen = sc.gen.wrapping_add(1);
-            if sc.gen == 0 {
-                sc.stamp.iter_mut().for_each(|s| *s = 0);
-                sc.gen = 1;
-            }
-            let gen = sc.gen;
-            sc.stamp[cur as usize] = gen;
-            let data = self.vectors.data();
-            let mut cands: BinaryHeap<Scored<u32>> = BinaryHeap::with_capacity(ef * 4);
-            let mut best: BinaryHeap<Reverse<Scored<u32>>> = BinaryHeap::with_capacity(ef + 1);
-            let (mut fresh, mut scores) = (std::mem::take(&mut sc.fresh), std::mem::take(&mut sc.scores));
-            cands.push(Scored(cur_s, cur));
-            best.push(Reverse(Scored(cur_s, cur)));
-            while let Some(Scored(s, node)) = cands.pop() {
-                if best.len() >= ef && s < best.peek().unwrap().0 .0 {
-                    break;
-                }
-                fresh.clear();
-                for &v in g.layer0(node) {
-                    if sc.stamp[v as usize] != gen {
-                        sc.stamp[v as usize] = gen;
-                        fresh.push(v);
-                    }
-                }
-                simd::dot_many(self.dot, self.dot4, q, data, self.dim, &fresh, &mut scores);
-                for (&v, &sv) in fresh.iter().zip(&scores) {
-                    if best.len() < ef || sv > best.peek().unwrap().0 .0 {
-                        cands.push(Scored(sv, v));
-                        best.push(Reverse(Scored(sv, v)));
-                        if best.len() > ef {
-                            best.pop();
-                        }
-                    }
-                }
-            }
-            (sc.fresh, sc.scores) = (fresh, scores);
-            let mut hits: Vec<Hit> = best.into_iter().map(|Reverse(Scored(s, v))| Hit { row: v as usize, score: s }).collect();
+            let best = beam_search(&s, q, cur, cur_s, ef, g.n, sc, |v, out| {
+                out.clear();
+                out.extend_from_slice(g.layer0(v));
+            });
+            let mut hits: Vec<Hit> = best.into_iter().map(|Scored(score, v)| Hit { row: v as usize, score }).collect();
             hits.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.row.cmp(&b.row)));
             hits.truncate(k);
             hits

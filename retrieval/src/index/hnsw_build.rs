@@ -38,8 +38,7 @@ pub(crate) struct BuiltGraph {
 const MAX_LEVEL: u8 = 15;
 
 struct Builder<'a> {
-    data: &'a [f32],
-    dim: usize,
+    s: Scorer<'a>,
     m: usize,
     m0: usize,
     ef: usize,
@@ -53,21 +52,102 @@ struct Builder<'a> {
     /// Entry point and the top level; held for a whole insertion by a point that will raise
     /// the top level.
     entry: Mutex<(u32, u8)>,
-    dot: simd::Kernel,
-    dot4: simd::Kernel4,
 }
 
-/// Per-thread scratch: a visited table stamped with a generation number, and buffers.
+/// Per-thread scratch for graph walks (building and searching): a visited table stamped with a
+/// generation number, and buffers.
 #[derive(Default)]
-struct Scratch {
+pub(super) struct Scratch {
     stamp: Vec<u32>,
     gen: u32,
     links: Vec<u32>,
     fresh: Vec<u32>,
+    scores: Vec<f32>,
 }
 
 thread_local! {
-    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    pub(super) static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Inner products of a query with rows of a row-major matrix.
+#[derive(Clone, Copy)]
+pub(super) struct Scorer<'a> {
+    pub data: &'a [f32],
+    pub dim: usize,
+    pub dot: simd::Kernel,
+    pub dot4: simd::Kernel4,
+}
+
+impl Scorer<'_> {
+    pub fn row(&self, i: u32) -> &[f32] {
+        let s = i as usize * self.dim;
+        &self.data[s..s + self.dim]
+    }
+    pub fn score(&self, q: &[f32], i: u32) -> f32 {
+        (self.dot)(q, self.row(i))
+    }
+}
+
+/// Greedy walk on one layer from `(ep, ep_s)` to a local maximum of `<q, x>`.
+/// `links(node, out)` fills `out` with the node's neighbours on that layer.
+pub(super) fn greedy(s: &Scorer, q: &[f32], mut ep: u32, mut ep_s: f32, buf: &mut Vec<u32>, mut links: impl FnMut(u32, &mut Vec<u32>)) -> (u32, f32) {
+    loop {
+        let mut moved = false;
+        links(ep, buf);
+        for &v in buf.iter() {
+            let sv = s.score(q, v);
+            if sv > ep_s {
+                (ep, ep_s, moved) = (v, sv, true);
+            }
+        }
+        if !moved {
+            return (ep, ep_s);
+        }
+    }
+}
+
+/// Beam search on one layer from `(ep, ep_s)` over a graph of `n` nodes: up to `ef` nodes with
+/// the largest `<q, x>`, unordered. `links` as in [`greedy`].
+pub(super) fn beam_search(
+    s: &Scorer,
+    q: &[f32],
+    ep: u32,
+    ep_s: f32,
+    ef: usize,
+    n: usize,
+    sc: &mut Scratch,
+    mut links: impl FnMut(u32, &mut Vec<u32>),
+) -> Vec<Scored<u32>> {
+    let gen = sc.next_gen(n);
+    sc.stamp[ep as usize] = gen;
+    let mut cands: BinaryHeap<Scored<u32>> = BinaryHeap::with_capacity(ef * 2);
+    let mut best: BinaryHeap<Reverse<Scored<u32>>> = BinaryHeap::with_capacity(ef + 1);
+    cands.push(Scored(ep_s, ep));
+    best.push(Reverse(Scored(ep_s, ep)));
+    while let Some(Scored(sn, node)) = cands.pop() {
+        if best.len() >= ef && sn < best.peek().unwrap().0 .0 {
+            break;
+        }
+        links(node, &mut sc.links);
+        sc.fresh.clear();
+        for &v in &sc.links {
+            if sc.stamp[v as usize] != gen {
+                sc.stamp[v as usize] = gen;
+                sc.fresh.push(v);
+            }
+        }
+        simd::dot_many(s.dot, s.dot4, q, s.data, s.dim, &sc.fresh, &mut sc.scores);
+        for (&v, &sv) in sc.fresh.iter().zip(&sc.scores) {
+            if best.len() < ef || sv > best.peek().unwrap().0 .0 {
+                cands.push(Scored(sv, v));
+                best.push(Reverse(Scored(sv, v)));
+                if best.len() > ef {
+                    best.pop();
+                }
+            }
+        }
+    }
+    best.into_iter().map(|r| r.0).collect()
 }
 
 impl Scratch {
@@ -119,8 +199,7 @@ pub(crate) fn build(data: &[f32], dim: usize, m: usize, ef: usize, progress: &(d
     }
     let zeros = |len: usize| (0..len).map(|_| AtomicU32::new(0)).collect::<Vec<_>>();
     let b = Builder {
-        data,
-        dim,
+        s: Scorer { data, dim, dot: simd::dot_kernel(), dot4: simd::dot4_kernel() },
         m,
         m0,
         ef,
@@ -130,8 +209,6 @@ pub(crate) fn build(data: &[f32], dim: usize, m: usize, ef: usize, progress: &(d
         locks: (0..n).map(|_| Mutex::new(())).collect(),
         entry: Mutex::new((0, level[0])),
         level,
-        dot: simd::dot_kernel(),
-        dot4: simd::dot4_kernel(),
     };
     let done = AtomicUsize::new(1);
     (1..n).into_par_iter().with_min_len(64).for_each(|i| {
@@ -146,11 +223,6 @@ pub(crate) fn build(data: &[f32], dim: usize, m: usize, ef: usize, progress: &(d
 }
 
 impl Builder<'_> {
-    fn vector(&self, i: u32) -> &[f32] {
-        let s = i as usize * self.dim;
-        &self.data[s..s + self.dim]
-    }
-
     fn block(&self, node: u32, layer: usize) -> &[AtomicU32] {
         if layer == 0 {
             let s = node as usize * (1 + self.m0);
@@ -178,7 +250,7 @@ impl Builder<'_> {
     }
 
     fn insert(&self, cur: u32) {
-        let q = self.vector(cur);
+        let q = self.s.row(cur);
         let my_level = self.level[cur as usize];
         let mut top_guard = None;
         let (entry, top) = {
@@ -191,28 +263,15 @@ impl Builder<'_> {
         };
         SCRATCH.with(|sc| {
             let sc = &mut *sc.borrow_mut();
-            let mut ep = entry;
-            let mut ep_s = (self.dot)(q, self.vector(ep));
+            let (mut ep, mut ep_s) = (entry, self.s.score(q, entry));
             // Greedy descent through the layers above this point's own.
             for layer in (my_level as usize + 1..=top as usize).rev() {
-                loop {
-                    let mut moved = false;
-                    self.read_links(ep, layer, &mut sc.links);
-                    for &v in &sc.links {
-                        let s = (self.dot)(q, self.vector(v));
-                        if s > ep_s {
-                            (ep, ep_s, moved) = (v, s, true);
-                        }
-                    }
-                    if !moved {
-                        break;
-                    }
-                }
+                (ep, ep_s) = greedy(&self.s, q, ep, ep_s, &mut sc.links, |v, out| self.read_links(v, layer, out));
             }
             // Choose the neighbours on every layer first, top down...
             let mut chosen_per_layer = Vec::with_capacity(my_level as usize + 1);
             for layer in (0..=my_level.min(top) as usize).rev() {
-                let found = self.search_layer(q, ep, ep_s, layer, sc);
+                let found = beam_search(&self.s, q, ep, ep_s, self.ef, self.level.len(), sc, |v, out| self.read_links(v, layer, out));
                 let chosen = self.select(q, &found, if layer == 0 { self.m0 } else { self.m });
                 if let Some(best) = chosen.first() {
                     (ep, ep_s) = (best.1, best.0);
@@ -254,46 +313,11 @@ impl Builder<'_> {
             Self::write_links(block, buf);
             return;
         }
-        let base = self.vector(node);
-        let mut cands: Vec<Scored<u32>> = buf.iter().map(|&v| Scored((self.dot)(base, self.vector(v)), v)).collect();
+        let base = self.s.row(node);
+        let mut cands: Vec<Scored<u32>> = buf.iter().map(|&v| Scored(self.s.score(base, v), v)).collect();
         cands.sort_unstable_by(|a, b| b.cmp(a));
         let kept: Vec<u32> = self.select_sorted(&cands, cap).iter().map(|s| s.1).collect();
         Self::write_links(block, &kept);
-    }
-
-    /// Beam search on one layer from `ep`: up to `ef` closest nodes, unordered.
-    fn search_layer(&self, q: &[f32], ep: u32, ep_s: f32, layer: usize, sc: &mut Scratch) -> Vec<Scored<u32>> {
-        let gen = sc.next_gen(self.level.len());
-        sc.stamp[ep as usize] = gen;
-        let mut cands: BinaryHeap<Scored<u32>> = BinaryHeap::with_capacity(self.ef * 2);
-        let mut best: BinaryHeap<Reverse<Scored<u32>>> = BinaryHeap::with_capacity(self.ef + 1);
-        cands.push(Scored(ep_s, ep));
-        best.push(Reverse(Scored(ep_s, ep)));
-        let mut scores = Vec::new();
-        while let Some(Scored(s, node)) = cands.pop() {
-            if best.len() >= self.ef && s < best.peek().unwrap().0 .0 {
-                break;
-            }
-            self.read_links(node, layer, &mut sc.links);
-            sc.fresh.clear();
-            for &v in &sc.links {
-                if sc.stamp[v as usize] != gen {
-                    sc.stamp[v as usize] = gen;
-                    sc.fresh.push(v);
-                }
-            }
-            simd::dot_many(self.dot, self.dot4, q, self.data, self.dim, &sc.fresh, &mut scores);
-            for (&v, &sv) in sc.fresh.iter().zip(&scores) {
-                if best.len() < self.ef || sv > best.peek().unwrap().0 .0 {
-                    cands.push(Scored(sv, v));
-                    best.push(Reverse(Scored(sv, v)));
-                    if best.len() > self.ef {
-                        best.pop();
-                    }
-                }
-            }
-        }
-        best.into_iter().map(|r| r.0).collect()
     }
 
     /// The neighbour heuristic over the candidates of a search around `q`: at most `m`, best
@@ -301,7 +325,7 @@ impl Builder<'_> {
     /// kernel sums in another order, and the heuristic's comparisons must not hinge on the
     /// last bit (with duplicate vectors they are exact ties).
     fn select(&self, q: &[f32], found: &[Scored<u32>], m: usize) -> Vec<Scored<u32>> {
-        let mut sorted: Vec<Scored<u32>> = found.iter().map(|s| Scored((self.dot)(q, self.vector(s.1)), s.1)).collect();
+        let mut sorted: Vec<Scored<u32>> = found.iter().map(|s| Scored(self.s.score(q, s.1), s.1)).collect();
         sorted.sort_unstable_by(|a, b| b.cmp(a));
         self.select_sorted(&sorted, m)
     }
@@ -317,8 +341,8 @@ impl Builder<'_> {
             if kept.len() >= m {
                 break;
             }
-            let cv = self.vector(c.1);
-            if kept.iter().all(|k| (self.dot)(cv, self.vector(k.1)) <= c.0) {
+            let cv = self.s.row(c.1);
+            if kept.iter().all(|k| self.s.score(cv, k.1) <= c.0) {
                 kept.push(c);
             }
         }
