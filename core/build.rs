@@ -3,6 +3,27 @@ fn main() {
     // own copy, so the constant in a plugin's header says what *that* plugin was built with.
     // Linking (rpath, libtorch_cuda) only reaches this crate's own test binaries: a
     // library's link args are not passed on to its dependents.
-    rak_build::link_libtorch();
+    let libtorch = rak_build::link_libtorch();
     println!("cargo:rustc-env=RAK_TARGET={}", std::env::var("TARGET").unwrap());
+    compile_onednn_shim(&libtorch.lib_dir);
+}
+
+/// The small C++ file that calls libtorch's oneDNN linear operators by name (see its header).
+/// Built against the same headers and C++ ABI as torch-sys builds its own C++.
+fn compile_onednn_shim(lib_dir: &std::path::Path) {
+    println!("cargo:rerun-if-changed=csrc/onednn.cpp");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    let include = lib_dir.parent().expect("libtorch lib dir has a parent").join("include");
+    let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
+    cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .warnings(false)
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        .flag("-DGLOG_USE_GLOG_EXPORT")
+        .file("csrc/onednn.cpp")
+        .compile("rak_onednn");
 }

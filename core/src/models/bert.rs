@@ -3,6 +3,7 @@
 //! [`Role`] picks one; self-attention stays shared (REFERENCE §5).
 
 use crate::abi::Role;
+use crate::models::onednn::{self, Dense, Epilogue};
 use crate::models::weights::Checkpoint;
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
@@ -128,6 +129,14 @@ enum Ffn {
     Specialized(FeedForward, FeedForward),
 }
 
+impl Ffn {
+    fn for_role(&self, role: Role) -> &FeedForward {
+        match (self, role) {
+            (Ffn::Shared(f), _) | (Ffn::Specialized(f, _), Role::Query) | (Ffn::Specialized(_, f), Role::Passage) => f,
+        }
+    }
+}
+
 struct Layer {
     query: nn::Linear,
     key: nn::Linear,
@@ -229,6 +238,12 @@ impl BertModel {
             + e.token_type.forward(&input.token_type_ids);
         let mut x = e.norm.forward(&x).dropout(c.hidden_dropout_prob, train);
         let kind = x.kind();
+        if !train && onednn::usable(device, kind) {
+            match self.forward_onednn(&x, &input.attention_mask, role) {
+                Ok(states) => return states,
+                Err(err) => warn_once(&err),
+            }
+        }
         // Additive mask [B, 1, 1, L]: 0 where attended, the dtype's minimum on padding.
         let mask = (input.attention_mask.to_kind(kind).ones_like() - input.attention_mask.to_kind(kind))
             .view([b, 1, 1, l])
@@ -249,12 +264,46 @@ impl BertModel {
             let ctx = ctx.transpose(1, 2).contiguous().view([b, l, c.hidden_size]);
             let h = layer.attn_out.forward(&ctx).dropout(c.hidden_dropout_prob, train);
             x = layer.attn_norm.forward(&(h + &x));
-            let ffn = match (&layer.ffn, role) {
-                (Ffn::Shared(f), _) | (Ffn::Specialized(f, _), Role::Query) | (Ffn::Specialized(_, f), Role::Passage) => f,
-            };
-            x = ffn.forward(&x, &c.hidden_act, c.hidden_dropout_prob, train);
+            x = layer.ffn.for_role(role).forward(&x, &c.hidden_act, c.hidden_dropout_prob, train);
         }
         x
+    }
+
+    /// Inference on CPU in f32 through oneDNN (see `models::onednn`): the same computation as
+    /// the general path, with weights packed once per call and bias, GELU and residual adds
+    /// fused into the GEMMs. `x` is the embedding output `[B, L, H]`.
+    fn forward_onednn(&self, x: &Tensor, attention_mask: &Tensor, role: Role) -> Result<Tensor> {
+        let c = &self.config;
+        let (b, l, h) = x.size3()?;
+        let rows = b * l;
+        let heads = c.num_attention_heads;
+        let split = |t: Tensor| t.view([b, l, heads, h / heads]).transpose(1, 2);
+        // Unpadded batches (length bucketing makes most of them so) need no mask at all.
+        let mask = if attention_mask.min().int64_value(&[]) == 1 {
+            None
+        } else {
+            let kind = x.kind();
+            Some((attention_mask.to_kind(kind).ones_like() - attention_mask.to_kind(kind)).view([b, 1, 1, l]) * min_value(kind))
+        };
+        let pack = |l: &nn::Linear| Dense::pack(&l.ws, l.bs.as_ref(), rows);
+        let activation = match c.hidden_act.as_str() {
+            "relu" => Epilogue::Relu,
+            "gelu_new" => Epilogue::GeluTanh,
+            _ => Epilogue::Gelu,
+        };
+        let mut x = x.view([rows, h]);
+        for layer in &self.layers {
+            let (w, bias) = layer.fused_qkv();
+            let qkv = Dense::pack(&w, Some(&bias), rows)?.forward(&x, Epilogue::None)?.view([b, l, 3 * h]);
+            let (q, k, v) = (split(qkv.narrow(-1, 0, h)), split(qkv.narrow(-1, h, h)), split(qkv.narrow(-1, 2 * h, h)));
+            let ctx = Tensor::scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), 0.0, false, None, false);
+            let ctx = ctx.transpose(1, 2).contiguous().view([rows, h]);
+            x = layer.attn_norm.forward(&pack(&layer.attn_out)?.forward_add(&ctx, &x)?);
+            let ffn = layer.ffn.for_role(role);
+            let inner = pack(&ffn.intermediate)?.forward(&x, activation)?;
+            x = ffn.norm.forward(&pack(&ffn.output)?.forward_add(&inner, &x)?);
+        }
+        Ok(x.view([b, l, h]))
     }
 
     /// Number of scalar parameters.
@@ -288,6 +337,12 @@ impl BertModel {
         let tensors: Vec<(String, Tensor)> = self.vs.variables().into_iter().map(|(n, t)| (n, t.to_kind(Kind::Float))).collect();
         crate::models::weights::save_safetensors(&dir.join("model.safetensors"), &tensors)
     }
+}
+
+/// Say once per process that the oneDNN path failed and the general path is used instead.
+fn warn_once(err: &anyhow::Error) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| eprintln!("warning: {err:#}; using libtorch's general linear layers"));
 }
 
 fn min_value(kind: Kind) -> f64 {

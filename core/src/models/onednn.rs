@@ -1,0 +1,165 @@
+//! Inference GEMMs through libtorch's oneDNN kernels (see `csrc/onednn.cpp` for why).
+//!
+//! [`Dense`] is a linear layer's weight packed once for a forward pass; its `forward` fuses the
+//! bias and an activation or residual add into the GEMM. Only used where gradients are off,
+//! on CPU, in f32: the operators have no backward, and on GPU cuBLAS is the right tool.
+//! `RAK_ONEDNN=0` turns the path off (for A/B timing and bug isolation).
+
+use anyhow::{anyhow, Result};
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::OnceLock;
+use tch::{Device, Kind, Tensor};
+use torch_sys::C_tensor;
+
+extern "C" {
+    fn rak_onednn_available() -> i32;
+    fn rak_grad_enabled() -> i32;
+    fn rak_onednn_pack(weight: *const c_void, rows: i64, err: *mut c_char, len: usize) -> *mut c_void;
+    fn rak_onednn_linear(
+        x: *const c_void,
+        packed: *const c_void,
+        bias: *const c_void,
+        attr: *const c_char,
+        algorithm: *const c_char,
+        err: *mut c_char,
+        len: usize,
+    ) -> *mut c_void;
+    fn rak_onednn_linear_add(
+        x: *const c_void,
+        other: *const c_void,
+        packed: *const c_void,
+        bias: *const c_void,
+        err: *mut c_char,
+        len: usize,
+    ) -> *mut c_void;
+}
+
+/// What follows the GEMM inside the same kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    None,
+    /// Exact (erf) GELU.
+    Gelu,
+    /// Tanh-approximated GELU (`gelu_new`).
+    GeluTanh,
+    Relu,
+}
+
+/// Whether the oneDNN path can run a forward pass on `device` in `kind` right now.
+pub fn usable(device: Device, kind: Kind) -> bool {
+    static ENABLED: OnceLock<bool> = OnceLock::new();
+    let enabled = *ENABLED.get_or_init(|| {
+        std::env::var("RAK_ONEDNN").map_or(true, |v| v != "0") && unsafe { rak_onednn_available() } != 0
+    });
+    enabled && device == Device::Cpu && kind == Kind::Float && unsafe { rak_grad_enabled() } == 0
+}
+
+fn ptr(t: &Tensor) -> *const c_void {
+    t.as_ptr() as *const c_void
+}
+
+fn take(result: *mut c_void, err: &[c_char], what: &str) -> Result<Tensor> {
+    if result.is_null() {
+        let msg = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy();
+        return Err(anyhow!("oneDNN {what}: {msg}"));
+    }
+    // SAFETY: the shim returns a heap `at::Tensor*` that nothing else owns; tch frees it.
+    Ok(unsafe { Tensor::from_ptr(result as *mut C_tensor) })
+}
+
+/// A linear layer's weight packed for oneDNN, with its bias.
+pub struct Dense {
+    packed: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Dense {
+    /// Pack `weight` `[out, in]` for inputs of about `rows` rows.
+    pub fn pack(weight: &Tensor, bias: Option<&Tensor>, rows: i64) -> Result<Self> {
+        let mut err = [0 as c_char; 512];
+        let packed = unsafe { rak_onednn_pack(ptr(weight), rows, err.as_mut_ptr(), err.len()) };
+        Ok(Dense { packed: take(packed, &err, "weight packing")?, bias: bias.map(Tensor::shallow_clone) })
+    }
+
+    fn bias_ptr(&self) -> *const c_void {
+        self.bias.as_ref().map_or(std::ptr::null(), ptr)
+    }
+
+    /// `epilogue(x·Wᵀ + b)` for `x` `[rows, in]`.
+    pub fn forward(&self, x: &Tensor, epilogue: Epilogue) -> Result<Tensor> {
+        let (attr, algorithm): (&CStr, Option<&CStr>) = match epilogue {
+            Epilogue::None => (c"none", None),
+            Epilogue::Gelu => (c"gelu", Some(c"none")),
+            Epilogue::GeluTanh => (c"gelu", Some(c"tanh")),
+            Epilogue::Relu => (c"relu", None),
+        };
+        let mut err = [0 as c_char; 512];
+        let out = unsafe {
+            rak_onednn_linear(
+                ptr(x),
+                ptr(&self.packed),
+                self.bias_ptr(),
+                attr.as_ptr(),
+                algorithm.map_or(std::ptr::null(), CStr::as_ptr),
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        take(out, &err, "linear")
+    }
+
+    /// `x·Wᵀ + b + residual`, the add fused into the GEMM.
+    pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        let mut err = [0 as c_char; 512];
+        let out = unsafe {
+            rak_onednn_linear_add(ptr(x), ptr(residual), ptr(&self.packed), self.bias_ptr(), err.as_mut_ptr(), err.len())
+        };
+        take(out, &err, "linear + add")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b).abs().max().double_value(&[])
+    }
+
+    #[test]
+    fn fused_kernels_match_libtorch() {
+        let _g = tch::no_grad_guard();
+        assert!(usable(Device::Cpu, Kind::Float), "this libtorch ships the oneDNN operators");
+        tch::manual_seed(0);
+        let opts = (Kind::Float, Device::Cpu);
+        let x = Tensor::randn([37, 24], opts);
+        let w = Tensor::randn([48, 24], opts);
+        let b = Tensor::randn([48], opts);
+        let residual = Tensor::randn([37, 48], opts);
+        let dense = Dense::pack(&w, Some(&b), 37).unwrap();
+        let plain = x.linear(&w, Some(&b));
+        assert!(close(&dense.forward(&x, Epilogue::None).unwrap(), &plain) < 1e-4);
+        assert!(close(&dense.forward(&x, Epilogue::Gelu).unwrap(), &plain.gelu("none")) < 1e-4);
+        assert!(close(&dense.forward(&x, Epilogue::GeluTanh).unwrap(), &plain.gelu("tanh")) < 1e-4);
+        assert!(close(&dense.forward(&x, Epilogue::Relu).unwrap(), &plain.relu()) < 1e-4);
+        assert!(close(&dense.forward_add(&x, &residual).unwrap(), &(&plain + &residual)) < 1e-4);
+        let unbiased = Dense::pack(&w, None, 37).unwrap();
+        assert!(close(&unbiased.forward(&x, Epilogue::None).unwrap(), &x.linear::<Tensor>(&w, None)) < 1e-4);
+    }
+
+    #[test]
+    fn errors_are_reported_not_thrown() {
+        let _g = tch::no_grad_guard();
+        let opts = (Kind::Float, Device::Cpu);
+        let dense = Dense::pack(&Tensor::randn([8, 4], opts), None, 2).unwrap();
+        let err = dense.forward(&Tensor::randn([2, 5], opts), Epilogue::None).unwrap_err();
+        assert!(err.to_string().starts_with("oneDNN linear"), "{err}");
+    }
+
+    #[test]
+    fn off_when_gradients_are_on() {
+        assert!(!usable(Device::Cpu, Kind::Float), "gradients are on by default");
+        let _g = tch::no_grad_guard();
+        assert!(!usable(Device::Cpu, Kind::BFloat16));
+    }
+}
