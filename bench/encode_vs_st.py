@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from machine import describe
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -75,6 +77,7 @@ def main():
         "speedup": round(st_s / ours_s, 3),
         "max_abs_diff": float(np.abs(ours - ref).max()),
         "torch": torch.__version__,
+        "machine": describe(),
         "note": "both timings include loading the model; ours also includes process start",
     }
     print(json.dumps(result, indent=1))

@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from machine import describe
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -186,7 +188,7 @@ def main():
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads), RAK_THREADS=str(args.threads),
                OMP_NUM_THREADS=str(args.threads))
     skip = set(args.skip.split(","))
-    res = {"config": vars(args) | {"cpu": os.cpu_count()}}
+    res = {"config": vars(args) | {"cpu": os.cpu_count()}, "machine": describe()}
     res["faiss_flat"] = run(me + ["--worker", "flat"], env)  # also writes the ground truth
     if "flat" not in skip:
         res["rak_flat"] = run(rust + ["flat", base, queries, gt, str(args.k)], env)
