@@ -123,6 +123,21 @@ def qps_at(runs, target):
     return None
 
 
+def median_of_rounds(runs):
+    """One side's result with build time, peak RSS and each ef's QPS and recall the median over
+    rounds (all rounds use the same ef list)."""
+    out = dict(runs[0])
+    out["build_seconds"] = float(np.median([r["build_seconds"] for r in runs]))
+    out["peak_rss_mib"] = float(np.median([r["peak_rss_mib"] for r in runs]))
+    out["search"] = [
+        {"ef": row["ef"],
+         "qps": float(np.median([r["search"][i]["qps"] for r in runs])),
+         "recall": float(np.median([r["search"][i]["recall"] for r in runs]))}
+        for i, row in enumerate(runs[0]["search"])
+    ]
+    return out
+
+
 def summarize(res, target):
     f, r = res.get("faiss_hnsw"), res.get("rak_hnsw")
     if not (f and r):
@@ -151,6 +166,10 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--target", type=float, default=0.98)
     p.add_argument("--repeat", type=int, default=3, help="time each ef this many times; report the median")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="build and search with both this many times, alternating which goes first; "
+                        "per ef, the median of the rounds is kept (this VM's speed drifts by 10-30%% "
+                        "between minutes, which one pass per side cannot tell from a real difference)")
     p.add_argument("--rak-builder", default="native", help="native or hnsw_rs")
     p.add_argument("--skip", default="", help="comma list of: flat, faiss-hnsw, rak-hnsw")
     p.add_argument("--worker", choices=["flat", "hnsw"])
@@ -192,11 +211,20 @@ def main():
     res["faiss_flat"] = run(me + ["--worker", "flat"], env)  # also writes the ground truth
     if "flat" not in skip:
         res["rak_flat"] = run(rust + ["flat", base, queries, gt, str(args.k)], env)
+    sides = []
     if "faiss-hnsw" not in skip:
-        res["faiss_hnsw"] = run(me + ["--worker", "hnsw"], env)
+        sides.append(("faiss_hnsw", me + ["--worker", "hnsw"]))
     if "rak-hnsw" not in skip:
-        res["rak_hnsw"] = run(rust + ["hnsw", base, queries, gt, str(args.k), str(args.m), str(args.efc),
-                                      ",".join(map(str, args.efs)), args.rak_builder, str(args.repeat)], env)
+        sides.append(("rak_hnsw", rust + ["hnsw", base, queries, gt, str(args.k), str(args.m), str(args.efc),
+                                          ",".join(map(str, args.efs)), args.rak_builder, str(args.repeat)]))
+    rounds = []
+    for r in range(args.rounds):
+        order = sides if r % 2 == 0 else sides[::-1]
+        rounds.append({name: run(cmd, env) for name, cmd in order})
+    for name, _ in sides:
+        res[name] = median_of_rounds([rd[name] for rd in rounds])
+    if args.rounds > 1:
+        res["rounds"] = rounds
     print(json.dumps(res, indent=1))
     summarize(res, args.target)
 

@@ -241,7 +241,7 @@ impl BertModel {
         if !train && onednn::usable(device, kind) {
             match self.forward_onednn(&x, &input.attention_mask, role) {
                 Ok(states) => return states,
-                Err(err) => warn_once(&err),
+                Err(err) => onednn::warn_once(&err),
             }
         }
         // Additive mask [B, 1, 1, L]: 0 where attended, the dtype's minimum on padding.
@@ -337,12 +337,6 @@ impl BertModel {
         let tensors: Vec<(String, Tensor)> = self.vs.variables().into_iter().map(|(n, t)| (n, t.to_kind(Kind::Float))).collect();
         crate::models::weights::save_safetensors(&dir.join("model.safetensors"), &tensors)
     }
-}
-
-/// Say once per process that the oneDNN path failed and the general path is used instead.
-fn warn_once(err: &anyhow::Error) {
-    static WARNED: std::sync::Once = std::sync::Once::new();
-    WARNED.call_once(|| eprintln!("warning: {err:#}; using libtorch's general linear layers"));
 }
 
 fn min_value(kind: Kind) -> f64 {

@@ -54,6 +54,12 @@ pub fn usable(device: Device, kind: Kind) -> bool {
     enabled && device == Device::Cpu && kind == Kind::Float && unsafe { rak_grad_enabled() } == 0
 }
 
+/// Say once per process that the oneDNN path failed and the general path is used instead.
+pub fn warn_once(err: &anyhow::Error) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| eprintln!("warning: {err:#}; using libtorch's general linear layers"));
+}
+
 fn ptr(t: &Tensor) -> *const c_void {
     t.as_ptr() as *const c_void
 }

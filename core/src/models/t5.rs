@@ -18,6 +18,7 @@
 //!   `scale_decoder_outputs` says so (transformers 5 writes this key), else when
 //!   `tie_word_embeddings` is not `false` (the convention of v1.0 vs v1.1 configs).
 
+use crate::models::onednn::{self, Dense, Epilogue};
 use crate::models::weights::{save_safetensors, Checkpoint};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Deserializer};
@@ -208,7 +209,27 @@ fn mask_value(kind: Kind) -> f64 {
     }
 }
 
+/// Inputs with fewer rows (a decoding step) stay on libtorch's `linear`: packing the weight
+/// for oneDNN would cost about as much as the product itself.
+const ONEDNN_MIN_ROWS: i64 = 32;
+
+/// `x·Wᵀ` (T5 projections have no bias). Large CPU inference products go through oneDNN
+/// (see `models::onednn`: the weight packed once, no repacking inside the GEMM).
 fn linear(x: &Tensor, w: &Tensor) -> Tensor {
+    let shape = x.size();
+    let inner = *shape.last().expect("linear input has a feature axis");
+    let rows = if inner == 0 { 0 } else { x.numel() as i64 / inner };
+    if rows >= ONEDNN_MIN_ROWS && onednn::usable(x.device(), x.kind()) && w.kind() == x.kind() {
+        let product = Dense::pack(w, None, rows).and_then(|d| d.forward(&x.reshape([rows, inner]), Epilogue::None));
+        match product {
+            Ok(y) => {
+                let mut out = shape;
+                *out.last_mut().unwrap() = w.size()[0];
+                return y.view(out.as_slice());
+            }
+            Err(err) => onednn::warn_once(&err),
+        }
+    }
     x.linear::<Tensor>(w, None)
 }
 

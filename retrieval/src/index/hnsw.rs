@@ -476,19 +476,15 @@ impl HnswIndex {
         let s = Scorer { data: self.vectors.data(), dim: self.dim, dot: self.dot, dot4: self.dot4 };
         SCRATCH.with(|sc| {
             let sc = &mut *sc.borrow_mut();
-            let mut buf = Vec::new();
             // Greedy descent through the upper layers, then a beam search on layer 0.
             let (mut cur, mut cur_s) = (g.entry, s.score(q, g.entry));
             for layer in (1..=g.level[cur as usize] as usize).rev() {
-                (cur, cur_s) = greedy(&s, q, cur, cur_s, &mut buf, |v, out| {
+                (cur, cur_s) = greedy(&s, q, cur, cur_s, sc, |v, out| {
                     out.clear();
                     out.extend_from_slice(&g.upper[v as usize][layer - 1]);
                 });
             }
-            let best = beam_search(&s, q, cur, cur_s, ef, g.n, sc, |v, out| {
-                out.clear();
-                out.extend_from_slice(g.layer0(v));
-            });
+            let best = beam_search(&s, q, cur, cur_s, ef, g.n, sc, |v, _| Some(g.layer0(v)));
             let mut hits: Vec<Hit> = best.into_iter().map(|Scored(score, v)| Hit { row: v as usize, score }).collect();
             hits.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.row.cmp(&b.row)));
             hits.truncate(k);
