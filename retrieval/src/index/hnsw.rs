@@ -22,9 +22,10 @@
 //! set per visited node and ran 6.7x fewer queries per second than faiss. The graph is kept in
 //! flat arrays ([`Graph`]: layer 0 as CSR, upper layers per node); search walks them with a
 //! generation-stamped visited table, scoring the unvisited neighbours of a node four at a time
-//! (AVX2). Returned scores are exact inner products, recomputed from the stored vectors. The
-//! same arrays are the on-disk format, so loading never runs hnsw_rs's loader (which exits
-//! the process on some corrupt files) and every neighbour id is bounds-checked on load.
+//! (AVX-512 or AVX2; whole rows prefetched ahead when the vectors outgrow the cache). Returned
+//! scores are exact inner products, recomputed from the stored vectors. The same arrays are
+//! the on-disk format, so loading never runs hnsw_rs's loader (which exits the process on
+//! some corrupt files) and every neighbour id is bounds-checked on load.
 //!
 //! Files: `index.json`, `ids.txt`, `vectors.npy` (`[count, dim]` `<f4`) and `graph.bin`
 //! (little-endian: magic `RAKHNSW1`, u64 n, u32 entry, u8 level[n], u64 offset[n + 1] and
