@@ -76,6 +76,15 @@ impl BertConfig {
         Ok(config)
     }
 
+    /// The feed-forward activation (`load` accepts only these three).
+    fn activation(&self) -> Epilogue {
+        match self.hidden_act.as_str() {
+            "relu" => Epilogue::Relu,
+            "gelu_new" => Epilogue::GeluTanh,
+            _ => Epilogue::Gelu,
+        }
+    }
+
     /// Whether block `i` (0-based) has separate query and passage feed-forward experts.
     pub fn is_specialized(&self, i: i64) -> bool {
         self.taser_specialize_every.is_some_and(|t| t > 0 && (i + 1) % t == 0)
@@ -111,13 +120,8 @@ impl FeedForward {
         }
     }
 
-    fn forward(&self, x: &Tensor, act: &str, dropout: f64, train: bool) -> Tensor {
-        let h = self.intermediate.forward(x);
-        let h = match act {
-            "relu" => h.relu(),
-            "gelu_new" => h.gelu("tanh"),
-            _ => h.gelu("none"),
-        };
+    fn forward(&self, x: &Tensor, act: Epilogue, dropout: f64, train: bool) -> Tensor {
+        let h = act.apply(&self.intermediate.forward(x));
         let h = self.output.forward(&h).dropout(dropout, train);
         self.norm.forward(&(h + x))
     }
@@ -244,10 +248,7 @@ impl BertModel {
                 Err(err) => onednn::warn_once(&err),
             }
         }
-        // Additive mask [B, 1, 1, L]: 0 where attended, the dtype's minimum on padding.
-        let mask = (input.attention_mask.to_kind(kind).ones_like() - input.attention_mask.to_kind(kind))
-            .view([b, 1, 1, l])
-            * min_value(kind);
+        let mask = additive_mask(&input.attention_mask, kind);
         let heads = c.num_attention_heads;
         let head_dim = c.hidden_size / heads;
         let split = |t: Tensor| t.view([b, l, heads, head_dim]).transpose(1, 2);
@@ -264,7 +265,7 @@ impl BertModel {
             let ctx = ctx.transpose(1, 2).contiguous().view([b, l, c.hidden_size]);
             let h = layer.attn_out.forward(&ctx).dropout(c.hidden_dropout_prob, train);
             x = layer.attn_norm.forward(&(h + &x));
-            x = layer.ffn.for_role(role).forward(&x, &c.hidden_act, c.hidden_dropout_prob, train);
+            x = layer.ffn.for_role(role).forward(&x, c.activation(), c.hidden_dropout_prob, train);
         }
         x
     }
@@ -279,18 +280,8 @@ impl BertModel {
         let heads = c.num_attention_heads;
         let split = |t: Tensor| t.view([b, l, heads, h / heads]).transpose(1, 2);
         // Unpadded batches (length bucketing makes most of them so) need no mask at all.
-        let mask = if attention_mask.min().int64_value(&[]) == 1 {
-            None
-        } else {
-            let kind = x.kind();
-            Some((attention_mask.to_kind(kind).ones_like() - attention_mask.to_kind(kind)).view([b, 1, 1, l]) * min_value(kind))
-        };
+        let mask = (attention_mask.min().int64_value(&[]) != 1).then(|| additive_mask(attention_mask, x.kind()));
         let pack = |l: &nn::Linear| Dense::pack(&l.ws, l.bs.as_ref(), rows);
-        let activation = match c.hidden_act.as_str() {
-            "relu" => Epilogue::Relu,
-            "gelu_new" => Epilogue::GeluTanh,
-            _ => Epilogue::Gelu,
-        };
         let mut x = x.view([rows, h]);
         for layer in &self.layers {
             let (w, bias) = layer.fused_qkv();
@@ -300,7 +291,7 @@ impl BertModel {
             let ctx = ctx.transpose(1, 2).contiguous().view([rows, h]);
             x = layer.attn_norm.forward(&pack(&layer.attn_out)?.forward_add(&ctx, &x)?);
             let ffn = layer.ffn.for_role(role);
-            let inner = pack(&ffn.intermediate)?.forward(&x, activation)?;
+            let inner = pack(&ffn.intermediate)?.forward(&x, c.activation())?;
             x = ffn.norm.forward(&pack(&ffn.output)?.forward_add(&inner, &x)?);
         }
         Ok(x.view([b, l, h]))
@@ -337,6 +328,14 @@ impl BertModel {
         let tensors: Vec<(String, Tensor)> = self.vs.variables().into_iter().map(|(n, t)| (n, t.to_kind(Kind::Float))).collect();
         crate::models::weights::save_safetensors(&dir.join("model.safetensors"), &tensors)
     }
+}
+
+/// `[B, L]` 1/0 attention mask -> additive `[B, 1, 1, L]`: 0 where attended, the dtype's
+/// minimum on padding.
+fn additive_mask(attention_mask: &Tensor, kind: Kind) -> Tensor {
+    let (b, l) = attention_mask.size2().expect("attention_mask is [batch, length]");
+    let m = attention_mask.to_kind(kind);
+    (m.ones_like() - m).view([b, 1, 1, l]) * min_value(kind)
 }
 
 fn min_value(kind: Kind) -> f64 {

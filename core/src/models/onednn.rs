@@ -45,6 +45,18 @@ pub enum Epilogue {
     Relu,
 }
 
+impl Epilogue {
+    /// The same function as a separate pass (the general, unfused path).
+    pub fn apply(self, t: &Tensor) -> Tensor {
+        match self {
+            Epilogue::None => t.shallow_clone(),
+            Epilogue::Gelu => t.gelu("none"),
+            Epilogue::GeluTanh => t.gelu("tanh"),
+            Epilogue::Relu => t.relu(),
+        }
+    }
+}
+
 /// Whether the oneDNN path can run a forward pass on `device` in `kind` right now.
 pub fn usable(device: Device, kind: Kind) -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
