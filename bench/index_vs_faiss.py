@@ -91,11 +91,14 @@ def worker(args):
             index.hnsw.efSearch = ef
             times = []
             for _ in range(args.repeat):
+                faiss.cvar.hnsw_stats.reset()
                 t = time.perf_counter()
                 _, ids = index.search(qa, k)
                 times.append(time.perf_counter() - t)
             s = float(np.median(times))
-            runs.append({"ef": ef, "qps": xq.shape[0] / s, "recall": recall(ids, gt, k)})
+            # Vectors scored per query, all layers (the number our side reports as ndis).
+            ndis = faiss.cvar.hnsw_stats.ndis / xq.shape[0]
+            runs.append({"ef": ef, "qps": xq.shape[0] / s, "recall": recall(ids, gt, k), "ndis": ndis})
         out["search"] = runs
     out["peak_rss_mib"] = peak_rss_mib()
     print(json.dumps(out))
@@ -113,10 +116,11 @@ def best_at(runs, target):
     return max(ok, key=lambda r: r["qps"]) if ok else None
 
 
-def qps_at(runs, target):
-    """QPS at exactly the target recall, interpolated linearly between the two sweep points
-    around it (ef sweeps are coarse, so the first ef past the target flatters nobody)."""
-    pts = sorted((r["recall"], r["qps"]) for r in runs)
+def qps_at(runs, target, key="qps"):
+    """QPS (or another per-ef number) at exactly the target recall, interpolated linearly
+    between the two sweep points around it (ef sweeps are coarse, so the first ef past the
+    target flatters nobody)."""
+    pts = sorted((r["recall"], r[key]) for r in runs if key in r)
     for (r0, q0), (r1, q1) in zip(pts, pts[1:]):
         if r0 <= target <= r1 and r1 > r0:
             return q0 + (target - r0) / (r1 - r0) * (q1 - q0)
@@ -132,7 +136,8 @@ def median_of_rounds(runs):
     out["search"] = [
         {"ef": row["ef"],
          "qps": float(np.median([r["search"][i]["qps"] for r in runs])),
-         "recall": float(np.median([r["search"][i]["recall"] for r in runs]))}
+         "recall": float(np.median([r["search"][i]["recall"] for r in runs])),
+         **({"ndis": float(np.median([r["search"][i]["ndis"] for r in runs]))} if "ndis" in row else {})}
         for i, row in enumerate(runs[0]["search"])
     ]
     return out
@@ -152,6 +157,10 @@ def summarize(res, target):
     fi, ri = qps_at(f["search"], target), qps_at(r["search"], target)
     if fi and ri:
         print(f"QPS interpolated at recall {target}: rak {ri:.0f} faiss {fi:.0f} ratio {ri / fi:.2f}", file=sys.stderr)
+    # Deterministic (no timing noise): vectors scored per query at the target recall.
+    fn, rn = qps_at(f["search"], target, "ndis"), qps_at(r["search"], target, "ndis")
+    if fn and rn:
+        print(f"distances per query at recall {target}: rak {rn:.0f} faiss {fn:.0f} ratio {rn / fn:.2f}", file=sys.stderr)
 
 
 def main():

@@ -74,14 +74,16 @@ fn main() -> anyhow::Result<()> {
                 h.set_ef_search(ef)?;
                 let mut times = vec![];
                 let mut hits = vec![];
+                let mut stats = Default::default();
                 for _ in 0..repeat.max(1) {
                     let t = Instant::now();
-                    hits = h.search(queries.data(), d, k)?;
+                    (hits, stats) = h.search_with_stats(queries.data(), d, k)?;
                     times.push(t.elapsed().as_secs_f64());
                 }
                 times.sort_by(f64::total_cmp);
                 let s = times[times.len() / 2];
-                runs.push(serde_json::json!({"ef": ef, "qps": nq as f64 / s, "recall": recall(&hits, &gt, k)}));
+                let ndis = stats.distances as f64 / nq as f64;
+                runs.push(serde_json::json!({"ef": ef, "qps": nq as f64 / s, "recall": recall(&hits, &gt, k), "ndis": ndis}));
             }
             out["search"] = runs.into();
             out["m"] = m.into();

@@ -125,6 +125,26 @@ fn hnsw_rs_builder_mips_recall() {
 }
 
 #[test]
+fn hnsw_with_ef_above_n_scores_every_vector_once() {
+    // ef ≥ n: the beam never fills, so layer 0 is walked to the end and every row but the
+    // entry is scored there exactly once; the greedy descent adds at most one score per row.
+    // Unit vectors, so that every row is reachable (with varying norms, short vectors can
+    // lose all their in-links, as in any inner-product graph).
+    let (n, d) = (300, 16);
+    let mut base = vectors(n, d, 11);
+    for row in base.chunks_mut(d) {
+        let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt();
+        row.iter_mut().for_each(|x| *x /= norm);
+    }
+    let mut h = HnswIndex::build(&base, d, ids(n), HnswParams { m: 6, ef_construction: 32, ef_search: 16 }).unwrap();
+    h.set_ef_search(n).unwrap();
+    let queries = vectors(5, d, 12);
+    let (hits, stats) = h.search_with_stats(&queries, d, n).unwrap();
+    assert!(hits.iter().all(|h| h.len() == n), "every row is found");
+    assert!(stats.distances >= 5 * (n - 1) && stats.distances < 5 * 2 * n, "{}", stats.distances);
+}
+
+#[test]
 fn hnsw_native_builder_is_reproducible_on_one_thread() {
     let d = 32;
     let base = vectors(3_000, d, 7);
@@ -143,6 +163,13 @@ fn hnsw_mips_recall_and_persistence() {
     let queries = vectors(200, d, 4);
     let hnsw = check_mips_recall(HnswBuilder::Native, &vectors(n, d, 3), &queries, d);
     let approx = hnsw.search(&queries, d, k).unwrap();
+    // The counting search returns the same hits; ef = 128 means at least 128 vectors scored
+    // per query, and a walk never scores a vector twice per layer pass (< 2n).
+    let (counted, stats) = hnsw.search_with_stats(&queries, d, k).unwrap();
+    assert_eq!(counted, approx);
+    assert_eq!(stats.queries, 200);
+    let per_query = stats.distances as f64 / 200.0;
+    assert!((128.0..(2 * n) as f64).contains(&per_query), "{per_query} distances per query");
 
     // save → load → identical results; open() finds the kind; info() is index.json.
     let dir = tmpdir("hnsw").join("idx");

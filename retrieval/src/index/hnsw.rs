@@ -21,11 +21,12 @@
 //! Search never uses hnsw_rs: it allocated an `Arc`, took a read lock and inserted into a hash
 //! set per visited node and ran 6.7x fewer queries per second than faiss. The graph is kept in
 //! flat arrays ([`Graph`]: layer 0 as CSR, upper layers per node); search walks them with a
-//! generation-stamped visited table, scoring the unvisited neighbours of a node four at a time
-//! (AVX-512 or AVX2; whole rows prefetched ahead when the vectors outgrow the cache). Returned
-//! scores are exact inner products, recomputed from the stored vectors. The same arrays are
-//! the on-disk format, so loading never runs hnsw_rs's loader (which exits the process on
-//! some corrupt files) and every neighbour id is bounds-checked on load.
+//! generation-stamped visited table (the greedy descent included: a node scored once is never
+//! scored again), scoring the unvisited neighbours of a node four at a time (AVX-512 or AVX2;
+//! whole rows prefetched ahead when the vectors outgrow the cache). Returned scores are the
+//! inner products computed on the way. The same arrays are the on-disk format, so loading
+//! never runs hnsw_rs's loader (which exits the process on some corrupt files) and every
+//! neighbour id is bounds-checked on load.
 //!
 //! Files: `index.json`, `ids.txt`, `vectors.npy` (`[count, dim]` `<f4`) and `graph.bin`
 //! (little-endian: magic `RAKHNSW1`, u64 n, u32 entry, u8 level[n], u64 offset[n + 1] and
@@ -65,6 +66,15 @@ impl Distance<f32> for InnerProductDist {
     fn eval(&self, va: &[f32], vb: &[f32]) -> f32 {
         (self.offset - (self.kernel)(va, vb)).max(0.0)
     }
+}
+
+/// The work a search did, summed over its queries.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct SearchStats {
+    pub queries: usize,
+    /// Inner products computed while walking the graph, all layers, the entry point's not
+    /// counted: what faiss counts in `hnsw_stats.ndis`.
+    pub distances: usize,
 }
 
 /// Which code builds the graph (see the module comment); search is the same for both.
@@ -464,21 +474,28 @@ impl HnswIndex {
     /// The (approximately) `k` largest inner products per query (`[nq, dim]`), best first,
     /// queries in parallel. Scores are exact inner products.
     pub fn search(&self, queries: &[f32], dim: usize, k: usize) -> Result<Vec<Vec<Hit>>> {
-        let nq = check_queries(queries, dim, self.dim, k)?;
-        if nq == 0 {
-            return Ok(vec![]);
-        }
-        let ef = self.params.ef_search.max(k);
-        Ok(queries.par_chunks(dim).map(|q| self.search_one(q, k, ef)).collect())
+        Ok(self.search_with_stats(queries, dim, k)?.0)
     }
 
-    fn search_one(&self, q: &[f32], k: usize, ef: usize) -> Vec<Hit> {
+    /// [`search`](Self::search), also counting the work done: the number to compare with
+    /// faiss's `hnsw_stats.ndis`, free of timing noise.
+    pub fn search_with_stats(&self, queries: &[f32], dim: usize, k: usize) -> Result<(Vec<Vec<Hit>>, SearchStats)> {
+        let nq = check_queries(queries, dim, self.dim, k)?;
+        let ef = self.params.ef_search.max(k);
+        let (hits, distances): (Vec<Vec<Hit>>, Vec<usize>) = queries.par_chunks(dim).map(|q| self.search_one(q, k, ef)).unzip();
+        Ok((hits, SearchStats { queries: nq, distances: distances.iter().sum() }))
+    }
+
+    /// The hits for one query and the number of vectors scored on the way.
+    fn search_one(&self, q: &[f32], k: usize, ef: usize) -> (Vec<Hit>, usize) {
         let g = &self.graph;
         let s = Scorer { data: self.vectors.data(), dim: self.dim, dot: self.dot, dot4: self.dot4 };
         SCRATCH.with(|sc| {
             let sc = &mut *sc.borrow_mut();
             // Greedy descent through the upper layers, then a beam search on layer 0.
+            let before = sc.distances;
             let (mut cur, mut cur_s) = (g.entry, s.score(q, g.entry));
+            sc.start_walk(g.n, g.entry);
             for layer in (1..=g.level[cur as usize] as usize).rev() {
                 (cur, cur_s) = greedy(&s, q, cur, cur_s, sc, |v, out| {
                     out.clear();
@@ -489,7 +506,7 @@ impl HnswIndex {
             let mut hits: Vec<Hit> = best.into_iter().map(|Scored(score, v)| Hit { row: v as usize, score }).collect();
             hits.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.row.cmp(&b.row)));
             hits.truncate(k);
-            hits
+            (hits, sc.distances - before)
         })
     }
 

@@ -67,6 +67,8 @@ pub(super) struct Scratch {
     scores: Vec<f32>,
     cands: BinaryHeap<Scored<u32>>,
     best: BinaryHeap<Reverse<Scored<u32>>>,
+    /// Vectors scored by walks on this thread, for search statistics.
+    pub distances: usize,
 }
 
 thread_local! {
@@ -97,9 +99,18 @@ impl Scorer<'_> {
 pub(super) fn greedy(s: &Scorer, q: &[f32], mut ep: u32, mut ep_s: f32, sc: &mut Scratch, mut links: impl FnMut(u32, &mut Vec<u32>)) -> (u32, f32) {
     loop {
         links(ep, &mut sc.links);
-        simd::dot_many(s.dot, s.dot4, q, s.data, s.dim, &sc.links, &mut sc.scores);
+        let gen = sc.gen;
+        sc.fresh.clear();
+        for &v in &sc.links {
+            if sc.stamp[v as usize] != gen {
+                sc.stamp[v as usize] = gen;
+                sc.fresh.push(v);
+            }
+        }
+        simd::dot_many(s.dot, s.dot4, q, s.data, s.dim, &sc.fresh, &mut sc.scores);
+        sc.distances += sc.fresh.len();
         let mut moved = false;
-        for (&v, &sv) in sc.links.iter().zip(&sc.scores) {
+        for (&v, &sv) in sc.fresh.iter().zip(&sc.scores) {
             if sv > ep_s {
                 (ep, ep_s, moved) = (v, sv, true);
             }
@@ -146,6 +157,7 @@ pub(super) fn beam_search<'g>(
             }
         }
         simd::dot_many(s.dot, s.dot4, q, s.data, s.dim, &sc.fresh, &mut sc.scores);
+        sc.distances += sc.fresh.len();
         for (&v, &sv) in sc.fresh.iter().zip(&sc.scores) {
             if best.len() < ef || sv > best.peek().unwrap().0 .0 {
                 cands.push(Scored(sv, v));
@@ -162,6 +174,13 @@ pub(super) fn beam_search<'g>(
 }
 
 impl Scratch {
+    /// Start a greedy descent from `entry` in a graph of `n` nodes: a fresh generation with
+    /// `entry` marked visited.
+    pub(super) fn start_walk(&mut self, n: usize, entry: u32) {
+        let gen = self.next_gen(n);
+        self.stamp[entry as usize] = gen;
+    }
+
     /// A fresh generation of the visited table for a graph of `n` nodes.
     fn next_gen(&mut self, n: usize) -> u8 {
         if self.stamp.len() < n {
@@ -175,6 +194,19 @@ impl Scratch {
         }
         self.gen
     }
+}
+
+/// Nodes by level, highest first, in a seeded random order within a level.
+fn insertion_order(level: &[u8], seed: u64) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..level.len() as u32).collect();
+    let mut s = seed;
+    for i in (1..order.len()).rev() {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let j = ((s >> 33) % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    order.sort_by_key(|&v| std::cmp::Reverse(level[v as usize]));
+    order
 }
 
 /// A geometric level per node, `floor(-ln(U) / ln(M))`, from a fixed seed (splitmix64), so a
@@ -208,6 +240,13 @@ pub(crate) fn build(data: &[f32], dim: usize, m: usize, ef: usize, progress: &(d
         up_start.push(total);
         total += l as usize * (1 + m);
     }
+    // Highest levels first, so that the upper layers are complete before the bulk of the
+    // points descends through them; shuffled within a level, because rows often come in
+    // corpus order (passages of one article side by side), and inserting near-duplicates
+    // back to back gave a graph that scored 7% more vectors per query on mini-KILT for the
+    // same recall (faiss shuffles for the same reason).
+    let order = insertion_order(&level, 0x0DDE_5EED);
+    let first = order.first().copied().unwrap_or(0);
     let zeros = |len: usize| (0..len).map(|_| AtomicU32::new(0)).collect::<Vec<_>>();
     let b = Builder {
         s: Scorer { data, dim, dot: simd::dot_kernel(), dot4: simd::dot4_kernel() },
@@ -218,17 +257,25 @@ pub(crate) fn build(data: &[f32], dim: usize, m: usize, ef: usize, progress: &(d
         up: zeros(total),
         up_start,
         locks: (0..n).map(|_| Mutex::new(())).collect(),
-        entry: Mutex::new((0, level[0])),
+        entry: Mutex::new((first, level.get(first as usize).copied().unwrap_or(0))),
         level,
     };
     let done = AtomicUsize::new(1);
-    (1..n).into_par_iter().with_min_len(64).for_each(|i| {
-        b.insert(i as u32);
-        let d = done.fetch_add(1, Relaxed) + 1;
-        if d % 4096 == 0 {
-            progress(d);
-        }
-    });
+    // One parallel pass per level.
+    let mut rest = order.get(1..).unwrap_or(&[]);
+    while !rest.is_empty() {
+        let lv = b.level[rest[0] as usize];
+        let cut = rest.iter().position(|&v| b.level[v as usize] != lv).unwrap_or(rest.len());
+        let (group, tail) = rest.split_at(cut);
+        rest = tail;
+        group.par_iter().with_min_len(64).for_each(|&i| {
+            b.insert(i);
+            let d = done.fetch_add(1, Relaxed) + 1;
+            if d % 4096 == 0 {
+                progress(d);
+            }
+        });
+    }
     progress(n);
     b.finish()
 }
@@ -275,6 +322,7 @@ impl Builder<'_> {
         SCRATCH.with(|sc| {
             let sc = &mut *sc.borrow_mut();
             let (mut ep, mut ep_s) = (entry, self.s.score(q, entry));
+            sc.start_walk(self.level.len(), entry);
             // Greedy descent through the layers above this point's own.
             for layer in (my_level as usize + 1..=top as usize).rev() {
                 (ep, ep_s) = greedy(&self.s, q, ep, ep_s, sc, |v, out| self.read_links(v, layer, out));
@@ -448,6 +496,19 @@ mod tests {
         let g = build(&vec![0.25; n * d], d, m, 16, &|_| ());
         let mean = g.links.iter().map(|l| l[0].len()).sum::<usize>() as f64 / n as f64;
         assert!(mean >= m as f64, "mean layer-0 degree {mean}");
+    }
+
+    #[test]
+    fn insertion_order_is_a_permutation_by_level() {
+        let level = draw_levels(5_000, 4, 3);
+        let order = insertion_order(&level, 9);
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..5_000).collect::<Vec<u32>>());
+        assert!(order.windows(2).all(|w| level[w[0] as usize] >= level[w[1] as usize]), "highest levels first");
+        // Shuffled within a level: the level-0 rows are not in row order.
+        let zeros: Vec<u32> = order.iter().copied().filter(|&v| level[v as usize] == 0).collect();
+        assert!(zeros.windows(2).filter(|w| w[0] < w[1]).count() < zeros.len() * 3 / 4);
     }
 
     #[test]

@@ -13,7 +13,7 @@ mod simd;
 
 pub use bm25::{Bm25Index, BM25_B, BM25_K1};
 pub use flat::{FlatBackend, FlatIndex};
-pub use hnsw::{HnswBuilder, HnswIndex, HnswParams, InnerProductDist, DROPPED_LINKS};
+pub use hnsw::{HnswBuilder, HnswIndex, HnswParams, InnerProductDist, SearchStats, DROPPED_LINKS};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
