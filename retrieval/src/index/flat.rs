@@ -3,7 +3,7 @@
 //! Files: `index.json`, `embeddings.npy` (`[count, dim]` `<f4`, memory-mapped on load),
 //! `ids.txt`.
 
-use super::{check_ids, check_matrix, check_queries, simd, top_k, Hit, IndexMeta, Scored};
+use super::{check_ids, check_matrix, check_queries, simd, Hit, IndexMeta, Scored};
 use crate::npy::{self, NpyF32};
 use anyhow::{Context, Result};
 use rayon::prelude::*;
@@ -121,28 +121,26 @@ impl FlatIndex {
         let n = self.len();
         let q = Tensor::from_slice(queries).view([nq as i64, d as i64]);
         // Score blocks of at most 4M floats (16 MiB): reused from the heap, not mapped afresh
-        // (see rak_core::malloc), and closer to the caches for topk.
+        // (see rak_core::malloc), and small enough to stay in cache for the scan that follows.
         let block = ((4usize << 20) / nq).clamp(1024, 1 << 18).min(n);
-        let mut cands: Vec<Vec<Hit>> = vec![Vec::with_capacity(k * n.div_ceil(block)); nq];
+        // One running top-k per query across blocks, as faiss does: once a query's heap is full
+        // almost every score fails a single comparison with its k-th best. (libtorch `topk`
+        // per block, then merging the candidates, took about as long as the matmul itself.)
+        let mut best: Vec<TopK> = (0..nq).map(|_| TopK::new(k)).collect();
         for start in (0..n).step_by(block) {
             let rows = block.min(n - start);
             let slice = &base[start * d..(start + rows) * d];
             // Safety: `slice` outlives `b` (dropped at the end of this iteration) and libtorch
             // only reads it (matmul); no copy of a possibly memory-mapped matrix is made.
             let b = unsafe { Tensor::f_from_blob(slice.as_ptr() as *const u8, &[rows as i64, d as i64], &[d as i64, 1], Kind::Float, Device::Cpu) }?;
-            let scores = q.f_matmul(&b.tr())?;
-            let kk = k.min(rows) as i64;
-            let (vals, idx) = scores.f_topk(kk, -1, true, true)?;
-            let vals = Vec::<f32>::try_from(vals.contiguous().view(-1))?;
-            let idx = Vec::<i64>::try_from(idx.contiguous().view(-1))?;
-            for (qi, cand) in cands.iter_mut().enumerate() {
-                for j in 0..kk as usize {
-                    let o = qi * kk as usize + j;
-                    cand.push(Hit { row: start + idx[o] as usize, score: vals[o] });
-                }
-            }
+            let scores = block_scores(&q, &b)?;
+            anyhow::ensure!(scores.size() == [nq as i64, rows as i64] && scores.kind() == Kind::Float, "matmul returned {:?} {:?}", scores.size(), scores.kind());
+            // Safety: `scores` is a contiguous f32 CPU tensor of nq × rows elements (checked
+            // above) that lives until the end of this iteration and is not written meanwhile.
+            let scores: &[f32] = unsafe { std::slice::from_raw_parts(scores.data_ptr() as *const f32, nq * rows) };
+            best.par_iter_mut().zip(scores.par_chunks(rows)).for_each(|(top, row)| top.push_scan(start, row));
         }
-        Ok(cands.into_iter().map(|c| top_k(c, k)).collect())
+        Ok(best.into_iter().map(TopK::into_sorted).collect())
     }
 
     fn search_rust(&self, queries: &[f32], k: usize) -> Vec<Vec<Hit>> {
@@ -159,6 +157,21 @@ impl FlatIndex {
             })
             .collect()
     }
+}
+
+/// `q · bᵀ` (`[nq, rows]`, contiguous). On CPU in f32 the block is packed for libtorch's
+/// oneDNN GEMM and multiplied there: 0.80-0.93 s against 1.33-1.49 s for `matmul` (MKL
+/// `sgemm`) on 1,000 queries × 200k rows × 384 (AMD Zen 4, 2 threads), about 180 against
+/// 110 GFLOP/s. Packing costs one pass over the block, small next to the GEMM.
+fn block_scores(q: &Tensor, b: &Tensor) -> Result<Tensor> {
+    use rak_core::models::onednn;
+    if onednn::usable(Device::Cpu, Kind::Float) {
+        match onednn::Dense::pack(b, None, q.size()[0]).and_then(|w| w.forward(q, onednn::Epilogue::None)) {
+            Ok(s) => return Ok(s.f_contiguous()?),
+            Err(e) => onednn::warn_once(&e),
+        }
+    }
+    Ok(q.f_matmul(&b.tr())?.f_contiguous()?)
 }
 
 /// A bounded min-heap of the best `k` hits.
@@ -182,8 +195,55 @@ impl TopK {
             }
         }
     }
+    /// Push `scores[j]` as row `first_row + j`, for ascending rows after every row pushed so
+    /// far. Blocks of 16 scores are tested against the current k-th best with one vectorised
+    /// maximum; ties never replace (an earlier row wins a tie).
+    pub(crate) fn push_scan(&mut self, first_row: usize, scores: &[f32]) {
+        let mut floor = self.floor();
+        for (c, chunk) in scores.chunks(16).enumerate() {
+            if chunk.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s)) <= floor && self.heap.len() >= self.k {
+                continue;
+            }
+            for (j, &s) in chunk.iter().enumerate() {
+                if self.heap.len() < self.k || s > floor {
+                    self.push(first_row + c * 16 + j, s);
+                    floor = self.floor();
+                }
+            }
+        }
+    }
+
+    /// The k-th best score so far (−∞ until there are k).
+    fn floor(&self) -> f32 {
+        match self.heap.peek() {
+            Some(min) if self.heap.len() >= self.k => min.0 .0,
+            _ => f32::NEG_INFINITY,
+        }
+    }
+
     pub(crate) fn into_sorted(self) -> Vec<Hit> {
         // into_sorted_vec is ascending in Reverse order = descending score.
         self.heap.into_sorted_vec().into_iter().map(|std::cmp::Reverse(Scored(s, r))| Hit { row: r, score: s }).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn push_scan_keeps_the_best_k_and_earlier_rows_on_ties() {
+        let mut top = TopK::new(3);
+        // 40 scores (more than two blocks of 16), then a second call continuing the rows.
+        let first: Vec<f32> = (0..40).map(|i| (i % 7) as f32).collect();
+        top.push_scan(0, &first);
+        top.push_scan(40, &[6.0, 9.0, 6.0]);
+        let got: Vec<(usize, f32)> = top.into_sorted().iter().map(|h| (h.row, h.score)).collect();
+        // 9 at row 41; then the two earliest 6s (rows 6 and 13), not the later ones.
+        assert_eq!(got, vec![(41, 9.0), (6, 6.0), (13, 6.0)]);
+        // Fewer scores than k: all of them, best first.
+        let mut few = TopK::new(5);
+        few.push_scan(10, &[1.0, 3.0]);
+        assert_eq!(few.into_sorted().iter().map(|h| h.row).collect::<Vec<_>>(), vec![11, 10]);
     }
 }

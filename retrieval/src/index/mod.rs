@@ -190,14 +190,3 @@ pub(crate) fn check_ids(ids: &[String], rows: usize) -> Result<()> {
     }
     Ok(())
 }
-
-/// Keep the best `k` (largest score) of `(row, score)` pairs, sorted descending, ties by row.
-pub(crate) fn top_k(mut hits: Vec<Hit>, k: usize) -> Vec<Hit> {
-    let cmp = |a: &Hit, b: &Hit| b.score.total_cmp(&a.score).then(a.row.cmp(&b.row));
-    if hits.len() > k {
-        hits.select_nth_unstable_by(k - 1, cmp);
-        hits.truncate(k);
-    }
-    hits.sort_by(cmp);
-    hits
-}
