@@ -14,7 +14,8 @@ use tch::{Device, Kind, Tensor};
 /// differs, so scores can differ in the last bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FlatBackend {
-    /// libtorch `matmul` + `topk` over blocks of rows (BLAS sgemm): fast for query batches.
+    /// A libtorch GEMM (oneDNN on CPU in f32) per block of rows, then a running top-k per
+    /// query: fast for query batches.
     #[default]
     Torch,
     /// A plain Rust scan with AVX2 dot products, queries in parallel (rayon).
