@@ -115,7 +115,7 @@ fn plugin_errors_come_back_naming_the_plugin() {
     let mut opt = reg.optimizer("adamw", &serde_json::json!({})).unwrap();
     let p = Tensor::zeros([3], (Kind::Float, Device::Cpu));
     let g = Tensor::zeros([5], (Kind::Float, Device::Cpu));
-    let err = opt.step(&[p], &[vec![g]], 1e-3).err().expect("shape mismatch is an error");
+    let err = opt.step(&[p], &[vec![g]], 1e-3).expect_err("shape mismatch is an error");
     assert!(format!("{err:#}").contains("adamw"), "{err:#}");
 
     let err = reg.optimizer("nope", &serde_json::json!({})).err().unwrap();

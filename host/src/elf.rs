@@ -52,7 +52,7 @@ pub fn read_plugin_header(path: &Path) -> Result<HeaderInfo, Rejection> {
     let len = data.len() as u64;
     for ph in file.elf_program_headers() {
         let end = ph.p_offset(endian).checked_add(ph.p_filesz(endian));
-        if end.map_or(true, |end| end > len) {
+        if end.is_none_or(|end| end > len) {
             return reject(format!("truncated: a segment ends past the file's {len} bytes"));
         }
     }
@@ -61,7 +61,7 @@ pub fn read_plugin_header(path: &Path) -> Result<HeaderInfo, Rejection> {
             continue;
         }
         let end = sh.sh_offset(endian).checked_add(sh.sh_size(endian));
-        if end.map_or(true, |end| end > len) {
+        if end.is_none_or(|end| end > len) {
             return reject(format!("truncated: a section ends past the file's {len} bytes"));
         }
     }

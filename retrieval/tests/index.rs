@@ -324,7 +324,7 @@ fn npy_round_trip_resume_and_ids() {
 
 fn npy_with_header(dict: &str, payload: usize) -> Vec<u8> {
     let mut h = dict.to_string();
-    while (10 + h.len() + 1) % 64 != 0 {
+    while !(10 + h.len() + 1).is_multiple_of(64) {
         h.push(' ');
     }
     h.push('\n');

@@ -133,8 +133,11 @@ fn count_records(path: &Path) -> Result<usize> {
     Ok(n)
 }
 
+/// `(id, text)` records, streamed.
+type Records = Box<dyn Iterator<Item = Result<(String, String)>>>;
+
 /// Iterate `(id, text)` of the input, as the role reads it.
-fn records(args: &EncodeArgs) -> Result<Box<dyn Iterator<Item = Result<(String, String)>>>> {
+fn records(args: &EncodeArgs) -> Result<Records> {
     Ok(match args.role {
         Role::Passage => Box::new(beir::read_corpus(&args.input)?.map(|r| r.map(|p| (p.id, passage_string(&p.title, &p.text))))),
         Role::Query => Box::new(beir::read_queries(&args.input)?.map(|r| r.map(|q| (q.id, q.text)))),

@@ -271,7 +271,7 @@ pub(crate) fn build(data: &[f32], dim: usize, m: usize, ef: usize, progress: &(d
         group.par_iter().with_min_len(64).for_each(|&i| {
             b.insert(i);
             let d = done.fetch_add(1, Relaxed) + 1;
-            if d % 4096 == 0 {
+            if d.is_multiple_of(4096) {
                 progress(d);
             }
         });
