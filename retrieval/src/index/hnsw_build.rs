@@ -261,13 +261,9 @@ pub(crate) fn build(data: &[f32], dim: usize, m: usize, ef: usize, progress: &(d
         level,
     };
     let done = AtomicUsize::new(1);
-    // One parallel pass per level.
-    let mut rest = order.get(1..).unwrap_or(&[]);
-    while !rest.is_empty() {
-        let lv = b.level[rest[0] as usize];
-        let cut = rest.iter().position(|&v| b.level[v as usize] != lv).unwrap_or(rest.len());
-        let (group, tail) = rest.split_at(cut);
-        rest = tail;
+    // One parallel pass per level (the first point is the entry already).
+    let same_level = |x: &u32, y: &u32| b.level[*x as usize] == b.level[*y as usize];
+    for group in order.get(1..).unwrap_or(&[]).chunk_by(same_level) {
         group.par_iter().with_min_len(64).for_each(|&i| {
             b.insert(i);
             let d = done.fetch_add(1, Relaxed) + 1;
