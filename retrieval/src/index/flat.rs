@@ -160,13 +160,19 @@ impl FlatIndex {
     }
 }
 
-/// `q · bᵀ` (`[nq, rows]`, contiguous). On CPU in f32 the block is packed for libtorch's
-/// oneDNN GEMM and multiplied there: 0.80-0.93 s against 1.33-1.49 s for `matmul` (MKL
-/// `sgemm`) on 1,000 queries × 200k rows × 384 (AMD Zen 4, 2 threads), about 180 against
-/// 110 GFLOP/s. Packing costs one pass over the block, small next to the GEMM.
+/// Below this many queries `matmul` is faster than packing each block for oneDNN.
+const ONEDNN_MIN_QUERIES: i64 = 128;
+
+/// `q · bᵀ` (`[nq, rows]`, contiguous). On CPU in f32, for batches of at least
+/// [`ONEDNN_MIN_QUERIES`], the block is packed for libtorch's oneDNN GEMM and multiplied there:
+/// 0.80-0.93 s against 1.33-1.49 s for `matmul` (MKL `sgemm`) on 1,000 queries × 200k rows ×
+/// 384 (AMD Zen 4, 2 threads), about 180 against 110 GFLOP/s. Packing costs a pass over the
+/// block, which only a large batch repays: at 200k rows oneDNN took 219-230 ms against
+/// 246-264 ms for 128 queries, but 182-219 against 128-156 ms for 64 and 128-134 against
+/// 36-38 ms for one.
 fn block_scores(q: &Tensor, b: &Tensor) -> Result<Tensor> {
     use rak_core::models::onednn;
-    if onednn::usable(Device::Cpu, Kind::Float) {
+    if q.size()[0] >= ONEDNN_MIN_QUERIES && onednn::usable(Device::Cpu, Kind::Float) {
         match onednn::Dense::pack(b, None, q.size()[0]).and_then(|w| w.forward(q, onednn::Epilogue::None)) {
             Ok(s) => return Ok(s.f_contiguous()?),
             Err(e) => onednn::warn_once(&e),
