@@ -73,7 +73,8 @@ fn minilm_hidden_states_and_pooling_match_transformers() {
     assert!(enc.input_ids.equal(&exp["input_ids"]), "one padded batch tokenised as in Python");
     assert!(enc.attention_mask.equal(&exp["attention_mask"]));
     let input = BertInput { input_ids: enc.input_ids, attention_mask: enc.attention_mask.shallow_clone(), token_type_ids: enc.token_type_ids };
-    // Without gradients the CPU forward runs on oneDNN's fused kernels; with them, on
+    // Without gradients the CPU forward runs on oneDNN's fused kernels (batches of at least
+    // `onednn::MIN_ROWS` tokens; this one has 8,192); with them, on
     // libtorch's general layers (MKL, as transformers). Both must match transformers; oneDNN
     // sums in another order, so it gets 3e-5 on states of magnitude up to 6 (5e-6 relative).
     assert!(tch::no_grad(|| rak_core::models::onednn::usable(Device::Cpu, tch::Kind::Float)));

@@ -41,12 +41,16 @@ fn parity(variant: &str) {
     let e = expected(&dir);
     let model = T5Model::load(&dir, Device::Cpu).unwrap();
     let (ids, mask) = (&e["input_ids"], &e["attention_mask"]);
-    // With gradients on, every product runs on libtorch's `linear`; without, the large ones
-    // (the encoder's, here 4 x 48 rows) run on oneDNN. Both must match transformers.
+    // With gradients on, every product runs on libtorch's `linear`; without, those with at
+    // least `onednn::MIN_ROWS` rows run on oneDNN: the fixture batch (4 x 48 rows) is tiled
+    // past that. Both must match transformers.
     let general = model.encode(ids, mask).detach();
     check("encoder_last_hidden_state (general path)", variant, &general, &e["encoder_last_hidden_state"]);
     let _g = tch::no_grad_guard();
     assert!(rak_core::models::onednn::usable(Device::Cpu, Kind::Float));
+    let reps = rak_core::models::onednn::MIN_ROWS / ids.numel() as i64 + 1;
+    let tiled = model.encode(&ids.repeat([reps, 1]), &mask.repeat([reps, 1]));
+    check("encoder_last_hidden_state (oneDNN, tiled batch)", variant, &tiled, &e["encoder_last_hidden_state"].repeat([reps, 1, 1]));
 
     let enc = model.encode(ids, mask);
     check("encoder_last_hidden_state", variant, &enc, &e["encoder_last_hidden_state"]);

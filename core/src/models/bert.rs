@@ -242,7 +242,7 @@ impl BertModel {
             + e.token_type.forward(&input.token_type_ids);
         let mut x = e.norm.forward(&x).dropout(c.hidden_dropout_prob, train);
         let kind = x.kind();
-        if !train && onednn::usable(device, kind) {
+        if !train && b * l >= onednn::MIN_ROWS && onednn::usable(device, kind) {
             match self.forward_onednn(&x, &input.attention_mask, role) {
                 Ok(states) => return states,
                 Err(err) => onednn::warn_once(&err),

@@ -209,17 +209,14 @@ fn mask_value(kind: Kind) -> f64 {
     }
 }
 
-/// Inputs with fewer rows (a decoding step) stay on libtorch's `linear`: packing the weight
-/// for oneDNN would cost about as much as the product itself.
-const ONEDNN_MIN_ROWS: i64 = 32;
-
 /// `x·Wᵀ` (T5 projections have no bias). Large CPU inference products go through oneDNN
 /// (see `models::onednn`: the weight packed once, no repacking inside the GEMM).
 fn linear(x: &Tensor, w: &Tensor) -> Tensor {
     let shape = x.size();
     let inner = *shape.last().expect("linear input has a feature axis");
     let rows = if inner == 0 { 0 } else { x.numel() as i64 / inner };
-    if rows >= ONEDNN_MIN_ROWS && onednn::usable(x.device(), x.kind()) && w.kind() == x.kind() {
+    // Smaller inputs (decoding steps, short batches) stay on `linear`: see `onednn::MIN_ROWS`.
+    if rows >= onednn::MIN_ROWS && onednn::usable(x.device(), x.kind()) && w.kind() == x.kind() {
         let product = Dense::pack(w, None, rows).and_then(|d| d.forward(&x.reshape([rows, inner]), Epilogue::None));
         match product {
             Ok(y) => {
