@@ -143,7 +143,22 @@ def median_of_rounds(runs):
     return out
 
 
+def median_flat(runs):
+    """One side's exact-search result with QPS and seconds the median over rounds."""
+    out = dict(runs[0])
+    for key in ("flat_faiss", "flat_torch", "flat_rust"):
+        if key in out:
+            out[key] = dict(out[key], qps=float(np.median([r[key]["qps"] for r in runs])),
+                            seconds=float(np.median([r[key]["seconds"] for r in runs])))
+    out["peak_rss_mib"] = float(np.median([r["peak_rss_mib"] for r in runs]))
+    return out
+
+
 def summarize(res, target):
+    ff, rf = res.get("faiss_flat"), res.get("rak_flat")
+    if ff and rf:
+        a, b = ff["flat_faiss"]["qps"], rf["flat_torch"]["qps"]
+        print(f"exact search QPS: rak {b:.0f} faiss {a:.0f} ratio {b / a:.2f}", file=sys.stderr)
     f, r = res.get("faiss_hnsw"), res.get("rak_hnsw")
     if not (f and r):
         return
@@ -176,9 +191,10 @@ def main():
     p.add_argument("--target", type=float, default=0.98)
     p.add_argument("--repeat", type=int, default=3, help="time each ef this many times; report the median")
     p.add_argument("--rounds", type=int, default=1,
-                   help="build and search with both this many times, alternating which goes first; "
-                        "per ef, the median of the rounds is kept (this VM's speed drifts by 10-30%% "
-                        "between minutes, which one pass per side cannot tell from a real difference)")
+                   help="run every measurement (exact search, HNSW build and search) this many times, "
+                        "alternating which side goes first; the median of the rounds is kept (this VM's "
+                        "speed drifts by 10-30%% between minutes, which one pass per side cannot tell "
+                        "from a real difference)")
     p.add_argument("--rak-builder", default="native", help="native or hnsw_rs")
     p.add_argument("--skip", default="", help="comma list of: flat, faiss-hnsw, rak-hnsw")
     p.add_argument("--worker", choices=["flat", "hnsw"])
@@ -217,10 +233,14 @@ def main():
                OMP_NUM_THREADS=str(args.threads))
     skip = set(args.skip.split(","))
     res = {"config": vars(args) | {"cpu": os.cpu_count()}, "machine": describe()}
-    res["faiss_flat"] = run(me + ["--worker", "flat"], env)  # also writes the ground truth
-    if "flat" not in skip:
-        res["rak_flat"] = run(rust + ["flat", base, queries, gt, str(args.k)], env)
     sides = []
+    if "flat" in skip:
+        if not os.path.exists(gt):
+            run(me + ["--worker", "flat"], env)  # the exact search writes the ground truth
+    else:
+        # First in round 0, so that the ground truth exists before anything reads it.
+        sides.append(("faiss_flat", me + ["--worker", "flat"]))
+        sides.append(("rak_flat", rust + ["flat", base, queries, gt, str(args.k)]))
     if "faiss-hnsw" not in skip:
         sides.append(("faiss_hnsw", me + ["--worker", "hnsw"]))
     if "rak-hnsw" not in skip:
@@ -231,7 +251,8 @@ def main():
         order = sides if r % 2 == 0 else sides[::-1]
         rounds.append({name: run(cmd, env) for name, cmd in order})
     for name, _ in sides:
-        res[name] = median_of_rounds([rd[name] for rd in rounds])
+        runs = [rd[name] for rd in rounds]
+        res[name] = median_flat(runs) if name.endswith("_flat") else median_of_rounds(runs)
     if args.rounds > 1:
         res["rounds"] = rounds
     print(json.dumps(res, indent=1))
