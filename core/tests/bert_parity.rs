@@ -80,6 +80,7 @@ fn minilm_hidden_states_and_pooling_match_transformers() {
     assert!(tch::no_grad(|| rak_core::models::onednn::usable(Device::Cpu, tch::Kind::Float)));
     let general = model.forward(&input, Role::Passage, false);
     let fused = tch::no_grad(|| model.forward(&input, Role::Passage, false));
+    assert!(!rak_core::models::onednn::fell_back(), "the oneDNN path ran without falling back");
     // Padding positions are unconstrained in Python too; compare real tokens only.
     let m = enc.attention_mask.unsqueeze(-1).to_kind(tch::Kind::Float);
     for (path, states, tolerance) in [("general", general, 1e-5), ("oneDNN", fused, 3e-5)] {

@@ -51,6 +51,7 @@ fn parity(variant: &str) {
     let reps = rak_core::models::onednn::MIN_ROWS / ids.numel() as i64 + 1;
     let tiled = model.encode(&ids.repeat([reps, 1]), &mask.repeat([reps, 1]));
     check("encoder_last_hidden_state (oneDNN, tiled batch)", variant, &tiled, &e["encoder_last_hidden_state"].repeat([reps, 1, 1]));
+    assert!(!rak_core::models::onednn::fell_back(), "the oneDNN path ran without falling back");
 
     let enc = model.encode(ids, mask);
     check("encoder_last_hidden_state", variant, &enc, &e["encoder_last_hidden_state"]);

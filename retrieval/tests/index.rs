@@ -376,6 +376,12 @@ fn errors_are_clear_and_never_panic() {
     let mut nan = base.clone();
     nan[3 * d + 2] = f32::NAN;
     assert!(err(FlatIndex::new(nan.clone(), d, ids(100))).contains("row 3 holds a non-finite"));
+    // Finite values whose inner products could overflow f32 (inf - inf = NaN scores).
+    let mut huge = base.clone();
+    huge[5 * d..6 * d].fill(1e20);
+    let e = err(FlatIndex::new(huge.clone(), d, ids(100)));
+    assert!(e.contains("row 5") && e.contains("overflows"), "{e}");
+    assert!(err(flat.search(&huge[5 * d..6 * d], d, 3)).contains("overflows"));
 
     let ok = HnswParams { m: 8, ef_construction: 32, ef_search: 16 };
     assert!(err(HnswIndex::build(&nan, d, ids(100), ok)).contains("non-finite"));
@@ -391,7 +397,9 @@ fn errors_are_clear_and_never_panic() {
         let e = err(HnswIndex::build(&base, d, ids(100), p));
         assert!(e.contains(want), "{p:?}: {e}");
     }
+    assert!(err(HnswIndex::build(&huge, d, ids(100), ok)).contains("overflows"));
     let mut h = HnswIndex::build(&base, d, ids(100), ok).unwrap();
+    assert!(h.search(&[], d, 3).unwrap().is_empty());
     let e = err(h.search(&q, 4, 5));
     assert!(e.contains("8-d") && e.contains("4-d"), "{e}");
     assert!(err(h.set_ef_search(0)).contains("ef_search"));

@@ -76,7 +76,16 @@ pub fn usable(device: Device, kind: Kind) -> bool {
 /// Say once per process that the oneDNN path failed and the general path is used instead.
 pub fn warn_once(err: &anyhow::Error) {
     static WARNED: std::sync::Once = std::sync::Once::new();
+    FELL_BACK.store(true, std::sync::atomic::Ordering::Relaxed);
     WARNED.call_once(|| eprintln!("warning: {err:#}; using libtorch's general linear layers"));
+}
+
+static FELL_BACK: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the oneDNN path has failed and fallen back in this process (for tests that must
+/// know it really ran).
+pub fn fell_back() -> bool {
+    FELL_BACK.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 fn ptr(t: &Tensor) -> *const c_void {

@@ -14,8 +14,8 @@ use tch::{Device, Kind, Tensor};
 /// differs, so scores can differ in the last bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FlatBackend {
-    /// A libtorch GEMM (oneDNN on CPU in f32) per block of rows, then a running top-k per
-    /// query: fast for query batches.
+    /// A libtorch GEMM per block of rows (oneDNN for batches of 128 queries or more, else
+    /// `matmul`), then a running top-k per query: fast for query batches.
     #[default]
     Torch,
     /// A plain Rust scan with AVX2 dot products, queries in parallel (rayon).
@@ -69,6 +69,9 @@ impl FlatIndex {
         let arr = NpyF32::open(&dir.join("embeddings.npy"))?;
         let ids = npy::read_ids(&dir.join("ids.txt"))?;
         check_ids(&ids, arr.rows()).with_context(|| dir.display().to_string())?;
+        if arr.rows() == 0 || arr.dim() == 0 {
+            anyhow::bail!("{}: embeddings.npy is empty ({} x {})", dir.display(), arr.rows(), arr.dim());
+        }
         if arr.dim() != meta.dim || arr.rows() != meta.count {
             anyhow::bail!("{}: index.json says ({}, {}), embeddings.npy is ({}, {})", dir.display(), meta.count, meta.dim, arr.rows(), arr.dim());
         }
@@ -121,8 +124,9 @@ impl FlatIndex {
         let base = self.vectors();
         let n = self.len();
         let q = Tensor::from_slice(queries).view([nq as i64, d as i64]);
-        // Score blocks of at most 4M floats (16 MiB): reused from the heap, not mapped afresh
-        // (see rak_core::malloc), and small enough to stay in cache for the scan that follows.
+        // Score blocks of about 4M floats (16 MiB; more only past 4,096 queries, as a block
+        // keeps at least 1,024 rows): reused from the heap, not mapped afresh (see
+        // rak_core::malloc), and close to the caches for the scan that follows.
         let block = ((4usize << 20) / nq).clamp(1024, 1 << 18).min(n);
         // One running top-k per query across blocks, as faiss does: once a query's heap is full
         // almost every score fails a single comparison with its k-th best. (libtorch `topk`
@@ -135,7 +139,13 @@ impl FlatIndex {
             // only reads it (matmul); no copy of a possibly memory-mapped matrix is made.
             let b = unsafe { Tensor::f_from_blob(slice.as_ptr() as *const u8, &[rows as i64, d as i64], &[d as i64, 1], Kind::Float, Device::Cpu) }?;
             let scores = block_scores(&q, &b)?;
-            anyhow::ensure!(scores.size() == [nq as i64, rows as i64] && scores.kind() == Kind::Float, "matmul returned {:?} {:?}", scores.size(), scores.kind());
+            anyhow::ensure!(
+                scores.size() == [nq as i64, rows as i64] && scores.kind() == Kind::Float && scores.is_contiguous() && scores.device() == Device::Cpu,
+                "block scores are {:?} {:?} on {:?}",
+                scores.size(),
+                scores.kind(),
+                scores.device()
+            );
             // Safety: `scores` is a contiguous f32 CPU tensor of nq × rows elements (checked
             // above) that lives until the end of this iteration and is not written meanwhile.
             let scores: &[f32] = unsafe { std::slice::from_raw_parts(scores.data_ptr() as *const f32, nq * rows) };

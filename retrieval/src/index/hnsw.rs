@@ -21,8 +21,8 @@
 //! Search never uses hnsw_rs: it allocated an `Arc`, took a read lock and inserted into a hash
 //! set per visited node and ran 6.7x fewer queries per second than faiss. The graph is kept in
 //! flat arrays ([`Graph`]: layer 0 as CSR, upper layers per node); search walks them with a
-//! generation-stamped visited table (the greedy descent included: a node scored once is never
-//! scored again), scoring the unvisited neighbours of a node four at a time (AVX-512 or AVX2;
+//! generation-stamped visited table (one for the greedy descent through the upper layers, one
+//! for layer 0: no node is scored twice within either), scoring the unvisited neighbours of a node four at a time (AVX-512 or AVX2;
 //! whole rows prefetched ahead when the vectors outgrow the cache). Returned scores are the
 //! inner products computed on the way. The same arrays are the on-disk format, so loading
 //! never runs hnsw_rs's loader (which exits the process on some corrupt files) and every
@@ -73,7 +73,8 @@ impl Distance<f32> for InnerProductDist {
 pub struct SearchStats {
     pub queries: usize,
     /// Inner products computed while walking the graph, all layers, the entry point's not
-    /// counted: what faiss counts in `hnsw_stats.ndis`.
+    /// counted, as faiss's `hnsw_stats.ndis`; except that faiss's greedy descent scores a
+    /// node again each time it meets it (and counts it), ours only once.
     pub distances: usize,
 }
 
@@ -481,6 +482,9 @@ impl HnswIndex {
     /// faiss's `hnsw_stats.ndis`, free of timing noise.
     pub fn search_with_stats(&self, queries: &[f32], dim: usize, k: usize) -> Result<(Vec<Vec<Hit>>, SearchStats)> {
         let nq = check_queries(queries, dim, self.dim, k)?;
+        if nq == 0 {
+            return Ok((vec![], SearchStats::default()));
+        }
         let ef = self.params.ef_search.max(k);
         let (hits, distances): (Vec<Vec<Hit>>, Vec<usize>) = queries.par_chunks(dim).map(|q| self.search_one(q, k, ef)).unzip();
         Ok((hits, SearchStats { queries: nq, distances: distances.iter().sum() }))
@@ -533,6 +537,9 @@ impl HnswIndex {
         let ids = npy::read_ids(&dir.join("ids.txt"))?;
         check_ids(&ids, meta.count).with_context(|| dir.display().to_string())?;
         let vectors = NpyF32::open(&dir.join("vectors.npy"))?;
+        if meta.dim == 0 {
+            bail!("{}: index.json says the vectors are 0-d", dir.display());
+        }
         if vectors.rows() != meta.count || vectors.dim() != meta.dim {
             bail!("{}: index.json says ({}, {}), vectors.npy is ({}, {})", dir.display(), meta.count, meta.dim, vectors.rows(), vectors.dim());
         }

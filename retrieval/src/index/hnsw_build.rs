@@ -95,8 +95,12 @@ impl Scorer<'_> {
 }
 
 /// Greedy walk on one layer from `(ep, ep_s)` to a local maximum of `<q, x>`.
-/// `links(node, out)` fills `out` with the node's neighbours on that layer.
+/// `links(node, out)` fills `out` with the node's neighbours on that layer. Nodes stamped in
+/// the current generation are skipped: call [`Scratch::start_walk`] once before a descent
+/// (a node scored earlier in the descent scored at most the running best, which only grows,
+/// so skipping it changes nothing).
 pub(super) fn greedy(s: &Scorer, q: &[f32], mut ep: u32, mut ep_s: f32, sc: &mut Scratch, mut links: impl FnMut(u32, &mut Vec<u32>)) -> (u32, f32) {
+    debug_assert!(sc.stamp.get(ep as usize).is_some_and(|&s| s == sc.gen), "greedy without start_walk");
     loop {
         links(ep, &mut sc.links);
         let gen = sc.gen;
@@ -310,6 +314,8 @@ impl Builder<'_> {
         let (entry, top) = {
             let g = self.entry.lock().unwrap_or_else(|p| p.into_inner());
             let e = *g;
+            // Inserting by level, highest first, makes this unreachable; kept so that the entry
+            // stays on the top layer whatever the order.
             if my_level > e.1 {
                 top_guard = Some(g); // this point becomes the entry: keep others out of the top
             }

@@ -16,6 +16,7 @@ pub use flat::{FlatBackend, FlatIndex};
 pub use hnsw::{HnswBuilder, HnswIndex, HnswParams, InnerProductDist, SearchStats, DROPPED_LINKS};
 
 use anyhow::{bail, Context, Result};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -163,8 +164,16 @@ pub(crate) fn check_matrix(what: &str, data: &[f32], dim: usize) -> Result<usize
     if !data.len().is_multiple_of(dim) {
         bail!("{what}: {} values is not a whole number of rows of width {dim}", data.len());
     }
-    if let Some(i) = data.iter().position(|v| !v.is_finite()) {
-        bail!("{what}: row {} holds a non-finite value ({})", i / dim, data[i]);
+    // Finite values with a finite squared norm: then by Cauchy-Schwarz no inner product of two
+    // checked vectors overflows f32 (an overflow could give inf - inf = NaN, a score that
+    // ranks nowhere sensible).
+    let bad = |row: &[f32]| row.iter().any(|v| !v.is_finite()) || !row.iter().map(|v| v * v).sum::<f32>().is_finite();
+    if let Some(r) = data.par_chunks(dim).position_first(bad) {
+        let row = &data[r * dim..(r + 1) * dim];
+        if let Some(v) = row.iter().find(|v| !v.is_finite()) {
+            bail!("{what}: row {r} holds a non-finite value ({v})");
+        }
+        bail!("{what}: row {r}: its squared norm overflows f32, and inner products with it could too; scale the vectors down");
     }
     Ok(data.len() / dim)
 }
