@@ -62,10 +62,11 @@ fn err<T>(r: anyhow::Result<T>) -> String {
 
 #[test]
 fn flat_search_over_several_score_blocks() {
-    // 2,100 queries make score blocks of 1,997 rows, so 3,000 rows take two blocks and the
-    // running top-k carries over from one to the next. Scores must match the f64 brute force
-    // rank by rank (rows too, except where two scores are closer than f32 rounding).
-    let (n, d, nq, k) = (3000, 16, 2100, 10);
+    // 4,500 queries are searched as batches of 4,096 and 404; the first batch makes score
+    // blocks of 1,024 rows, so 3,000 rows take three blocks and the running top-k carries over
+    // from one to the next. Scores must match the f64 brute force rank by rank (rows too,
+    // except where two scores are closer than f32 rounding).
+    let (n, d, nq, k) = (3000, 16, 4500, 10);
     let base = vectors(n, d, 21);
     let queries = vectors(nq, d, 22);
     let hits = FlatIndex::new(base.clone(), d, ids(n)).unwrap().search(&queries, d, k).unwrap();

@@ -119,14 +119,23 @@ impl FlatIndex {
     }
 
     fn search_torch(&self, queries: &[f32], nq: usize, k: usize) -> Result<Vec<Vec<Hit>>> {
-        let _guard = tch::no_grad_guard();
         let d = self.dim;
+        // Batches of at most 4,096 queries (as faiss), so that a score block of ≥ 1,024 rows
+        // stays within 16 MiB however many queries come in.
+        const QUERY_BATCH: usize = 4096;
+        if nq > QUERY_BATCH {
+            let mut hits = Vec::with_capacity(nq);
+            for batch in queries.chunks(QUERY_BATCH * d) {
+                hits.extend(self.search_torch(batch, batch.len() / d, k)?);
+            }
+            return Ok(hits);
+        }
+        let _guard = tch::no_grad_guard();
         let base = self.vectors();
         let n = self.len();
         let q = Tensor::from_slice(queries).view([nq as i64, d as i64]);
-        // Score blocks of about 4M floats (16 MiB; more only past 4,096 queries, as a block
-        // keeps at least 1,024 rows): reused from the heap, not mapped afresh (see
-        // rak_core::malloc), and close to the caches for the scan that follows.
+        // Score blocks of at most 4M floats (16 MiB): reused from the heap, not mapped afresh
+        // (see rak_core::malloc), and close to the caches for the scan that follows.
         let block = ((4usize << 20) / nq).clamp(1024, 1 << 18).min(n);
         // One running top-k per query across blocks, as faiss does: once a query's heap is full
         // almost every score fails a single comparison with its k-th best. (libtorch `topk`
