@@ -58,7 +58,7 @@ fn main() -> anyhow::Result<()> {
             let t = Instant::now();
             // RAK_BENCH_REUSE=DIR: load the index from DIR if it is there, else build and save it
             // there (for search-only experiments; the build time is then the load time).
-            let reuse = std::env::var_os("RAK_BENCH_REUSE").map(std::path::PathBuf::from);
+            let reuse = std::env::var_os("RAK_BENCH_REUSE").filter(|v| !v.is_empty()).map(std::path::PathBuf::from);
             let mut h = match &reuse {
                 Some(dir) if dir.exists() => HnswIndex::load(dir)?,
                 _ => HnswIndex::build_with(base.data(), d, ids, HnswParams { m, ef_construction: efc, ef_search: efs[0] }, builder)?,

@@ -18,7 +18,7 @@ pub enum FlatBackend {
     /// `matmul`), then a running top-k per query: fast for query batches.
     #[default]
     Torch,
-    /// A plain Rust scan with AVX2 dot products, queries in parallel (rayon).
+    /// A plain Rust scan with AVX-512 or AVX2 dot products, queries in parallel (rayon).
     Rust,
 }
 

@@ -22,9 +22,9 @@
 //! set per visited node and ran 6.7x fewer queries per second than faiss. The graph is kept in
 //! flat arrays ([`Graph`]: layer 0 as CSR, upper layers per node); search walks them with a
 //! generation-stamped visited table (one for the greedy descent through the upper layers, one
-//! for layer 0: no node is scored twice within either), scoring the unvisited neighbours of a node four at a time (AVX-512 or AVX2;
-//! whole rows prefetched ahead when the vectors outgrow the cache). Returned scores are the
-//! inner products computed on the way. The same arrays are the on-disk format, so loading
+//! for layer 0: no node is scored twice within either), scoring the unvisited neighbours of a
+//! node four at a time (AVX-512 or AVX2; whole rows prefetched ahead when the vectors outgrow
+//! the cache). Returned scores are the inner products computed on the way. The same arrays are the on-disk format, so loading
 //! never runs hnsw_rs's loader (which exits the process on some corrupt files) and every
 //! neighbour id is bounds-checked on load.
 //!

@@ -167,7 +167,8 @@ pub(crate) fn check_matrix(what: &str, data: &[f32], dim: usize) -> Result<usize
     // Finite values with a finite squared norm: then by Cauchy-Schwarz no inner product of two
     // checked vectors overflows f32 (an overflow could give inf - inf = NaN, a score that
     // ranks nowhere sensible).
-    let bad = |row: &[f32]| row.iter().any(|v| !v.is_finite()) || !row.iter().map(|v| v * v).sum::<f32>().is_finite();
+    // One pass: a NaN or infinite value makes the squared norm non-finite too.
+    let bad = |row: &[f32]| !row.iter().map(|v| v * v).sum::<f32>().is_finite();
     if let Some(r) = data.par_chunks(dim).position_first(bad) {
         let row = &data[r * dim..(r + 1) * dim];
         if let Some(v) = row.iter().find(|v| !v.is_finite()) {
