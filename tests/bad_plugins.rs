@@ -86,14 +86,12 @@ fn a_plugin_built_against_another_libtorch() {
     assert!(msg.contains(&theirs) && msg.contains(ours), "names both versions: {msg}");
 }
 
-/// A plugin really built with a different ABI number: the out-of-tree plugin compiled against a
-/// copy of rak-core whose `ABI_VERSION` is bumped.
-#[test]
-fn a_plugin_built_with_another_abi_version() {
-    let ours = rak_core::abi::ABI_VERSION;
-    let copy = root().join("target").join("abi-bump");
+/// Build the out-of-tree `hashbow` plugin against a copy of rak-core in `target/NAME`, after
+/// `edit(copy root)` changed the copy; returns the `.so`.
+fn hashbow_built_from_a_copy(name: &str, edit: impl Fn(&Path)) -> PathBuf {
+    let copy = root().join("target").join(name);
     let _ = std::fs::remove_dir_all(&copy);
-    for sub in ["core", "build-support", "tests/third-party-plugin"] {
+    for sub in ["core", "build-support", "tests/third-party"] {
         copy_tree(&root().join(sub), &copy.join(sub));
     }
     // The copied crates inherit settings from a workspace root: give them one of their own.
@@ -101,16 +99,60 @@ fn a_plugin_built_with_another_abi_version() {
     let (head, tail) = manifest.split_once("members = [").unwrap();
     let tail = &tail[tail.find(']').unwrap() + 1..];
     std::fs::write(copy.join("Cargo.toml"), format!("{head}members = [\"core\", \"build-support\"]{tail}")).unwrap();
-    let abi = copy.join("core/src/abi/mod.rs");
-    let src = std::fs::read_to_string(&abi).unwrap();
-    let line = format!("pub const ABI_VERSION: u32 = {ours};");
-    assert!(src.contains(&line));
-    std::fs::write(&abi, src.replace(&line, &format!("pub const ABI_VERSION: u32 = {};", ours + 1))).unwrap();
-    let so = cargo_build_plugin(&copy.join("tests/third-party-plugin"), "hashbow_encoder");
+    edit(&copy);
+    // A library name of its own, so that building in the shared plugin target folder (which
+    // reuses the compiled dependencies) cannot overwrite the real hashbow other tests load.
+    let lib = format!("hashbow_{}", name.replace('-', "_"));
+    let cargo_toml = copy.join("tests/third-party/hashbow/Cargo.toml");
+    let text = std::fs::read_to_string(&cargo_toml).unwrap();
+    std::fs::write(&cargo_toml, text.replace("[lib]\n", &format!("[lib]\nname = \"{lib}\"\n"))).unwrap();
+    let status = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["build", "--release", "--quiet", "-p", "hashbow-encoder", "--manifest-path"])
+        .arg(copy.join("tests/third-party/Cargo.toml"))
+        .env("CARGO_TARGET_DIR", plugin_target_dir())
+        .status()
+        .expect("run cargo");
+    assert!(status.success(), "building hashbow from {} failed", copy.display());
+    plugin_target_dir().join("release").join(format!("lib{lib}.so"))
+}
+
+/// A plugin really built with a different ABI number: the out-of-tree plugin compiled against a
+/// copy of rak-core whose `ABI_VERSION` is bumped.
+#[test]
+fn a_plugin_built_with_another_abi_version() {
+    let ours = rak_core::abi::ABI_VERSION;
+    let so = hashbow_built_from_a_copy("abi-bump", |copy| {
+        let abi = copy.join("core/src/abi/mod.rs");
+        let src = std::fs::read_to_string(&abi).unwrap();
+        let line = format!("pub const ABI_VERSION: u32 = {ours};");
+        let text = format!("pub const ABI_VERSION_STRING: &str = \"{ours}.0.0\";");
+        assert!(src.contains(&line) && src.contains(&text));
+        let src = src.replace(&line, &format!("pub const ABI_VERSION: u32 = {};", ours + 1));
+        std::fs::write(&abi, src.replace(&text, &format!("pub const ABI_VERSION_STRING: &str = \"{}.0.0\";", ours + 1))).unwrap();
+    });
     let dir = TempDir::new("bad-abi");
     let f = copy_of(&so, &dir, "abi-next.so");
     let msg = refused(&f, "ABI version");
     assert!(msg.contains(&format!("version {}", ours + 1)) && msg.contains(&format!("version {ours}")), "{msg}");
+}
+
+/// A plugin built against another release of rak-core with the same ABI loads and works:
+/// compatibility follows the ABI version, not the crate's (abi_stable would otherwise refuse
+/// a 0.1 plugin in a 0.2 host, after dlopen).
+#[test]
+fn a_plugin_built_against_another_crate_version_with_the_same_abi_loads() {
+    let so = hashbow_built_from_a_copy("crate-bump", |copy| {
+        let manifest = copy.join("Cargo.toml");
+        let text = std::fs::read_to_string(&manifest).unwrap();
+        let ours = format!("version = \"{}\"", env!("CARGO_PKG_VERSION"));
+        assert!(text.contains(&ours), "workspace version line");
+        std::fs::write(&manifest, text.replace(&ours, "version = \"9.7.0\"")).unwrap();
+    });
+    let out = host(&["--plugin", so.to_str().unwrap(), "plugins", "inspect", so.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(v["compatible"], true);
+    assert_eq!(v["settings"]["dim"]["default"], 32, "its code ran after loading");
 }
 
 fn copy_tree(src: &Path, dst: &Path) {

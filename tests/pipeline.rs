@@ -4,16 +4,9 @@
 use rak_e2e::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-
-fn minikilt() -> PathBuf {
-    root().join("data/minikilt")
-}
 
 fn minilm() -> String {
-    let d = root().join(".cache/models/all-MiniLM-L6-v2");
-    assert!(d.join("model.safetensors").exists(), "{} missing: run scripts/test.sh", d.display());
-    d.to_string_lossy().into_owned()
+    minilm_dir().to_string_lossy().into_owned()
 }
 
 fn ok(args: &[&str]) -> String {
@@ -29,48 +22,6 @@ fn fails(args: &[&str], needle: &str) -> String {
     assert!(err.contains(needle), "expected {needle:?} in:\n{err}");
     assert!(!err.contains("panicked") && !err.contains("internal error"), "{err}");
     err
-}
-
-/// A small real slice of mini-KILT: 40 squad dev queries, their gold passages and 260 others.
-struct Slice {
-    dir: PathBuf,
-    corpus: PathBuf,
-    queries: PathBuf,
-    qrels: PathBuf,
-}
-
-fn slice() -> &'static Slice {
-    static S: OnceLock<Slice> = OnceLock::new();
-    S.get_or_init(|| {
-        let dir = root().join("target").join("e2e-pipeline");
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let task = minikilt().join("tasks/squad");
-        let queries: Vec<String> = std::fs::read_to_string(task.join("queries.dev.jsonl")).unwrap().lines().step_by(50).take(40).map(String::from).collect();
-        let qids: Vec<String> = queries.iter().map(|l| serde_json::from_str::<Value>(l).unwrap()["_id"].as_str().unwrap().to_string()).collect();
-        let qrels_text = std::fs::read_to_string(task.join("qrels.dev.tsv")).unwrap();
-        let mut qrels = vec!["query-id\tcorpus-id\tscore".to_string()];
-        let mut gold = std::collections::HashSet::new();
-        for line in qrels_text.lines().skip(1) {
-            let cols: Vec<&str> = line.split('\t').collect();
-            if qids.iter().any(|q| q == cols[0]) {
-                gold.insert(cols[1].to_string());
-                qrels.push(line.to_string());
-            }
-        }
-        let corpus: Vec<String> = std::fs::read_to_string(minikilt().join("corpus.jsonl"))
-            .unwrap()
-            .lines()
-            .enumerate()
-            .filter(|(i, l)| i % 50 == 0 || gold.contains(serde_json::from_str::<Value>(l).unwrap()["_id"].as_str().unwrap()))
-            .map(|(_, l)| l.to_string())
-            .collect();
-        let s = Slice { corpus: dir.join("corpus.jsonl"), queries: dir.join("queries.jsonl"), qrels: dir.join("qrels.tsv"), dir };
-        std::fs::write(&s.corpus, corpus.join("\n") + "\n").unwrap();
-        std::fs::write(&s.queries, queries.join("\n") + "\n").unwrap();
-        std::fs::write(&s.qrels, qrels.join("\n") + "\n").unwrap();
-        s
-    })
 }
 
 fn p(path: &Path) -> &str {

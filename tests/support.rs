@@ -35,6 +35,11 @@ pub fn host(args: &[&str]) -> Output {
     Command::new(host_bin()).args(args).env_remove("RAK_PLUGIN_PATH").output().expect("run host")
 }
 
+/// Run `host` with `args` in the folder `cwd`.
+pub fn host_in(cwd: &Path, args: &[&str]) -> Output {
+    Command::new(host_bin()).args(args).current_dir(cwd).env_remove("RAK_PLUGIN_PATH").output().expect("run host")
+}
+
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
@@ -48,22 +53,44 @@ pub fn plugin_target_dir() -> PathBuf {
     root().join("target").join("plugin-tests")
 }
 
-/// Build the cdylib crate at `manifest_dir` in release mode; returns the `.so`.
-pub fn cargo_build_plugin(manifest_dir: &Path, lib_name: &str) -> PathBuf {
-    let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(["build", "--release", "--quiet", "--manifest-path"])
-        .arg(manifest_dir.join("Cargo.toml"))
-        .env("CARGO_TARGET_DIR", plugin_target_dir())
-        .status()
-        .expect("run cargo");
-    assert!(status.success(), "building {} failed", manifest_dir.display());
-    plugin_target_dir().join("release").join(format!("lib{lib_name}.so"))
+/// Build the out-of-tree plugin workspace `tests/third-party/` in release mode, once per test
+/// process; returns its release folder.
+fn third_party_release_dir() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let manifest = root().join("tests/third-party/Cargo.toml");
+            let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+                .args(["build", "--release", "--quiet", "--workspace", "--manifest-path"])
+                .arg(&manifest)
+                .env("CARGO_TARGET_DIR", plugin_target_dir())
+                .status()
+                .expect("run cargo");
+            assert!(status.success(), "building {} failed", manifest.display());
+            plugin_target_dir().join("release")
+        })
+        .clone()
 }
 
-/// The out-of-tree `hashbow` encoder plugin, built once per test process.
+fn third_party(lib_name: &str) -> PathBuf {
+    let f = third_party_release_dir().join(format!("lib{lib_name}.so"));
+    assert!(f.exists(), "{} missing after the build", f.display());
+    f
+}
+
+/// The out-of-tree `hashbow` encoder plugin.
 pub fn hashbow_plugin() -> PathBuf {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT.get_or_init(|| cargo_build_plugin(&root().join("tests/third-party-plugin"), "hashbow_encoder")).clone()
+    third_party("hashbow_encoder")
+}
+
+/// The out-of-tree `minipipe` command plugin (the pipeline through the host's services).
+pub fn minipipe_plugin() -> PathBuf {
+    third_party("minipipe_command")
+}
+
+/// The out-of-tree `faulty` encoder plugin (misbehaves on request).
+pub fn faulty_plugin() -> PathBuf {
+    third_party("faulty_encoder")
 }
 
 /// A fresh temporary directory under `target/`, removed at drop.
@@ -88,3 +115,58 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// The vendored mini-KILT benchmark.
+pub fn minikilt() -> PathBuf {
+    root().join("data/minikilt")
+}
+
+/// The real all-MiniLM-L6-v2 checkpoint (fetched by scripts/test.sh).
+pub fn minilm_dir() -> PathBuf {
+    let d = root().join(".cache/models/all-MiniLM-L6-v2");
+    assert!(d.join("model.safetensors").exists(), "{} missing: run scripts/test.sh", d.display());
+    d
+}
+
+/// A small real slice of mini-KILT: 40 squad dev queries, their gold passages and 260 others.
+pub struct Slice {
+    pub dir: PathBuf,
+    pub corpus: PathBuf,
+    pub queries: PathBuf,
+    pub qrels: PathBuf,
+}
+
+pub fn slice() -> &'static Slice {
+    static S: OnceLock<Slice> = OnceLock::new();
+    S.get_or_init(|| {
+        let dir = root().join("target").join(format!("e2e-slice-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let task = minikilt().join("tasks/squad");
+        let queries: Vec<String> = std::fs::read_to_string(task.join("queries.dev.jsonl")).unwrap().lines().step_by(50).take(40).map(String::from).collect();
+        let qids: Vec<String> = queries.iter().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["_id"].as_str().unwrap().to_string()).collect();
+        let qrels_text = std::fs::read_to_string(task.join("qrels.dev.tsv")).unwrap();
+        let mut qrels = vec!["query-id\tcorpus-id\tscore".to_string()];
+        let mut gold = std::collections::HashSet::new();
+        for line in qrels_text.lines().skip(1) {
+            let cols: Vec<&str> = line.split('\t').collect();
+            if qids.iter().any(|q| q == cols[0]) {
+                gold.insert(cols[1].to_string());
+                qrels.push(line.to_string());
+            }
+        }
+        let corpus: Vec<String> = std::fs::read_to_string(minikilt().join("corpus.jsonl"))
+            .unwrap()
+            .lines()
+            .enumerate()
+            .filter(|(i, l)| i % 50 == 0 || gold.contains(serde_json::from_str::<serde_json::Value>(l).unwrap()["_id"].as_str().unwrap()))
+            .map(|(_, l)| l.to_string())
+            .collect();
+        let s = Slice { corpus: dir.join("corpus.jsonl"), queries: dir.join("queries.jsonl"), qrels: dir.join("qrels.tsv"), dir };
+        std::fs::write(&s.corpus, corpus.join("\n") + "\n").unwrap();
+        std::fs::write(&s.queries, queries.join("\n") + "\n").unwrap();
+        std::fs::write(&s.qrels, qrels.join("\n") + "\n").unwrap();
+        s
+    })
+}
+

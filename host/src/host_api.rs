@@ -1,36 +1,467 @@
-//! The services the host offers command plugins, as JSON method calls.
+//! The services the host offers command plugins (`rak_core::abi::modules::HostMod`).
+//!
+//! One [`Services`] lives for a command's run. Objects a plugin asks for (encoders, readers,
+//! connectors, open indexes) are kept here under ids; each sits behind its own lock (a
+//! connector behind none: it is called from several threads at once), and the table's lock is
+//! held only to look an id up, so the services can be used from several threads. Every
+//! service is a call into the same library functions the built-in subcommands use.
 
+use crate::commands::encode::encoder_identity;
+use crate::commands::Bar;
 use crate::registry::Registry;
-use abi_stable::std_types::{RResult, RStr, RString};
-use rak_core::abi::guard;
-use rak_core::abi::modules::HostApi;
-use rak_core::abi::Handle;
+use abi_stable::prefix_type::WithMetadata;
+use abi_stable::std_types::{ROption, RResult, RSlice, RStr, RString, RVec};
+use anyhow::{anyhow, bail, Context, Result};
+use rak_core::abi::modules::{HostApi, HostMod, HostModRef};
+use rak_core::abi::{guard, Handle, NamedTensor, Role, TensorPtr};
+use rak_core::plugin::{Connector, Encoder, Reader};
+use rak_retrieval::data::{beir, trec, Query};
+use rak_retrieval::eval::MissingQueries;
+use rak_retrieval::index::{self, HnswParams, Index};
+use rak_retrieval::pipeline::encode::{encode_file, EncodeJob, EncodeOutcome, EncoderSource};
+use rak_retrieval::pipeline::eval::{evaluate_files, EvalInput};
+use rak_retrieval::pipeline::index::{build_index, IndexSpec};
+use rak_retrieval::pipeline::search::{search_queries, search_vectors, SearchOptions};
+use rak_retrieval::pipeline::Progress;
+use serde::Deserialize;
 use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
-/// Build the `HostApi` table for one command run. `registry` must outlive the run.
-pub fn host_api(registry: &Registry) -> HostApi {
-    HostApi { ctx: Handle::new(registry as *const Registry), call }
+type Res<T> = RResult<T, RString>;
+
+/// An encoder with what identifies its embeddings apart from its current weights.
+struct EncoderObject {
+    encoder: Mutex<Box<dyn Encoder>>,
+    identity: Value,
 }
 
-/// Release what [`host_api`] allocated.
-pub fn release(api: HostApi) {
-    unsafe { api.ctx.destroy::<*const Registry>() };
+#[derive(Clone)]
+enum Object {
+    Encoder(Arc<EncoderObject>),
+    Reader(Arc<Mutex<Box<dyn Reader>>>),
+    Connector(Arc<dyn Connector>),
+    Index(Arc<Index>),
 }
 
-extern "C" fn call(ctx: Handle, method: RStr<'_>, request: RStr<'_>) -> RResult<RString, RString> {
-    guard(|| {
-        let registry: &Registry = unsafe { &**ctx.get::<*const Registry>() };
-        let _request: Value = serde_json::from_str(request.as_str()).unwrap_or(Value::Null);
-        let reply = match method.as_str() {
-            "plugins" => Value::Array(
-                registry
+impl Object {
+    fn kind(&self) -> &'static str {
+        match self {
+            Object::Encoder(_) => "encoder",
+            Object::Reader(_) => "reader",
+            Object::Connector(_) => "connector",
+            Object::Index(_) => "index",
+        }
+    }
+}
+
+/// The host's side of one command run.
+pub struct Services<'r> {
+    registry: &'r Registry,
+    objects: Mutex<HashMap<u64, Object>>,
+    next_id: AtomicU64,
+    progress: Bar,
+}
+
+impl<'r> Services<'r> {
+    pub fn new(registry: &'r Registry) -> Self {
+        Services { registry, objects: Mutex::new(HashMap::new()), next_id: AtomicU64::new(1), progress: Bar::default() }
+    }
+
+    /// Run `f` with the `HostApi` of these services; valid only during `f`.
+    pub fn with_api<R>(&self, f: impl FnOnce(HostApi) -> R) -> R {
+        let ctx = Handle::new(self as *const Services<'r> as *const Services<'static>);
+        let out = f(HostApi { ctx, services: module() });
+        unsafe { ctx.destroy::<*const Services<'static>>() };
+        out
+    }
+
+    fn insert(&self, obj: Object) -> u64 {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.objects.lock().unwrap_or_else(|e| e.into_inner()).insert(id, obj);
+        id
+    }
+
+    fn get(&self, id: u64) -> Result<Object> {
+        let objects = self.objects.lock().unwrap_or_else(|e| e.into_inner());
+        objects.get(&id).cloned().ok_or_else(|| anyhow!("no object with id {id} (released, or never created)"))
+    }
+
+    fn encoder(&self, id: u64) -> Result<Arc<EncoderObject>> {
+        match self.get(id)? {
+            Object::Encoder(e) => Ok(e),
+            other => bail!("object {id} is a {}, not an encoder", other.kind()),
+        }
+    }
+
+    fn index(&self, id: u64) -> Result<Arc<Index>> {
+        match self.get(id)? {
+            Object::Index(i) => Ok(i),
+            other => bail!("object {id} is a {}, not an index", other.kind()),
+        }
+    }
+
+    fn create(&self, kind: &str, name: &str, settings: Value) -> Result<u64> {
+        let obj = match kind {
+            "encoder" => {
+                let encoder = self.registry.encoder(name, &settings)?;
+                Object::Encoder(Arc::new(EncoderObject { encoder: Mutex::new(encoder), identity: encoder_identity(name, &settings)? }))
+            }
+            "reader" => Object::Reader(Arc::new(Mutex::new(self.registry.reader(name, &settings)?))),
+            "connector" => Object::Connector(Arc::from(self.registry.connector(name, &settings)?)),
+            "index" => Object::Index(Arc::new(index::open(std::path::Path::new(name))?)),
+            other => bail!("unknown object kind {other:?} (known: encoder, reader, connector, index)"),
+        };
+        Ok(self.insert(obj))
+    }
+
+    fn call(&self, method: &str, request: Value) -> Result<Value> {
+        match method {
+            "version" => Ok(json!({"host": env!("CARGO_PKG_VERSION"), "abi": rak_core::abi::ABI_VERSION})),
+            "plugins" => Ok(Value::Array(
+                self.registry
                     .iter()
                     .map(|p| json!({"name": p.header.name, "kind": p.header.kind, "version": p.header.version, "file": p.path}))
                     .collect(),
+            )),
+            "log" => {
+                self.progress.log(request["message"].as_str().context("log: \"message\" (a string) is required")?);
+                Ok(Value::Null)
+            }
+            "progress" => self.progress_event(&request),
+            "encode_corpus" => self.encode_corpus(parse(request)?),
+            "build_index" => self.build_index(parse(request)?),
+            "search" => self.search(parse(request)?),
+            "eval" => self.eval(parse(request)?),
+            other => bail!(
+                "unknown host method {other:?} (known: version, plugins, log, progress, encode_corpus, build_index, search, eval)"
             ),
-            "version" => json!({"host": env!("CARGO_PKG_VERSION"), "abi": rak_core::abi::ABI_VERSION}),
-            other => anyhow::bail!("unknown host method {other:?} (known: plugins, version)"),
+        }
+    }
+
+    fn progress_event(&self, request: &Value) -> Result<Value> {
+        match request["event"].as_str() {
+            Some("start") => self.progress.start(request["what"].as_str().unwrap_or(""), request["total"].as_u64().unwrap_or(0)),
+            Some("inc") => self.progress.inc(request["n"].as_u64().unwrap_or(1)),
+            Some("finish") => self.progress.finish(),
+            other => bail!("progress: unknown event {other:?} (known: start, inc, finish)"),
+        }
+        Ok(Value::Null)
+    }
+
+    fn encode_corpus(&self, r: EncodeCorpusRequest) -> Result<Value> {
+        let obj = self.encoder(r.encoder)?;
+        let mut encoder = obj.encoder.lock().unwrap_or_else(|e| e.into_inner());
+        // The weights may have changed since the encoder was made (a command training it):
+        // the embeddings' identity includes what they are now.
+        let identity = json!({"encoder": obj.identity, "parameters": parameter_digest(encoder.as_ref())?});
+        let defaults = EncodeJob::new(&r.input, &r.output, r.role.unwrap_or(Role::Passage), identity);
+        let job = EncodeJob {
+            task: r.task,
+            batch_size: r.batch_size.unwrap_or(defaults.batch_size),
+            part_size: r.part_size.unwrap_or(defaults.part_size),
+            shard_id: r.shard_id.unwrap_or(0),
+            shard_num: r.shard_num.unwrap_or(1),
+            ..defaults
         };
-        Ok(reply.to_string().into())
+        let outcome = encode_file(&job, EncoderSource::Ready(encoder.as_mut()), &self.progress)?;
+        Ok(match outcome {
+            EncodeOutcome::Complete { rows } => json!({"outcome": "complete", "rows": rows}),
+            EncodeOutcome::AlreadyComplete { rows } => json!({"outcome": "already_complete", "rows": rows}),
+            EncodeOutcome::ShardDone { present, parts } => json!({"outcome": "shard_done", "present": present, "parts": parts}),
+        })
+    }
+
+    fn build_index(&self, r: BuildIndexRequest) -> Result<Value> {
+        let embeddings = || r.embeddings.clone().context("build_index: \"embeddings\" (a directory) is required for flat and hnsw");
+        let defaults = HnswParams::default();
+        let spec = match r.kind.as_str() {
+            "flat" => IndexSpec::Flat { embeddings: embeddings()? },
+            "hnsw" => IndexSpec::Hnsw {
+                embeddings: embeddings()?,
+                params: HnswParams {
+                    m: r.m.unwrap_or(defaults.m),
+                    ef_construction: r.ef_construction.unwrap_or(defaults.ef_construction),
+                    ef_search: r.ef_search.unwrap_or(defaults.ef_search),
+                },
+                builder: Default::default(),
+            },
+            "bm25" => IndexSpec::Bm25 { corpus: r.corpus.context("build_index: \"corpus\" (a file) is required for bm25")? },
+            other => bail!("build_index: kind {other:?}: expected flat, hnsw or bm25"),
+        };
+        Ok(serde_json::to_value(build_index(&spec, &r.output, &self.progress)?)?)
+    }
+
+    fn search(&self, r: SearchRequest) -> Result<Value> {
+        let index = self.index(r.index)?;
+        let queries: Vec<Query> = match r.queries {
+            QueriesArg::File(path) => beir::read_queries(&path)?.collect::<Result<_>>()?,
+            QueriesArg::List(list) => {
+                list.into_iter().map(|q| Query { id: q.id, text: q.text, ..Default::default() }).collect()
+            }
+        };
+        let defaults = SearchOptions::default();
+        let opts =
+            SearchOptions { k: r.k.unwrap_or(defaults.k), task: r.task, batch_size: r.batch_size.unwrap_or(defaults.batch_size) };
+        let run = match r.encoder {
+            Some(id) => {
+                let obj = self.encoder(id)?;
+                let mut encoder = obj.encoder.lock().unwrap_or_else(|e| e.into_inner());
+                search_queries(&index, Some(encoder.as_mut()), &queries, &opts, &self.progress)?
+            }
+            None => search_queries(&index, None, &queries, &opts, &self.progress)?,
+        };
+        if let Some(path) = &r.output {
+            trec::write_run(path, &run, r.tag.as_deref().unwrap_or("rak"), Some(opts.k))?;
+        }
+        let map: serde_json::Map<String, Value> = run.iter().map(|(q, docs)| (q.to_string(), json!(docs))).collect();
+        Ok(Value::Object(map))
+    }
+
+    fn eval(&self, r: EvalRequest) -> Result<Value> {
+        let missing = match r.missing.as_deref().unwrap_or("zero") {
+            "zero" => MissingQueries::Zero,
+            "skip" => MissingQueries::Skip,
+            other => bail!("eval: missing {other:?}: expected zero or skip"),
+        };
+        let inputs: Vec<EvalInput> =
+            r.runs.into_iter().map(|i| EvalInput { name: i.name, run: i.run, qrels: i.qrels, queries: i.queries }).collect();
+        evaluate_files(&inputs, &r.corpus, missing, r.per_query.unwrap_or(false), &self.progress)
+    }
+
+    fn object_call(&self, id: u64, method: &str, request: Value) -> Result<Value> {
+        match (self.get(id)?, method) {
+            (Object::Encoder(e), "info") => e.encoder.lock().unwrap_or_else(|p| p.into_inner()).info(),
+            (Object::Encoder(e), "save") => {
+                let dir: PathBuf = serde_json::from_value(request["dir"].clone()).context("save: \"dir\" is required")?;
+                e.encoder.lock().unwrap_or_else(|p| p.into_inner()).save(&dir)?;
+                Ok(Value::Null)
+            }
+            (Object::Encoder(e), "token_lengths") => {
+                let r: TokenLengthsRequest = parse(request)?;
+                let texts: Vec<&str> = r.texts.iter().map(String::as_str).collect();
+                let lengths = e.encoder.lock().unwrap_or_else(|p| p.into_inner()).token_lengths(&texts, r.role, r.task.as_deref())?;
+                Ok(json!(lengths))
+            }
+            (Object::Reader(rd), "generate") => rd.lock().unwrap_or_else(|p| p.into_inner()).generate(request),
+            (Object::Reader(rd), "score_options") => rd.lock().unwrap_or_else(|p| p.into_inner()).score_options(request),
+            (Object::Reader(rd), "passage_preferences") => {
+                rd.lock().unwrap_or_else(|p| p.into_inner()).passage_preferences(request)
+            }
+            (Object::Connector(c), "complete") => c.complete(request),
+            (Object::Index(i), "info") => Ok(i.info()),
+            (Object::Index(i), "search") => {
+                let r: TextSearchRequest = parse(request)?;
+                let Index::Bm25(bm25) = &*i else { bail!("search: a dense index is searched with search_vectors or the search service") };
+                let hits: Vec<Vec<(String, f32)>> = r.texts.iter().map(|t| bm25.search(t, r.k)).collect::<Result<_>>()?;
+                Ok(json!(hits))
+            }
+            (obj, m) => bail!("a {} has no method {m:?}", obj.kind()),
+        }
+    }
+
+    fn encode(&self, id: u64, texts: &[&str], role: Role, task: Option<&str>, train: bool) -> Result<tch::Tensor> {
+        let obj = self.encoder(id)?;
+        let mut encoder = obj.encoder.lock().unwrap_or_else(|e| e.into_inner());
+        encoder.encode(texts, role, task, train)
+    }
+
+    fn search_vectors(&self, id: u64, queries: &tch::Tensor, k: usize) -> Result<Value> {
+        let index = self.index(id)?;
+        let size = queries.size();
+        if !queries.defined() || size.len() != 2 {
+            bail!("search_vectors: queries must be a [n, dim] tensor, got {size:?}");
+        }
+        let flat: Vec<f32> =
+            Vec::<f32>::try_from(queries.detach().to_kind(tch::Kind::Float).to_device(tch::Device::Cpu).contiguous().view([-1]))?;
+        Ok(json!(search_vectors(&index, &flat, size[1] as usize, k)?))
+    }
+
+    fn release(&self, id: u64) -> Result<()> {
+        let removed = self.objects.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+        removed.map(|_| ()).ok_or_else(|| anyhow!("no object with id {id} (released twice?)"))
+    }
+}
+
+/// A content digest of an encoder's current weights (names, shapes and values).
+fn parameter_digest(encoder: &dyn Encoder) -> Result<String> {
+    let mut hasher = Sha256::new();
+    for (name, t) in encoder.parameters()? {
+        hasher.update(name.as_bytes());
+        hasher.update(format!("{:?}{:?}", t.size(), t.kind()).as_bytes());
+        let bytes: Vec<u8> = Vec::<u8>::try_from(t.detach().to_device(tch::Device::Cpu).contiguous().view([-1]).view_dtype(tch::Kind::Uint8))?;
+        hasher.update(&bytes);
+    }
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+fn parse<T: serde::de::DeserializeOwned>(request: Value) -> Result<T> {
+    serde_json::from_value(request).context("invalid request")
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EncodeCorpusRequest {
+    encoder: u64,
+    input: PathBuf,
+    output: PathBuf,
+    role: Option<Role>,
+    task: Option<String>,
+    batch_size: Option<usize>,
+    part_size: Option<usize>,
+    shard_id: Option<usize>,
+    shard_num: Option<usize>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BuildIndexRequest {
+    kind: String,
+    embeddings: Option<PathBuf>,
+    corpus: Option<PathBuf>,
+    output: PathBuf,
+    m: Option<usize>,
+    ef_construction: Option<usize>,
+    ef_search: Option<usize>,
+}
+
+#[derive(Deserialize)]
+struct QueryItem {
+    #[serde(rename = "_id")]
+    id: String,
+    text: String,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum QueriesArg {
+    File(PathBuf),
+    List(Vec<QueryItem>),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SearchRequest {
+    index: u64,
+    encoder: Option<u64>,
+    queries: QueriesArg,
+    k: Option<usize>,
+    task: Option<String>,
+    batch_size: Option<usize>,
+    output: Option<PathBuf>,
+    tag: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EvalRunArg {
+    run: PathBuf,
+    qrels: PathBuf,
+    queries: Option<PathBuf>,
+    name: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EvalRequest {
+    corpus: PathBuf,
+    runs: Vec<EvalRunArg>,
+    missing: Option<String>,
+    per_query: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct TokenLengthsRequest {
+    texts: Vec<String>,
+    role: Role,
+    task: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct TextSearchRequest {
+    texts: Vec<String>,
+    k: usize,
+}
+
+// ------------------------------------------------------------------ the extern "C" table
+
+fn services<'a>(ctx: Handle) -> &'a Services<'a> {
+    unsafe { &**ctx.get_ref::<*const Services<'static>>() }
+}
+
+fn json_reply(v: Value) -> RString {
+    v.to_string().into()
+}
+
+fn request_json(text: &str) -> Result<Value> {
+    if text.trim().is_empty() {
+        return Ok(json!({}));
+    }
+    serde_json::from_str(text).context("the request is not valid JSON")
+}
+
+extern "C" fn call(ctx: Handle, method: RStr<'_>, request: RStr<'_>) -> Res<RString> {
+    guard(|| Ok(json_reply(services(ctx).call(method.as_str(), request_json(&request)?)?)))
+}
+
+extern "C" fn create(ctx: Handle, kind: RStr<'_>, name: RStr<'_>, settings: RStr<'_>) -> Res<u64> {
+    guard(|| services(ctx).create(kind.as_str(), name.as_str(), request_json(&settings)?))
+}
+
+extern "C" fn object_call(ctx: Handle, id: u64, method: RStr<'_>, request: RStr<'_>) -> Res<RString> {
+    guard(|| Ok(json_reply(services(ctx).object_call(id, method.as_str(), request_json(&request)?)?)))
+}
+
+extern "C" fn encode(
+    ctx: Handle,
+    id: u64,
+    texts: RSlice<'_, RStr<'_>>,
+    role: Role,
+    task: ROption<RStr<'_>>,
+    train: bool,
+) -> Res<TensorPtr> {
+    guard(|| {
+        let texts: Vec<&str> = texts.iter().map(|s| s.as_str()).collect();
+        let task = task.as_ref().map(|s| s.as_str()).into_option();
+        Ok(TensorPtr::give(services(ctx).encode(id, &texts, role, task, train)?))
+    })
+}
+
+extern "C" fn parameters(ctx: Handle, id: u64) -> Res<RVec<NamedTensor>> {
+    guard(|| {
+        let obj = services(ctx).encoder(id)?;
+        let params = obj.encoder.lock().unwrap_or_else(|e| e.into_inner()).parameters()?;
+        Ok(params.into_iter().map(|(name, t)| NamedTensor { name: name.into(), tensor: TensorPtr::give(t) }).collect())
+    })
+}
+
+extern "C" fn search_vectors_fn(ctx: Handle, id: u64, queries: TensorPtr, k: u32) -> Res<RString> {
+    guard(|| {
+        let queries = unsafe { queries.borrow() };
+        Ok(json_reply(services(ctx).search_vectors(id, &queries, k as usize)?))
+    })
+}
+
+extern "C" fn release(ctx: Handle, id: u64) -> Res<()> {
+    guard(|| services(ctx).release(id))
+}
+
+/// The service table, made once.
+fn module() -> HostModRef {
+    static MODULE: std::sync::OnceLock<HostModRef> = std::sync::OnceLock::new();
+    *MODULE.get_or_init(|| {
+        let m: &'static WithMetadata<HostMod> = Box::leak(Box::new(WithMetadata::new(HostMod {
+            call,
+            create,
+            object_call,
+            encode,
+            parameters,
+            search_vectors: search_vectors_fn,
+            release,
+        })));
+        HostModRef(m.static_as_prefix())
     })
 }

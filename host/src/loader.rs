@@ -41,7 +41,11 @@ pub fn check_compatible(path: &Path, header: &HeaderInfo) -> Result<()> {
 }
 
 /// Check compatibility, then load. Nothing from the file runs before the header check passes.
+///
+/// Both steps use the file's canonical path: `dlopen` of a name without a slash would search
+/// the library path instead of the current folder, loading another file than the one checked.
 pub fn load(path: &Path) -> Result<Plugin> {
+    let path = &std::fs::canonicalize(path).map_err(|e| anyhow!("{}: cannot open: {e}", path.display()))?;
     let header = inspect(path)?;
     check_compatible(path, &header)?;
     let lib = lib_header_from_path(path).map_err(|e| load_error(path, e))?;

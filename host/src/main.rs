@@ -158,9 +158,17 @@ fn external(sources: &[Source], args: Vec<String>) -> Result<ExitCode> {
     };
     let Module::Command(m) = plugin.module else { unreachable!("command() checks the kind") };
     let argv: Vec<RStr<'_>> = rest.iter().map(|s| s.as_str().into()).collect();
-    let api = host_api::host_api(&registry);
-    let result = (m.run())(argv.as_slice().into(), api).into_result();
-    host_api::release(api);
+    let services = host_api::Services::new(&registry);
+    let result = services.with_api(|api| (m.run())(argv.as_slice().into(), api).into_result());
     let code = result.map_err(|e| anyhow::anyhow!("command {name:?} ({}) failed: {e}", plugin.path.display()))?;
-    Ok(ExitCode::from(code.clamp(0, 255) as u8))
+    exit_code(name, code)
+}
+
+/// A command's return value as the process's exit status. Only 0..=255 exist; anything else
+/// (e.g. -1, which a cast would turn into 255 and a clamp into success) is a failure.
+fn exit_code(name: &str, code: i32) -> Result<ExitCode> {
+    match u8::try_from(code) {
+        Ok(c) => Ok(ExitCode::from(c)),
+        Err(_) => anyhow::bail!("command {name:?} returned exit code {code}, outside 0..=255"),
+    }
 }

@@ -40,8 +40,10 @@ macro_rules! proxy {
             origin: Origin,
         }
 
-        // The plugin object is only touched through `&mut self`, one call at a time.
+        // The plugin object is only touched through `&mut self`, one call at a time, except
+        // a connector's `complete`, which its trait declares safe to call concurrently.
         unsafe impl Send for $name {}
+        unsafe impl Sync for $name {}
 
         impl $name {
             pub fn create(p: &Plugin, module: $modref, settings: &Value) -> Result<Self> {
@@ -71,8 +73,19 @@ impl Encoder for EncoderProxy {
             Some(t) => ROption::RSome(t.into()),
             None => ROption::RNone,
         };
+        let n = texts.len();
         let out = (self.module.encode())(self.handle, texts.as_slice().into(), role, task, train);
-        Ok(unsafe { self.origin.check("encode", out)?.take() })
+        let out = unsafe { self.origin.check("encode", out)?.take() };
+        // Check here, once for every caller: an undefined tensor would be an internal error
+        // further on, and a wrong row count would silently drop or misalign texts.
+        if !out.defined() {
+            return Err(anyhow!("{} returned an undefined tensor from encode for {n} texts", self.origin.0));
+        }
+        let size = out.size();
+        if size.len() != 2 || size[0] != n as i64 {
+            return Err(anyhow!("{} returned a tensor of shape {size:?} from encode for {n} texts (expected [{n}, dim])", self.origin.0));
+        }
+        Ok(out)
     }
 
     fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
@@ -137,7 +150,7 @@ impl Reader for ReaderProxy {
 }
 
 impl Connector for ConnectorProxy {
-    fn complete(&mut self, request: Value) -> Result<Value> {
+    fn complete(&self, request: Value) -> Result<Value> {
         self.origin.json("complete", (self.module.complete())(self.handle, request.to_string().as_str().into()))
     }
 }

@@ -5,6 +5,8 @@
 //! - [`eval`]: retrieval metrics (trec_eval measures, KILT page R-precision, DPR answer accuracy).
 //! - [`index`]: exact inner product, HNSW maximum inner product, BM25 (tantivy).
 //! - [`npy`]: `.npy` float32 matrices and `ids.txt`, the embedding files.
+//! - [`pipeline`]: encode, index, search and evaluate as library functions (what the CLI, the
+//!   host's services for command plugins and the trainer call).
 //!
 //! Plugins do not need it: it is kept apart from `rak-core` so that a plugin builds against
 //! the ABI and the models only.
@@ -13,3 +15,4 @@ pub mod data;
 pub mod eval;
 pub mod index;
 pub mod npy;
+pub mod pipeline;

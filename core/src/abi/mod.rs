@@ -26,7 +26,11 @@ pub use header::{HeaderInfo, PluginHeader, HEADER_SYMBOL};
 
 /// Bump when anything in this module changes incompatibly. Plugins built with another number
 /// are refused before any of their code runs.
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
+
+/// [`ABI_VERSION`] as the `major.minor.patch` string abi_stable compares when it loads a root
+/// module, so that a plugin's compatibility follows the ABI and not rak-core's crate version.
+pub const ABI_VERSION_STRING: &str = "2.0.0";
 
 /// The five plugin kinds. The numbers are part of the ABI.
 #[repr(u32)]
@@ -110,7 +114,7 @@ pub struct NamedTensor {
 /// An opaque plugin-side object (an encoder, optimizer, ... instance), created by the kind's
 /// `create` and released by its `destroy`.
 #[repr(transparent)]
-#[derive(StableAbi, Clone, Copy)]
+#[derive(StableAbi, Clone, Copy, Debug)]
 pub struct Handle(*mut c_void);
 
 impl Handle {
@@ -120,9 +124,18 @@ impl Handle {
     }
 
     /// # Safety
-    /// The handle must come from [`Handle::new::<T>`] and not be destroyed.
+    /// The handle must come from [`Handle::new::<T>`] and not be destroyed, and no other
+    /// reference to the object may be alive.
     pub unsafe fn get<'a, T>(self) -> &'a mut T {
         &mut *(self.0 as *mut T)
+    }
+
+    /// A shared reference, for objects that may be used from several threads at once.
+    ///
+    /// # Safety
+    /// The handle must come from [`Handle::new::<T>`] and not be destroyed.
+    pub unsafe fn get_ref<'a, T>(self) -> &'a T {
+        &*(self.0 as *const T)
     }
 
     /// # Safety
@@ -152,23 +165,57 @@ impl std::str::FromStr for Role {
     }
 }
 
-/// Run plugin code at the ABI boundary: errors and panics become an `RErr` message instead
-/// of unwinding across `extern "C"` (which would abort the host).
+/// Run code at the ABI boundary: errors and panics become an `RErr` message instead of
+/// unwinding across `extern "C"` (which would abort the process).
 pub fn guard<T>(f: impl FnOnce() -> anyhow::Result<T>) -> RResult<T, RString> {
-    quiet_panics();
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => RResult::ROk(v),
-        Ok(Err(e)) => RResult::RErr(format!("{e:#}").into()),
-        Err(payload) => RResult::RErr(format!("panicked: {}", panic_message(&*payload)).into()),
+    match guarded(f) {
+        Ok(v) => RResult::ROk(v),
+        Err(Failure::Error(e)) | Err(Failure::Panic(e)) => RResult::RErr(e.into()),
     }
 }
 
-/// The default panic hook would print a message and maybe a backtrace to the user's terminal;
-/// at the boundary the message travels in the error instead. Each cdylib has its own std, so
-/// this only affects the plugin that calls it.
-fn quiet_panics() {
+/// How a guarded call failed.
+#[derive(Debug)]
+pub enum Failure {
+    /// It returned an error (the message, with its causes).
+    Error(String),
+    /// It panicked: whatever it was changing may be half done.
+    Panic(String),
+}
+
+/// [`guard`], telling an error from a panic.
+pub fn guarded<T>(f: impl FnOnce() -> anyhow::Result<T>) -> Result<T, Failure> {
+    quiet_panics_in_guards();
+    GUARD_DEPTH.with(|d| d.set(d.get() + 1));
+    let result = catch_unwind(AssertUnwindSafe(f));
+    GUARD_DEPTH.with(|d| d.set(d.get() - 1));
+    match result {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(Failure::Error(format!("{e:#}"))),
+        Err(payload) => Err(Failure::Panic(format!("panicked: {}", panic_message(&*payload)))),
+    }
+}
+
+thread_local! {
+    /// How many [`guarded`] calls this thread is inside.
+    static GUARD_DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Inside a guard, a panic's message travels back in the error, so the default hook (a message
+/// and maybe a backtrace on the user's terminal) is silenced there, and only there: the hook
+/// installed here hands every panic outside a guard to the hook that was in place before, so
+/// the host's own "internal error" hook keeps working after it first calls into a plugin or
+/// offers a service. Each cdylib has its own std and so its own hook.
+fn quiet_panics_in_guards() {
     static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| std::panic::set_hook(Box::new(|_| {})));
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if GUARD_DEPTH.with(|d| d.get()) == 0 {
+                previous(info);
+            }
+        }));
+    });
 }
 
 /// The text of a panic, cut before libtorch's C++ backtrace.
@@ -180,4 +227,22 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "(no message)".into());
     let cut = text.find("\nException raised from").unwrap_or(text.len());
     text[..cut].trim_end().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guarded_tells_errors_from_panics() {
+        assert!(matches!(guarded(|| -> anyhow::Result<()> { anyhow::bail!("no") }), Err(Failure::Error(m)) if m == "no"));
+        let r = guarded(|| -> anyhow::Result<()> { panic!("boom") });
+        assert!(matches!(r, Err(Failure::Panic(m)) if m == "panicked: boom"));
+        assert_eq!(guarded(|| Ok(3)).unwrap(), 3);
+    }
+
+    #[test]
+    fn version_string_is_the_abi_version() {
+        assert_eq!(ABI_VERSION_STRING, format!("{ABI_VERSION}.0.0"));
+    }
 }

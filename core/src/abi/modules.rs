@@ -10,7 +10,7 @@ use super::{Handle, NamedTensor, Role, TensorPtr};
 use abi_stable::library::RootModule;
 use abi_stable::sabi_types::VersionStrings;
 use abi_stable::std_types::{ROption, RResult, RSlice, RStr, RString, RVec};
-use abi_stable::{declare_root_module_statics, package_version_strings, StableAbi};
+use abi_stable::{declare_root_module_statics, StableAbi};
 
 type Res<T> = RResult<T, RString>;
 
@@ -86,6 +86,7 @@ pub struct ReaderMod {
 }
 
 /// Connectors: black-box target LMs reached over HTTP. Requests and replies are JSON.
+/// `complete` may be called from several threads at once on one instance.
 #[repr(C)]
 #[derive(StableAbi)]
 #[sabi(kind(Prefix(prefix_ref = ConnectorModRef)))]
@@ -98,13 +99,53 @@ pub struct ConnectorMod {
     pub destroy: extern "C" fn(h: Handle),
 }
 
-/// What the host offers a command plugin: one JSON call (`method`, `request`) -> JSON reply,
-/// so the set of services can grow without an ABI change.
+/// The services the host offers a command plugin: a prefix-type module, so services can be
+/// appended without breaking command plugins built earlier (they see `None` for what their host
+/// lacks, and a newer plugin sees `None` for what an older host lacks). Every function is safe to
+/// call from several threads at once. Objects (encoders, readers, connectors, open indexes) are
+/// named by ids the host hands out; see `docs/plugins.md` for the JSON methods.
+#[repr(C)]
+#[derive(StableAbi)]
+#[sabi(kind(Prefix(prefix_ref = HostModRef)))]
+#[sabi(missing_field(option))]
+pub struct HostMod {
+    /// JSON services by name: `version`, `plugins`, `log`, `progress`, `encode_corpus`,
+    /// `build_index`, `search`, `eval`.
+    pub call: extern "C" fn(ctx: Handle, method: RStr<'_>, request: RStr<'_>) -> Res<RString>,
+    /// Make an object: `kind` `encoder`, `reader` or `connector` from the plugin `name` with the
+    /// JSON `settings`, or `index` from the directory `name`. Returns its id.
+    pub create: extern "C" fn(ctx: Handle, kind: RStr<'_>, name: RStr<'_>, settings: RStr<'_>) -> Res<u64>,
+    /// A JSON method of an object (encoder: `info`, `save`, `token_lengths`; reader:
+    /// `generate`, `score_options`, `passage_preferences`; connector: `complete`; index: `info`,
+    /// `search`).
+    pub object_call: extern "C" fn(ctx: Handle, id: u64, method: RStr<'_>, request: RStr<'_>) -> Res<RString>,
+    /// Encoder object: an owned `[texts.len(), dim]` tensor; with `train`, it carries autograd
+    /// back to the encoder's parameters.
+    pub encode: extern "C" fn(
+        ctx: Handle,
+        id: u64,
+        texts: RSlice<'_, RStr<'_>>,
+        role: Role,
+        task: ROption<RStr<'_>>,
+        train: bool,
+    ) -> Res<TensorPtr>,
+    /// Encoder object: its trainable parameters, owned handles sharing storage and `.grad`.
+    pub parameters: extern "C" fn(ctx: Handle, id: u64) -> Res<RVec<NamedTensor>>,
+    /// Dense index object: the top `k` passages of each row of the lent `[n, dim]` query
+    /// tensor, as JSON `[[[id, score], ...], ...]`.
+    pub search_vectors: extern "C" fn(ctx: Handle, id: u64, queries: TensorPtr, k: u32) -> Res<RString>,
+    /// Drop an object.
+    #[sabi(last_prefix_field)]
+    pub release: extern "C" fn(ctx: Handle, id: u64) -> Res<()>,
+}
+
+/// What a command's `run` receives: the host's context and its service module. Both fields
+/// are fixed forever; growth happens inside [`HostMod`].
 #[repr(C)]
 #[derive(StableAbi, Clone, Copy)]
 pub struct HostApi {
     pub ctx: Handle,
-    pub call: extern "C" fn(ctx: Handle, method: RStr<'_>, request: RStr<'_>) -> Res<RString>,
+    pub services: HostModRef,
 }
 
 /// Commands: add a `host <name>` subcommand.
@@ -116,7 +157,8 @@ pub struct CommandMod {
     pub settings_schema: extern "C" fn() -> RString,
     /// One-line help shown by `host --help`-style listings.
     pub about: extern "C" fn() -> RString,
-    /// `args` excludes the subcommand name. Returns the process exit code.
+    /// `args` excludes the subcommand name. Returns the process exit code (0 to 255; anything
+    /// else makes `host` fail).
     #[sabi(last_prefix_field)]
     pub run: extern "C" fn(args: RSlice<'_, RStr<'_>>, host: HostApi) -> Res<i32>,
 }
@@ -127,7 +169,9 @@ macro_rules! root_module {
             declare_root_module_statics! {$ty}
             const BASE_NAME: &'static str = $name;
             const NAME: &'static str = $name;
-            const VERSION_STRINGS: VersionStrings = package_version_strings!();
+            // The ABI's version, not rak-core's: a plugin built against another release of the
+            // crate with the same ABI must load.
+            const VERSION_STRINGS: VersionStrings = VersionStrings::new(super::ABI_VERSION_STRING);
         }
     )*};
 }
@@ -138,4 +182,25 @@ root_module! {
     ReaderModRef => "rak_reader",
     ConnectorModRef => "rak_connector",
     CommandModRef => "rak_command",
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// abi_stable refuses a root module whose version string is incompatible (for 0.x: another
+    /// minor); it must carry the ABI version, never the crate's.
+    #[test]
+    fn root_modules_carry_the_abi_version() {
+        let want = format!("{}.0.0", crate::abi::ABI_VERSION);
+        for v in [
+            <EncoderModRef as RootModule>::VERSION_STRINGS,
+            <OptimizerModRef as RootModule>::VERSION_STRINGS,
+            <ReaderModRef as RootModule>::VERSION_STRINGS,
+            <ConnectorModRef as RootModule>::VERSION_STRINGS,
+            <CommandModRef as RootModule>::VERSION_STRINGS,
+        ] {
+            assert_eq!(v.version.as_str(), want);
+        }
+    }
 }

@@ -3,12 +3,13 @@
 
 use super::{Command, Connector, Encoder, Host, Optimizer, PluginInfo, Reader};
 use crate::abi::modules::*;
-use crate::abi::{guard, Handle, NamedTensor, Role, TensorPtr};
+use crate::abi::{guard, guarded, Failure, Handle, NamedTensor, Role, TensorPtr};
 use abi_stable::prefix_type::{PrefixTypeTrait, WithMetadata};
 use abi_stable::std_types::{ROption, RResult, RSlice, RStr, RString, RVec};
 use anyhow::Context;
 use serde_json::Value;
 use std::path::Path;
+use std::sync::Mutex;
 use tch::Tensor;
 
 type Res<T> = RResult<T, RString>;
@@ -29,16 +30,68 @@ fn schema_or_error(f: impl FnOnce() -> Value) -> RString {
     }
 }
 
+/// A plugin object behind a handle. A call that panicked may have left it half updated, so it
+/// is poisoned: every later call fails with the first panic's message instead of running on.
+struct Instance<T> {
+    obj: T,
+    poisoned: Mutex<Option<String>>,
+}
+
+impl<T> Instance<T> {
+    fn check(&self) -> anyhow::Result<()> {
+        match &*self.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(why) => anyhow::bail!("this instance is unusable since an earlier call panicked ({why}); create a new one"),
+            None => Ok(()),
+        }
+    }
+
+    fn poison(&self, what: &str, message: &str) {
+        let mut p = self.poisoned.lock().unwrap_or_else(|e| e.into_inner());
+        p.get_or_insert_with(|| format!("{what}: {message}"));
+    }
+}
+
+fn settle<R>(inst: &Instance<impl Sized>, what: &str, r: Result<R, Failure>) -> Res<R> {
+    match r {
+        Ok(v) => RResult::ROk(v),
+        Err(Failure::Error(e)) => RResult::RErr(e.into()),
+        Err(Failure::Panic(e)) => {
+            inst.poison(what, &e);
+            RResult::RErr(e.into())
+        }
+    }
+}
+
+/// Run `f` on the object behind `h`, exclusively (the host calls `&mut` methods one at a time).
+fn with_mut<T, R>(h: Handle, what: &str, f: impl FnOnce(&mut T) -> anyhow::Result<R>) -> Res<R> {
+    let inst = unsafe { h.get::<Instance<T>>() };
+    let r = guarded(|| {
+        inst.check()?;
+        f(&mut inst.obj)
+    });
+    settle(inst, what, r)
+}
+
+/// Run `f` on the object behind `h`, shared (methods that may run on several threads at once).
+fn with_ref<T: Sync, R>(h: Handle, what: &str, f: impl FnOnce(&T) -> anyhow::Result<R>) -> Res<R> {
+    let inst = unsafe { h.get_ref::<Instance<T>>() };
+    let r = guarded(|| {
+        inst.check()?;
+        f(&inst.obj)
+    });
+    settle(inst, what, r)
+}
+
 extern "C" fn create<T: PluginInfo>(settings: RStr<'_>) -> Res<Handle> {
     guard(|| {
         let value = if settings.trim().is_empty() { Value::Object(Default::default()) } else { parse_json(&settings, "settings")? };
-        Ok(Handle::new(T::create(value)?))
+        Ok(Handle::new(Instance { obj: T::create(value)?, poisoned: Mutex::new(None) }))
     })
 }
 
 extern "C" fn destroy<T>(h: Handle) {
     let _ = guard(|| {
-        unsafe { h.destroy::<T>() };
+        unsafe { h.destroy::<Instance<T>>() };
         Ok(())
     });
 }
@@ -61,24 +114,23 @@ extern "C" fn encoder_encode<T: Encoder + PluginInfo>(
     task: ROption<RStr<'_>>,
     train: bool,
 ) -> Res<TensorPtr> {
-    guard(|| {
+    with_mut(h, "encode", |enc: &mut T| {
         let texts: Vec<&str> = texts.iter().map(|s| s.as_str()).collect();
         let task = task.as_ref().map(|s| s.as_str()).into_option();
-        let out = unsafe { h.get::<T>() }.encode(&texts, role, task, train)?;
-        Ok(TensorPtr::give(out))
+        Ok(TensorPtr::give(enc.encode(&texts, role, task, train)?))
     })
 }
 
 extern "C" fn encoder_parameters<T: Encoder + PluginInfo>(h: Handle) -> Res<RVec<NamedTensor>> {
-    guard(|| Ok(owned_named(unsafe { h.get::<T>() }.parameters()?)))
+    with_mut(h, "parameters", |enc: &mut T| Ok(owned_named(enc.parameters()?)))
 }
 
 extern "C" fn encoder_info<T: Encoder + PluginInfo>(h: Handle) -> Res<RString> {
-    guard(|| Ok(unsafe { h.get::<T>() }.info()?.to_string().into()))
+    with_mut(h, "info", |enc: &mut T| Ok(enc.info()?.to_string().into()))
 }
 
 extern "C" fn encoder_save<T: Encoder + PluginInfo>(h: Handle, dir: RStr<'_>) -> Res<()> {
-    guard(|| unsafe { h.get::<T>() }.save(Path::new(dir.as_str())))
+    with_mut(h, "save", |enc: &mut T| enc.save(Path::new(dir.as_str())))
 }
 
 extern "C" fn encoder_token_lengths<T: Encoder + PluginInfo>(
@@ -87,10 +139,10 @@ extern "C" fn encoder_token_lengths<T: Encoder + PluginInfo>(
     role: Role,
     task: ROption<RStr<'_>>,
 ) -> Res<ROption<RVec<u32>>> {
-    guard(|| {
+    with_mut(h, "token_lengths", |enc: &mut T| {
         let texts: Vec<&str> = texts.iter().map(|s| s.as_str()).collect();
         let task = task.as_ref().map(|s| s.as_str()).into_option();
-        let lengths = unsafe { h.get::<T>() }.token_lengths(&texts, role, task)?;
+        let lengths = enc.token_lengths(&texts, role, task)?;
         Ok(lengths.map(|v| v.into_iter().map(|n| n as u32).collect()).into())
     })
 }
@@ -121,7 +173,7 @@ extern "C" fn optimizer_step<T: Optimizer + PluginInfo>(
     num_tasks: u32,
     lr: f64,
 ) -> Res<()> {
-    guard(|| {
+    with_mut(h, "step", |opt: &mut T| {
         let n = params.len();
         anyhow::ensure!(
             num_tasks as usize * n == grads.len(),
@@ -132,18 +184,18 @@ extern "C" fn optimizer_step<T: Optimizer + PluginInfo>(
         );
         let params = lent(&params);
         let grads: Vec<Vec<Tensor>> = grads.chunks(n.max(1)).map(lent).collect();
-        unsafe { h.get::<T>() }.step(&params, &grads, lr)
+        opt.step(&params, &grads, lr)
     })
 }
 
 extern "C" fn optimizer_state<T: Optimizer + PluginInfo>(h: Handle) -> Res<RVec<NamedTensor>> {
-    guard(|| Ok(owned_named(unsafe { h.get::<T>() }.state()?)))
+    with_mut(h, "state", |opt: &mut T| Ok(owned_named(opt.state()?)))
 }
 
 extern "C" fn optimizer_load_state<T: Optimizer + PluginInfo>(h: Handle, state: RSlice<'_, NamedTensor>) -> Res<()> {
-    guard(|| {
+    with_mut(h, "load_state", |opt: &mut T| {
         let state = state.iter().map(|nt| (nt.name.to_string(), unsafe { nt.tensor.borrow() }.shallow_clone())).collect();
-        unsafe { h.get::<T>() }.load_state(state)
+        opt.load_state(state)
     })
 }
 
@@ -164,21 +216,18 @@ pub fn optimizer_module<T: Optimizer + PluginInfo>() -> OptimizerModRef {
 
 // ---------------------------------------------------------------- reader
 
-fn json_call<T>(h: Handle, request: RStr<'_>, f: impl FnOnce(&mut T, Value) -> anyhow::Result<Value>) -> Res<RString> {
-    guard(|| {
-        let request = parse_json(&request, "request")?;
-        Ok(f(unsafe { h.get::<T>() }, request)?.to_string().into())
-    })
+fn json_call<T>(h: Handle, what: &str, request: RStr<'_>, f: impl FnOnce(&mut T, Value) -> anyhow::Result<Value>) -> Res<RString> {
+    with_mut(h, what, |obj: &mut T| Ok(f(obj, parse_json(&request, "request")?)?.to_string().into()))
 }
 
 extern "C" fn reader_generate<T: Reader + PluginInfo>(h: Handle, r: RStr<'_>) -> Res<RString> {
-    json_call(h, r, T::generate)
+    json_call(h, "generate", r, T::generate)
 }
 extern "C" fn reader_score_options<T: Reader + PluginInfo>(h: Handle, r: RStr<'_>) -> Res<RString> {
-    json_call(h, r, T::score_options)
+    json_call(h, "score_options", r, T::score_options)
 }
 extern "C" fn reader_passage_preferences<T: Reader + PluginInfo>(h: Handle, r: RStr<'_>) -> Res<RString> {
-    json_call(h, r, T::passage_preferences)
+    json_call(h, "passage_preferences", r, T::passage_preferences)
 }
 
 /// The root module of a reader plugin.
@@ -199,7 +248,7 @@ pub fn reader_module<T: Reader + PluginInfo>() -> ReaderModRef {
 // ---------------------------------------------------------------- connector
 
 extern "C" fn connector_complete<T: Connector + PluginInfo>(h: Handle, r: RStr<'_>) -> Res<RString> {
-    json_call(h, r, T::complete)
+    with_ref(h, "complete", |c: &T| Ok(c.complete(parse_json(&r, "request")?)?.to_string().into()))
 }
 
 /// The root module of a connector plugin.
@@ -217,17 +266,6 @@ pub fn connector_module<T: Connector + PluginInfo>() -> ConnectorModRef {
 
 // ---------------------------------------------------------------- command
 
-struct HostProxy(HostApi);
-
-impl Host for HostProxy {
-    fn call(&self, method: &str, request: Value) -> anyhow::Result<Value> {
-        let reply = (self.0.call)(self.0.ctx, method.into(), request.to_string().as_str().into())
-            .into_result()
-            .map_err(|e| anyhow::anyhow!("host call {method}: {e}"))?;
-        parse_json(&reply, "host reply")
-    }
-}
-
 extern "C" fn command_schema<T: Command>() -> RString {
     schema_or_error(|| T::settings_schema())
 }
@@ -237,7 +275,7 @@ extern "C" fn command_about<T: Command>() -> RString {
 extern "C" fn command_run<T: Command>(args: RSlice<'_, RStr<'_>>, host: HostApi) -> Res<i32> {
     guard(|| {
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        T::run(&args, &HostProxy(host))
+        T::run(&args, &Host::new(host))
     })
 }
 

@@ -8,6 +8,9 @@
 //! third-party plugin.
 
 pub mod ffi;
+mod host;
+
+pub use host::{Host, HostConnector, HostEncoder, HostIndex, HostProgress, HostReader};
 
 use crate::abi::Role;
 use anyhow::Result;
@@ -98,22 +101,19 @@ pub trait Reader: Send {
     fn passage_preferences(&mut self, request: Value) -> Result<Value>;
 }
 
-/// A black-box target LM behind an HTTP API.
-pub trait Connector: Send {
-    fn complete(&mut self, request: Value) -> Result<Value>;
+/// A black-box target LM behind an HTTP API. `complete` takes `&self`: callers issue requests
+/// from several threads at once.
+pub trait Connector: Send + Sync {
+    fn complete(&self, request: Value) -> Result<Value>;
 }
 
-/// Services the host offers a command plugin: JSON method calls.
-pub trait Host {
-    fn call(&self, method: &str, request: Value) -> Result<Value>;
-}
-
-/// A `host <name>` subcommand.
+/// A `host <name>` subcommand. `host` offers the toolkit's services (encoders, indexes,
+/// search, evaluation, readers, connectors, progress); it may be shared across threads.
 pub trait Command: Sized + 'static {
     const NAME: &'static str;
     const ABOUT: &'static str;
     fn settings_schema() -> Value;
-    fn run(args: &[String], host: &dyn Host) -> Result<i32>;
+    fn run(args: &[String], host: &Host) -> Result<i32>;
 }
 
 /// Sum per-task gradients into one tensor per parameter (`None` where no task has one).

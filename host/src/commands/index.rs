@@ -1,11 +1,11 @@
 //! `host index build|info`: dense (flat, HNSW) indexes from `host encode` output, and a BM25
-//! index from a corpus.
+//! index from a corpus (see `rak_retrieval::pipeline::index`).
 
+use super::Bar;
 use anyhow::{bail, Context, Result};
-use rak_retrieval::data::beir;
-use rak_retrieval::index::{self, Bm25Index, FlatIndex, HnswBuilder, HnswIndex, HnswParams};
-use rak_retrieval::npy::{self, NpyF32};
-use std::path::{Path, PathBuf};
+use rak_retrieval::index::{self, HnswBuilder, HnswParams};
+use rak_retrieval::pipeline::index::{build_index, IndexSpec};
+use std::path::PathBuf;
 
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum IndexCmd {
@@ -46,59 +46,23 @@ pub struct BuildArgs {
 pub fn run(cmd: &IndexCmd) -> Result<serde_json::Value> {
     match cmd {
         IndexCmd::Info { index } => index::info(index),
-        IndexCmd::Build(args) => build(args),
+        IndexCmd::Build(args) => {
+            let spec = spec(args)?;
+            Ok(serde_json::to_value(build_index(&spec, &args.output, &Bar::default())?)?)
+        }
     }
 }
 
-/// Read `embeddings.npy` + `ids.txt`, checking they agree.
-pub fn read_embeddings(dir: &Path) -> Result<(NpyF32, Vec<String>)> {
-    let vectors = NpyF32::open(&dir.join("embeddings.npy"))?;
-    let ids = npy::read_ids(&dir.join("ids.txt"))?;
-    if ids.len() != vectors.rows() {
-        bail!(
-            "{}: {} ids but {} has {} rows; re-run host encode",
-            dir.join("ids.txt").display(),
-            ids.len(),
-            dir.join("embeddings.npy").display(),
-            vectors.rows()
-        );
-    }
-    Ok((vectors, ids))
-}
-
-fn build(args: &BuildArgs) -> Result<serde_json::Value> {
-    let meta = match args.kind.as_str() {
-        "flat" | "hnsw" => {
-            let dir = args.embeddings.as_ref().context("--embeddings DIR is required for flat and hnsw indexes")?;
-            let (vectors, ids) = read_embeddings(dir)?;
-            if args.kind == "flat" {
-                let idx = FlatIndex::new(vectors.data().to_vec(), vectors.dim(), ids)?;
-                idx.save(&args.output)?;
-                idx.meta().clone()
-            } else {
-                let params = HnswParams { m: args.m, ef_construction: args.ef_construction, ef_search: args.ef_search };
-                params.validate()?;
-                eprintln!(
-                    "index: building HNSW over {} vectors (m={}, ef_construction={}, builder {})",
-                    vectors.rows(),
-                    params.m,
-                    params.ef_construction,
-                    args.hnsw_builder
-                );
-                let bar = super::encode::progress(vectors.rows() as u64, "hnsw");
-                let idx = HnswIndex::build_with_progress(vectors.data(), vectors.dim(), ids, params, args.hnsw_builder, &|done| bar.set_position(done as u64))?;
-                bar.finish_and_clear();
-                idx.save(&args.output)?;
-                idx.meta().clone()
-            }
-        }
-        "bm25" => {
-            let corpus = args.corpus.as_ref().context("--corpus FILE is required for a bm25 index")?;
-            let passages: Vec<_> = beir::read_corpus(corpus)?.collect::<Result<_>>()?;
-            let idx = Bm25Index::build(&args.output, passages.iter().map(|p| (&p.id, &p.title, &p.text)))?;
-            idx.meta().clone()
-        }
+fn spec(args: &BuildArgs) -> Result<IndexSpec> {
+    let embeddings = || args.embeddings.clone().context("--embeddings DIR is required for flat and hnsw indexes");
+    Ok(match args.kind.as_str() {
+        "flat" => IndexSpec::Flat { embeddings: embeddings()? },
+        "hnsw" => IndexSpec::Hnsw {
+            embeddings: embeddings()?,
+            params: HnswParams { m: args.m, ef_construction: args.ef_construction, ef_search: args.ef_search },
+            builder: args.hnsw_builder,
+        },
+        "bm25" => IndexSpec::Bm25 { corpus: args.corpus.clone().context("--corpus FILE is required for a bm25 index")? },
         other => bail!("--kind {other:?}: expected flat, hnsw or bm25"),
-    };
-    Ok(serde_json::to_value(meta)?)
+    })
 }

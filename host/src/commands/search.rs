@@ -1,12 +1,13 @@
 //! `host search`: queries → top-k passages → a TREC run, with a dense index and an encoder
-//! plugin, or with a BM25 index.
+//! plugin, or with a BM25 index (see `rak_retrieval::pipeline::search`).
 
-use super::encode::{encoder_settings, progress, ModelArgs};
+use super::encode::{encoder_settings, ModelArgs};
+use super::Bar;
 use crate::registry::Registry;
 use anyhow::{bail, Context, Result};
-use rak_core::abi::Role;
-use rak_retrieval::data::{beir, trec, Run};
+use rak_retrieval::data::{beir, trec};
 use rak_retrieval::index::{self, Index};
+use rak_retrieval::pipeline::search::{search_queries, SearchOptions};
 use std::path::PathBuf;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -50,15 +51,9 @@ pub fn run(registry: &Registry, args: &SearchArgs) -> Result<()> {
     }
     let queries: Vec<_> = beir::read_queries(&args.queries)?.collect::<Result<_>>()?;
     let mut index = index::open(&args.index)?;
-    let mut run = Run::new();
-    let bar = progress(queries.len() as u64, "search");
-    match &mut index {
-        Index::Bm25(bm25) => {
-            for q in &queries {
-                run.insert(q.id.clone(), bm25.search(&q.text, args.k)?.into_iter().map(|(id, s)| (id, s as f64)).collect());
-                bar.inc(1);
-            }
-        }
+    let opts = SearchOptions { k: args.k, task: args.task.clone(), batch_size: args.model_args.batch_size };
+    let run = match &mut index {
+        Index::Bm25(_) => search_queries(&index, None, &queries, &opts, &Bar::default())?,
         dense => {
             if args.bm25 {
                 bail!("{}: --bm25 given but this is a {} index", args.index.display(), dense.meta().kind);
@@ -68,30 +63,10 @@ pub fn run(registry: &Registry, args: &SearchArgs) -> Result<()> {
             if let (Index::Hnsw(h), Some(ef)) = (&mut *dense, args.ef_search) {
                 h.set_ef_search(ef)?;
             }
-            let settings = encoder_settings(model, &args.model_args)?;
-            let mut encoder = registry.encoder(name, &settings)?;
-            let dim = dense.meta().dim;
-            for batch in queries.chunks(args.model_args.batch_size.max(1)) {
-                let texts: Vec<&str> = batch.iter().map(|q| q.text.as_str()).collect();
-                let emb = encoder.encode(&texts, Role::Query, args.task.as_deref(), false)?;
-                let emb = emb.to_kind(tch::Kind::Float).to_device(tch::Device::Cpu).contiguous();
-                let qdim = emb.size().get(1).copied().unwrap_or(0) as usize;
-                if qdim != dim {
-                    bail!("{}: the index holds {dim}-d vectors but encoder {name} makes {qdim}-d queries", args.index.display());
-                }
-                let flat: Vec<f32> = Vec::<f32>::try_from(emb.view([-1]))?;
-                let (hits, ids) = match &*dense {
-                    Index::Flat(f) => (f.search(&flat, dim, args.k)?, f.ids()),
-                    Index::Hnsw(h) => (h.search(&flat, dim, args.k)?, h.ids()),
-                    Index::Bm25(_) => unreachable!("handled above"),
-                };
-                for (q, hits) in batch.iter().zip(hits) {
-                    run.insert(q.id.clone(), hits.into_iter().map(|h| (ids[h.row].clone(), h.score as f64)).collect());
-                }
-                bar.inc(batch.len() as u64);
-            }
+            let mut encoder = registry.encoder(name, &encoder_settings(model, &args.model_args)?)?;
+            search_queries(dense, Some(encoder.as_mut()), &queries, &opts, &Bar::default())
+                .with_context(|| format!("searching {} with encoder {name}", args.index.display()))?
         }
-    }
-    bar.finish_and_clear();
+    };
     trec::write_run(&args.output, &run, &args.tag, Some(args.k))
 }

@@ -1,0 +1,149 @@
+//! Command plugins and the host's services, through plugins built out of tree: `minipipe`
+//! runs the retrieval pipeline end to end through the services; `faulty` misbehaves on
+//! request so the host's guards can be seen to work.
+
+use rak_core::abi::Role;
+use rak_core::plugin::Encoder;
+use rak_e2e::*;
+use rak_host::{Registry, Source};
+use serde_json::{json, Value};
+use std::path::Path;
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+/// The pipeline through a command plugin's services equals the CLI's on the same inputs: the
+/// same run file, byte for byte, and the same metrics; the tensor search from four threads
+/// agrees with the service's.
+#[test]
+fn minipipe_through_the_services_equals_the_cli() {
+    let s = slice();
+    let dir = TempDir::new("minipipe");
+    let plugin = minipipe_plugin();
+    let settings = json!({"model": minilm_dir()}).to_string();
+    let work = dir.path().join("work");
+    let out = host(&[
+        "--plugin", p(&plugin), "minipipe", "run", "--encoder", "dpr", "--settings", &settings, "--corpus", p(&s.corpus),
+        "--queries", p(&s.queries), "--qrels", p(&s.qrels), "--work", p(&work), "--k", "20", "--task", "squad",
+    ]);
+    assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
+    let v: Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert_eq!(v["tensor_search_mismatches"], 0, "{v}");
+    assert_eq!(v["queries"], 40);
+    assert!(stderr(&out).contains("minipipe: thread 3 searching"), "log lines from several threads reach the user");
+
+    let model = minilm_dir();
+    let (emb, idx, run) = (dir.path().join("emb"), dir.path().join("idx"), dir.path().join("run.trec"));
+    for args in [
+        vec!["encode", "--encoder", "dpr", "--model", p(&model), "--input", p(&s.corpus), "--output", p(&emb), "--batch-size", "16"],
+        vec!["index", "build", "--kind", "flat", "--embeddings", p(&emb), "--output", p(&idx)],
+        vec!["search", "--index", p(&idx), "--encoder", "dpr", "--model", p(&model), "--queries", p(&s.queries), "--k", "20", "--task", "squad", "--output", p(&run)],
+    ] {
+        let o = host(&args);
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    }
+    assert_eq!(std::fs::read(&run).unwrap(), std::fs::read(work.join("run.trec")).unwrap(), "same run file");
+    let o = host(&["eval", "--run", p(&run), "--qrels", p(&s.qrels), "--corpus", p(&s.corpus), "--queries", p(&s.queries), "--task", "task"]);
+    let cli: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(cli["tasks"]["task"]["metrics"], v["metrics"]["tasks"]["task"]["metrics"]);
+    assert!(cli["tasks"]["task"]["metrics"]["mrr@10"].as_f64().unwrap() > 0.3);
+}
+
+/// Autograd crosses two ABI boundaries (command plugin -> host -> encoder plugin and back).
+#[test]
+fn gradients_reach_the_encoder_through_the_services() {
+    let settings = json!({"model": minilm_dir(), "pooling": "cls", "normalize": false}).to_string();
+    let out = host(&["--plugin", p(&minipipe_plugin()), "minipipe", "grad", "--encoder", "dpr", "--settings", &settings]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    let with_grad: Vec<&str> = v["with_grad"].as_array().unwrap().iter().map(|n| n.as_str().unwrap()).collect();
+    assert!(v["loss"].as_f64().unwrap() > 0.0);
+    for name in ["embeddings.word_embeddings.weight", "encoder.layer.5.output.dense.weight", "encoder.layer.0.attention.self.query.weight"] {
+        assert!(with_grad.contains(&name), "{name} has no gradient: {v}");
+    }
+}
+
+#[test]
+fn exit_codes_out_of_range_fail() {
+    let plugin = minipipe_plugin();
+    for (code, want) in [("0", 0), ("7", 7), ("255", 255), ("-1", 1), ("256", 1), ("-255", 1)] {
+        let out = host(&["--plugin", p(&plugin), "minipipe", "exit", code]);
+        assert_eq!(out.status.code(), Some(want), "exit {code}: {}", stderr(&out));
+        if want == 1 {
+            assert!(stderr(&out).contains(&format!("returned exit code {code}")), "{}", stderr(&out));
+        }
+    }
+    let out = host(&["--plugin", p(&plugin), "minipipe", "nonsense"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("unknown minipipe subcommand") && stderr(&out).contains("libminipipe_command.so"), "{}", stderr(&out));
+}
+
+fn faulty(settings: Value) -> Box<dyn Encoder> {
+    Registry::discover(&[Source::File(faulty_plugin())]).unwrap().encoder("faulty", &settings).unwrap()
+}
+
+#[test]
+fn undefined_tensors_and_wrong_row_counts_name_the_plugin() {
+    let texts = ["a", "bb", "ccc"];
+    let err = format!("{:#}", faulty(json!({"fault": "undefined"})).encode(&texts, Role::Passage, None, false).unwrap_err());
+    assert!(err.contains("\"faulty\"") && err.contains("undefined tensor"), "{err}");
+    let err = format!("{:#}", faulty(json!({"fault": "short"})).encode(&texts, Role::Passage, None, false).unwrap_err());
+    assert!(err.contains("\"faulty\"") && err.contains("[2, 4]") && err.contains("3 texts"), "{err}");
+    let ok = faulty(json!({})).encode(&texts, Role::Passage, None, false).unwrap();
+    assert_eq!(ok.size(), vec![3, 4]);
+
+    // Through the CLI: a clear error, no panic, no output.
+    let dir = TempDir::new("faulty-encode");
+    let corpus = dir.path().join("c.jsonl");
+    std::fs::write(&corpus, "{\"_id\":\"1\",\"text\":\"one\"}\n{\"_id\":\"2\",\"text\":\"two two\"}\n").unwrap();
+    for fault in ["undefined", "short"] {
+        let settings = json!({"fault": fault}).to_string();
+        let out_dir = dir.path().join(fault);
+        let out = host(&[
+            "--plugin", p(&faulty_plugin()), "encode", "--encoder", "faulty", "--model", p(dir.path()), "--input", p(&corpus),
+            "--output", p(&out_dir), "--encoder-settings", &settings,
+        ]);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains("faulty") && !err.contains("internal error") && !err.contains("panicked at"), "{err}");
+        assert!(!out_dir.join("embeddings.npy").exists());
+    }
+}
+
+#[test]
+fn a_plugin_instance_that_panicked_is_poisoned() {
+    let mut enc = faulty(json!({"fault": "panic", "panic_at": 2}));
+    assert!(enc.encode(&["x"], Role::Query, None, false).is_ok());
+    let first = format!("{:#}", enc.encode(&["x"], Role::Query, None, false).unwrap_err());
+    assert!(first.contains("panicked: faulty: panic on call 2"), "{first}");
+    // Before poisoning, the third call would run on the half-updated state (and trip its assert).
+    let later = format!("{:#}", enc.encode(&["x"], Role::Query, None, false).unwrap_err());
+    assert!(later.contains("unusable") && later.contains("panic on call 2"), "{later}");
+    let info = format!("{:#}", enc.info().unwrap_err());
+    assert!(info.contains("unusable"), "{info}");
+    // A new instance works.
+    assert!(faulty(json!({"fault": "panic", "panic_at": 9})).encode(&["x"], Role::Query, None, false).is_ok());
+}
+
+/// `--plugin NAME.so` (no slash) loads the file in the current folder that was checked, not
+/// a same-named library on the loader's search path.
+#[test]
+fn a_plugin_named_without_a_slash_is_the_file_in_the_current_folder() {
+    let dir = TempDir::new("noslash");
+    let other = dir.path().join("elsewhere");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::copy(hashbow_plugin(), dir.path().join("libthird.so")).unwrap();
+    std::fs::copy(plugin_file("rak_optim_adamw"), other.join("libthird.so")).unwrap();
+    let out = std::process::Command::new(host_bin())
+        .args(["--plugin", "libthird.so", "plugins", "list"])
+        .current_dir(dir.path())
+        .env_remove("RAK_PLUGIN_PATH")
+        .env("LD_LIBRARY_PATH", &other)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let line = text.lines().find(|l| l.starts_with("hashbow")).unwrap_or_else(|| panic!("hashbow listed:\n{text}"));
+    assert!(line.contains(&format!("{}/libthird.so", dir.path().display())), "{line}");
+}
