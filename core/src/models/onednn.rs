@@ -3,7 +3,8 @@
 //! [`Dense`] is a linear layer's weight packed once for a forward pass; its `forward` fuses the
 //! bias and an activation or residual add into the GEMM. Only used where gradients are off,
 //! on CPU, in f32: the operators have no backward, and on GPU cuBLAS is the right tool.
-//! `RAK_ONEDNN=0` turns the path off (for A/B timing and bug isolation).
+//! `RAK_ONEDNN=0` turns the path off (for A/B timing and bug isolation). So does a libtorch
+//! whose operators have other signatures than `SCHEMAS` below, with a one-time warning.
 
 use anyhow::{anyhow, Result};
 use std::ffi::{c_char, c_void, CStr};
@@ -14,6 +15,16 @@ use torch_sys::C_tensor;
 extern "C" {
     fn rak_onednn_available() -> i32;
     fn rak_grad_enabled() -> i32;
+    fn rak_onednn_check_schema(
+        name: *const c_char,
+        overload: *const c_char,
+        expected: *const *const c_char,
+        n: usize,
+        err: *mut c_char,
+        len: usize,
+    ) -> i32;
+    #[cfg(test)]
+    fn rak_onednn_test_throw(err: *mut c_char, len: usize) -> i32;
     fn rak_onednn_pack(weight: *const c_void, rows: i64, err: *mut c_char, len: usize) -> *mut c_void;
     fn rak_onednn_linear(
         x: *const c_void,
@@ -32,6 +43,67 @@ extern "C" {
         err: *mut c_char,
         len: usize,
     ) -> *mut c_void;
+}
+
+/// An operator the shim calls and the arguments its hand-built stack supplies, in order, as
+/// `type name` the way libtorch writes its schema.
+struct Schema {
+    name: &'static CStr,
+    /// "" for the default overload.
+    overload: &'static CStr,
+    args: &'static [&'static CStr],
+}
+
+/// The signatures the stacks in `csrc/onednn.cpp` are built for (libtorch 2.11). These are
+/// private operators, so a libtorch that changes one is caught here rather than handed a
+/// stack of the wrong shape.
+const SCHEMAS: [Schema; 3] = [
+    Schema {
+        name: c"mkldnn::_reorder_linear_weight",
+        overload: c"",
+        args: &[c"Tensor self", c"int? batch_size"],
+    },
+    Schema {
+        name: c"mkldnn::_linear_pointwise",
+        overload: c"",
+        args: &[c"Tensor X", c"Tensor W", c"Tensor? B", c"str attr", c"Scalar?[] scalars", c"str? algorithm"],
+    },
+    Schema {
+        name: c"mkldnn::_linear_pointwise",
+        overload: c"binary",
+        args: &[c"Tensor X", c"Tensor other", c"Tensor W", c"Tensor? B", c"str attr"],
+    },
+];
+
+/// Whether this libtorch's operator `s.name` has the signature `s` describes; if not, the
+/// error says what differs.
+fn check_schema(s: &Schema) -> Result<()> {
+    let expected: Vec<*const c_char> = s.args.iter().map(|a| a.as_ptr()).collect();
+    let mut err = [0 as c_char; 1024];
+    let ok = unsafe {
+        rak_onednn_check_schema(
+            s.name.as_ptr(),
+            s.overload.as_ptr(),
+            expected.as_ptr(),
+            expected.len(),
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    if ok != 0 {
+        return Ok(());
+    }
+    let msg = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy();
+    Err(anyhow!("oneDNN operator {msg}"))
+}
+
+/// All of [`SCHEMAS`] checked, once per process.
+fn schemas_checked() -> Result<()> {
+    static CHECKED: OnceLock<Result<(), String>> = OnceLock::new();
+    CHECKED
+        .get_or_init(|| SCHEMAS.iter().try_for_each(check_schema).map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(|e| anyhow!(e))
 }
 
 /// Products with fewer input rows stay on libtorch's `linear`: weights are packed per forward
@@ -68,7 +140,11 @@ impl Epilogue {
 pub fn usable(device: Device, kind: Kind) -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
     let enabled = *ENABLED.get_or_init(|| {
-        std::env::var("RAK_ONEDNN").map_or(true, |v| v != "0") && unsafe { rak_onednn_available() } != 0
+        if std::env::var("RAK_ONEDNN").is_ok_and(|v| v == "0") || unsafe { rak_onednn_available() } == 0 {
+            return false;
+        }
+        // A libtorch whose operators changed signature: say so once and use the general path.
+        schemas_checked().map_err(|e| warn_once(&e)).is_ok()
     });
     enabled && device == Device::Cpu && kind == Kind::Float && unsafe { rak_grad_enabled() } == 0
 }
@@ -110,6 +186,9 @@ pub struct Dense {
 impl Dense {
     /// Pack `weight` `[out, in]` for inputs of about `rows` rows.
     pub fn pack(weight: &Tensor, bias: Option<&Tensor>, rows: i64) -> Result<Self> {
+        // Callers normally ask `usable` first; this keeps a caller that did not from handing
+        // an operator with another signature a stack built for this one.
+        schemas_checked()?;
         let mut err = [0 as c_char; 512];
         let packed = unsafe { rak_onednn_pack(ptr(weight), rows, err.as_mut_ptr(), err.len()) };
         Ok(Dense { packed: take(packed, &err, "weight packing")?, bias: bias.map(Tensor::shallow_clone) })
@@ -188,6 +267,40 @@ mod tests {
         let dense = Dense::pack(&Tensor::randn([8, 4], opts), None, 2).unwrap();
         let err = dense.forward(&Tensor::randn([2, 5], opts), Epilogue::None).unwrap_err();
         assert!(err.to_string().starts_with("oneDNN linear"), "{err}");
+    }
+
+    /// A signature that differs from what a stack assumes (a renamed, retyped, missing or
+    /// extra argument, or an unknown operator) is reported, naming the operator and argument;
+    /// the lists the shim really uses match this libtorch.
+    #[test]
+    fn schema_check_names_what_differs() {
+        for s in &SCHEMAS {
+            check_schema(s).unwrap();
+        }
+        let linear = &SCHEMAS[1];
+        let check = |args: &'static [&'static CStr]| check_schema(&Schema { args, ..*linear }).unwrap_err().to_string();
+        let renamed = check(&[c"Tensor X", c"Tensor W", c"Tensor? bias", c"str attr", c"Scalar?[] scalars", c"str? algorithm"]);
+        assert!(renamed.contains("mkldnn::_linear_pointwise"), "{renamed}");
+        assert!(renamed.contains("argument 2 is `Tensor? B`, expected `Tensor? bias`"), "{renamed}");
+        let retyped = check(&[c"Tensor X", c"Tensor W", c"Tensor? B", c"str attr", c"Scalar?[] scalars", c"str algorithm"]);
+        assert!(retyped.contains("argument 5 is `str? algorithm`, expected `str algorithm`"), "{retyped}");
+        let short = check(&[c"Tensor X", c"Tensor W", c"Tensor? B", c"str attr", c"Scalar?[] scalars"]);
+        assert!(short.contains("takes 6 arguments, expected 5"), "{short}");
+        assert!(short.contains("argument 5 is `str? algorithm`, expected `nothing`"), "{short}");
+        let binary = check_schema(&Schema { args: linear.args, ..SCHEMAS[2] }).unwrap_err().to_string();
+        assert!(binary.contains("mkldnn::_linear_pointwise.binary takes 5 arguments, expected 6"), "{binary}");
+        let missing = check_schema(&Schema { name: c"mkldnn::_no_such_op", ..*linear }).unwrap_err().to_string();
+        assert!(missing.contains("mkldnn::_no_such_op is not registered"), "{missing}");
+    }
+
+    /// An exception that is not a `std::exception` comes back as an error instead of
+    /// unwinding into Rust (which aborts the process).
+    #[test]
+    fn non_std_exceptions_come_back_as_errors() {
+        let mut err = [0 as c_char; 512];
+        assert_eq!(unsafe { rak_onednn_test_throw(err.as_mut_ptr(), err.len()) }, 0);
+        let msg = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy();
+        assert!(msg.contains("not a std::exception"), "{msg}");
     }
 
     #[test]
