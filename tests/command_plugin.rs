@@ -53,7 +53,7 @@ fn minipipe_through_the_services_equals_the_cli() {
 /// Autograd crosses two ABI boundaries (command plugin -> host -> encoder plugin and back).
 #[test]
 fn gradients_reach_the_encoder_through_the_services() {
-    let settings = json!({"model": minilm_dir(), "pooling": "cls", "normalize": false}).to_string();
+    let settings = json!({"model": minilm_dir()}).to_string();
     let out = host(&["--plugin", p(&minipipe_plugin()), "minipipe", "grad", "--encoder", "dpr", "--settings", &settings]);
     assert!(out.status.success(), "{}", stderr(&out));
     let v: Value = serde_json::from_str(stdout(&out).trim()).unwrap();

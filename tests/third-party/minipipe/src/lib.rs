@@ -76,13 +76,13 @@ fn run_pipeline(f: &HashMap<String, String>, host: &Host) -> Result<i32> {
     let chunks: Vec<Tensor> = emb_q.chunk(4, 0);
     let results: Vec<Vec<Vec<(String, f32)>>> = std::thread::scope(|s| {
         let handles: Vec<_> = chunks
-            .iter()
+            .into_iter()
             .enumerate()
             .map(|(i, c)| {
                 let (index, host) = (&index, host.clone());
                 s.spawn(move || -> Result<Vec<Vec<(String, f32)>>> {
                     host.log(&format!("minipipe: thread {i} searching {} queries", c.size()[0]))?;
-                    index.search_vectors(c, k)
+                    index.search_vectors(&c, k)
                 })
             })
             .collect();

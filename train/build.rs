@@ -1,0 +1,4 @@
+fn main() {
+    // Tests call libtorch.
+    rak_build::link_libtorch();
+}

@@ -1,0 +1,11 @@
+//! `rak-train`: the trainer behind `host train` (and command plugins such as `aar-train`):
+//! multitask samplers, contrastive losses, learning-rate schedules.
+//!
+//! It builds on `rak-core` (encoders and optimizers through the plugin traits) and
+//! `rak-retrieval` (BM25 and dense indexes for hard negatives, ANCE episodes). It loads no
+//! plugins itself: the host hands it trait objects.
+
+pub mod loss;
+pub mod rng;
+pub mod sampler;
+pub mod schedule;

@@ -1,0 +1,121 @@
+//! Contrastive losses over query and passage embeddings (REFERENCE §1, §6).
+//!
+//! The single point where embeddings meet the loss is [`Exchange`]: before scoring, the
+//! trainer passes each process's query and passage embeddings through it. In one process it
+//! is the identity; a data-parallel run gathers the embeddings of every rank (detached, with
+//! the local slice put back so its gradient flows), so negatives span the global batch.
+
+use anyhow::{bail, Result};
+use tch::{Kind, Tensor};
+
+/// Where embeddings from other processes join the local ones.
+pub trait Exchange {
+    /// Rows of every process, this process's rows at [`Exchange::offset`] (with their graph).
+    fn gather(&self, local: &Tensor) -> Result<Tensor>;
+    /// Where this process's first row lands in [`Exchange::gather`]'s output, for `local_rows`.
+    fn offset(&self, local_rows: i64) -> i64;
+}
+
+/// One process: nothing to gather.
+pub struct Local;
+
+impl Exchange for Local {
+    fn gather(&self, local: &Tensor) -> Result<Tensor> {
+        Ok(local.shallow_clone())
+    }
+    fn offset(&self, _local_rows: i64) -> i64 {
+        0
+    }
+}
+
+/// NCE with in-batch and hard negatives: `q` is `[B, d]`; `p` is `[B·n, d]`, query `i`'s group
+/// at rows `i·n .. (i+1)·n`, its positive first. Every passage in the (gathered) batch is a
+/// candidate for every query; the loss is the mean cross-entropy with the query's positive as
+/// target.
+pub fn nce_loss(q: &Tensor, p: &Tensor, group: usize, exchange: &dyn Exchange) -> Result<Tensor> {
+    let (b, d) = q.size2()?;
+    let (rows, pd) = p.size2()?;
+    if group == 0 || rows != b * group as i64 || pd != d {
+        bail!("nce_loss: {rows} passages of width {pd} for {b} queries of width {d} in groups of {group}");
+    }
+    let all_q = exchange.gather(q)?;
+    let all_p = exchange.gather(p)?;
+    let scores = all_q.matmul(&all_p.tr());
+    let targets = Tensor::arange(all_q.size()[0], (Kind::Int64, q.device())) * group as i64;
+    Ok(scores.to_kind(Kind::Float).cross_entropy_for_logits(&targets))
+}
+
+/// AAR's multi-positive loss (REFERENCE §6): for each (query, positive) pair, cross-entropy of
+/// that positive against every passage in the batch that is not one of the query's own
+/// positives; the mean over pairs. `positives[i]` lists the rows of `p` that are query `i`'s
+/// positives.
+pub fn multi_positive_loss(q: &Tensor, p: &Tensor, positives: &[Vec<i64>], exchange: &dyn Exchange) -> Result<Tensor> {
+    let (b, _) = q.size2()?;
+    if positives.len() != b as usize || positives.iter().any(|ps| ps.is_empty()) {
+        bail!("multi_positive_loss: every one of the {b} queries needs at least one positive");
+    }
+    let all_q = exchange.gather(q)?;
+    let all_p = exchange.gather(p)?;
+    let (q_off, p_off) = (exchange.offset(b), exchange.offset(p.size()[0]));
+    let scores = all_q.narrow(0, q_off, b).matmul(&all_p.tr()).to_kind(Kind::Float);
+    let n = scores.size()[1];
+    let mut losses = Vec::new();
+    for (i, ps) in positives.iter().enumerate() {
+        let mut own = vec![false; n as usize];
+        for &r in ps {
+            if r < 0 || r + p_off >= n {
+                bail!("multi_positive_loss: positive row {r} is outside the batch of {n} passages");
+            }
+            own[(r + p_off) as usize] = true;
+        }
+        let row = scores.get(i as i64);
+        for &r in ps {
+            // The positive itself plus every passage that is not one of this query's positives.
+            let keep: Vec<i64> = (0..n).filter(|&j| j == r + p_off || !own[j as usize]).collect();
+            let target = keep.iter().position(|&j| j == r + p_off).unwrap() as i64;
+            let logits = row.index_select(0, &Tensor::from_slice(&keep).to_device(row.device()));
+            losses.push(-logits.log_softmax(0, Kind::Float).get(target));
+        }
+    }
+    Ok(Tensor::stack(&losses, 0).mean(Kind::Float))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(v: &[f32], rows: i64) -> Tensor {
+        Tensor::from_slice(v).view([rows, -1])
+    }
+
+    /// Against the formula written out: scores = q·pᵀ, loss = mean_i −log softmax(scores_i)[i·n].
+    #[test]
+    fn nce_matches_the_formula() {
+        let q = t(&[1.0, 0.0, 0.5, 0.5], 2);
+        let p = t(&[1.0, 0.1, 0.0, 1.0, 0.3, 0.3, 0.2, 0.9], 4);
+        let loss = nce_loss(&q, &p, 2, &Local).unwrap().double_value(&[]);
+        let s = |a: [f64; 2], b: [f64; 2]| a[0] * b[0] + a[1] * b[1];
+        let qs = [[1.0, 0.0], [0.5, 0.5]];
+        let ps = [[1.0, 0.1], [0.0, 1.0], [0.3, 0.3], [0.2, 0.9]];
+        let mut want = 0.0;
+        for (i, qi) in qs.iter().enumerate() {
+            let scores: Vec<f64> = ps.iter().map(|pj| s(*qi, *pj)).collect();
+            let lse = scores.iter().map(|x| x.exp()).sum::<f64>().ln();
+            want += lse - scores[i * 2];
+        }
+        want /= 2.0;
+        assert!((loss - want).abs() < 1e-6, "{loss} vs {want}");
+        assert!(nce_loss(&q, &p, 3, &Local).is_err());
+    }
+
+    #[test]
+    fn multi_positive_excludes_the_query_s_other_positives() {
+        let q = t(&[1.0, 0.0], 1);
+        let p = t(&[1.0, 0.0, 0.9, 0.0, 0.0, 1.0], 3);
+        let loss = multi_positive_loss(&q, &p, &[vec![0, 1]], &Local).unwrap().double_value(&[]);
+        // Pair (0): candidates {0, 2}; pair (1): candidates {1, 2}.
+        let l0 = -(1f64.exp() / (1f64.exp() + 1.0)).ln();
+        let l1 = -(0.9f64.exp() / (0.9f64.exp() + 1.0)).ln();
+        assert!((loss - (l0 + l1) / 2.0).abs() < 1e-6);
+    }
+}
