@@ -1,6 +1,7 @@
 //! Built-in plugins through the real ABI: discovery from the host's folder, and the `adamw`
 //! optimizer matching tch's own AdamW step for step.
 
+use rak_core::plugin::{optimizer_step, StepContext};
 use rak_e2e::*;
 use rak_host::{Registry, Source};
 use tch::nn::{self, OptimizerConfig};
@@ -56,7 +57,9 @@ fn adamw_plugin_matches_tch_adamw() {
         shapes.iter().enumerate().map(|(i, s)| vs.root().var(&format!("p{i}"), s, nn::Init::Randn { mean: 0., stdev: 1. })).collect();
     let mut tch_opt = nn::AdamW { beta1: 0.9, beta2: 0.999, wd, eps: 1e-8, amsgrad: false }.build(&vs, lr).unwrap();
 
-    let ours: Vec<Tensor> = reference.iter().map(|t| t.detach().copy()).collect();
+    let ours: Vec<(String, Tensor)> = reference.iter().enumerate().map(|(i, t)| (format!("p{i}"), t.detach().copy())).collect();
+    let ctx = StepContext { lr, ..Default::default() };
+    let named = |g: &[Tensor]| -> Vec<(String, Tensor)> { g.iter().enumerate().map(|(i, t)| (format!("p{i}"), t.shallow_clone())).collect() };
     let mut plugin =
         registry().optimizer("adamw", &serde_json::json!({"weight_decay": wd})).expect("create adamw through the ABI");
 
@@ -68,9 +71,9 @@ fn adamw_plugin_matches_tch_adamw() {
         loss.backward();
         tch_opt.step();
         // Through the ABI, with the same gradients as one task.
-        plugin.step(&ours, &[grads], lr).unwrap();
+        optimizer_step(plugin.as_mut(), &ours, vec![("t".into(), 0.0, named(&grads))], ctx.clone()).unwrap();
     }
-    for (a, b) in reference.iter().zip(&ours) {
+    for (a, (_, b)) in reference.iter().zip(&ours) {
         let diff = (a - b).abs().max().double_value(&[]);
         assert!(diff < 1e-6, "max abs difference {diff}");
     }
@@ -81,10 +84,10 @@ fn adamw_plugin_matches_tch_adamw() {
     let mut fresh = registry().optimizer("adamw", &serde_json::json!({"weight_decay": wd})).unwrap();
     fresh.load_state(state).unwrap();
     let g: Vec<Tensor> = shapes.iter().map(|s| Tensor::ones(*s, (Kind::Float, Device::Cpu))).collect();
-    let a: Vec<Tensor> = ours.iter().map(|t| t.copy()).collect();
-    plugin.step(&ours, &[g.iter().map(|t| t.copy()).collect()], lr).unwrap();
-    fresh.step(&a, &[g], lr).unwrap();
-    for (x, y) in ours.iter().zip(&a) {
+    let a: Vec<(String, Tensor)> = ours.iter().map(|(n, t)| (n.clone(), t.copy())).collect();
+    optimizer_step(plugin.as_mut(), &ours, vec![("t".into(), 0.0, named(&g))], ctx.clone()).unwrap();
+    optimizer_step(fresh.as_mut(), &a, vec![("t".into(), 0.0, named(&g))], ctx).unwrap();
+    for ((_, x), (_, y)) in ours.iter().zip(&a) {
         assert!((x - y).abs().max().double_value(&[]) < 1e-7);
     }
 }
@@ -99,9 +102,35 @@ fn adamw_sums_task_gradients() {
     let reg = registry();
     let mut a = reg.optimizer("adamw", &serde_json::json!({})).unwrap();
     let mut b = reg.optimizer("adamw", &serde_json::json!({})).unwrap();
-    a.step(&[p1.shallow_clone()], &[vec![g1.copy()], vec![g2.copy()]], 1e-3).unwrap();
-    b.step(&[p2.shallow_clone()], &[vec![&g1 + &g2]], 1e-3).unwrap();
+    let ctx = StepContext { lr: 1e-3, tasks: vec!["x".into(), "y".into()], ..Default::default() };
+    let w = |t: &Tensor| vec![("w".to_string(), t.copy())];
+    optimizer_step(a.as_mut(), &w(&p1).into_iter().map(|(n, _)| (n, p1.shallow_clone())).collect::<Vec<_>>(), vec![("x".into(), 0.0, w(&g1)), ("y".into(), 0.0, w(&g2))], ctx.clone()).unwrap();
+    optimizer_step(b.as_mut(), &[("w".to_string(), p2.shallow_clone())], vec![("xy".into(), 0.0, w(&(&g1 + &g2)))], ctx).unwrap();
     assert!((&p1 - &p2).abs().max().double_value(&[]) < 1e-7);
+}
+
+/// Layer-wise learning-rate factors and weight-decay exclusions apply by parameter name.
+#[test]
+fn adamw_applies_lr_scale_and_no_decay_by_name() {
+    let reg = registry();
+    let mut opt = reg.optimizer("adamw", &serde_json::json!({"weight_decay": 0.1})).unwrap();
+    let params: Vec<(String, Tensor)> =
+        ["a", "b", "c"].iter().map(|n| (n.to_string(), Tensor::ones([2], (Kind::Float, Device::Cpu)))).collect();
+    let grads: Vec<(String, Tensor)> = params.iter().map(|(n, _)| (n.clone(), Tensor::ones([2], (Kind::Float, Device::Cpu)))).collect();
+    let ctx = StepContext {
+        lr: 0.1,
+        lr_scale: [("b".to_string(), 0.5)].into(),
+        no_weight_decay: ["c".to_string()].into(),
+        ..Default::default()
+    };
+    optimizer_step(opt.as_mut(), &params, vec![("t".into(), 0.0, grads)], ctx).unwrap();
+    // First AdamW step moves by lr (m̂/√v̂ = 1), after decay by (1 - lr·wd).
+    let v = |i: usize| params[i].1.double_value(&[0]);
+    assert!((v(0) - (1.0 * (1.0 - 0.1 * 0.1) - 0.1)).abs() < 1e-6, "{}", v(0));
+    assert!((v(1) - (1.0 * (1.0 - 0.05 * 0.1) - 0.05)).abs() < 1e-6, "{}", v(1));
+    assert!((v(2) - (1.0 - 0.1)).abs() < 1e-6, "{}", v(2));
+    let state = opt.state().unwrap();
+    assert!(state.iter().any(|(n, _)| n == "exp_avg/b"), "state is keyed by parameter name");
 }
 
 #[test]
@@ -115,7 +144,8 @@ fn plugin_errors_come_back_naming_the_plugin() {
     let mut opt = reg.optimizer("adamw", &serde_json::json!({})).unwrap();
     let p = Tensor::zeros([3], (Kind::Float, Device::Cpu));
     let g = Tensor::zeros([5], (Kind::Float, Device::Cpu));
-    let err = opt.step(&[p], &[vec![g]], 1e-3).expect_err("shape mismatch is an error");
+    let err = optimizer_step(opt.as_mut(), &[("p".into(), p)], vec![("t".into(), 0.0, vec![("p".into(), g)])], StepContext::default())
+        .expect_err("shape mismatch is an error");
     assert!(format!("{err:#}").contains("adamw"), "{err:#}");
 
     let err = reg.optimizer("nope", &serde_json::json!({})).err().unwrap();

@@ -56,7 +56,8 @@ fn gradients_flow_back_through_the_abi() {
     let before = enc.encode(&["alpha"], Role::Query, None, false).unwrap();
     let reg2 = Registry::discover(&[Source::Dir(release_dir())]).unwrap();
     let mut opt = reg2.optimizer("adamw", &serde_json::json!({})).unwrap();
-    opt.step(&[weight.shallow_clone()], &[vec![grad]], 0.1).unwrap();
+    let ctx = rak_core::plugin::StepContext { lr: 0.1, ..Default::default() };
+    rak_core::plugin::optimizer_step(opt.as_mut(), &[(name.clone(), weight.shallow_clone())], vec![("t".into(), 0.0, vec![(name.clone(), grad)])], ctx).unwrap();
     let after = enc.encode(&["alpha"], Role::Query, None, false).unwrap();
     assert!(!before.allclose(&after, 1e-6, 1e-6, false));
 }

@@ -1,9 +1,11 @@
-//! Optimizer math shared by the optimizer plugins (AdamW itself, and T-SAGE, PCGrad, ... which
-//! combine per-task gradients and then take an AdamW step).
+//! Optimizer math shared by the optimizer plugins: AdamW (which T-SAGE, PCGrad, CGD and
+//! GradNorm finish with), gradient clipping, and folding per-task gradients into a sum.
 
+use crate::plugin::StepContext;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
-use tch::Tensor;
+use std::collections::BTreeMap;
+use tch::{Kind, Tensor};
 
 /// AdamW hyper-parameters; defaults are PyTorch's (and tch's `nn::AdamW`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -21,88 +23,172 @@ impl Default for AdamWConfig {
     }
 }
 
-/// AdamW moments for a list of parameters, following `torch.optim.AdamW` (decoupled weight
-/// decay, bias-corrected moments, `eps` added after the bias-corrected square root).
+/// One parameter's moments.
+struct Moments {
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+}
+
+/// AdamW moments by parameter name, following `torch.optim.AdamW` (decoupled weight decay,
+/// bias-corrected moments, `eps` added after the bias-corrected square root). Each step's
+/// learning rate is scaled per parameter by the context's `lr_scale`; parameters named in
+/// `no_weight_decay` get none.
 pub struct AdamW {
     pub config: AdamWConfig,
     step: i64,
-    exp_avg: Vec<Tensor>,
-    exp_avg_sq: Vec<Tensor>,
+    moments: BTreeMap<String, Moments>,
 }
 
 impl AdamW {
     pub fn new(config: AdamWConfig) -> Self {
-        AdamW { config, step: 0, exp_avg: Vec::new(), exp_avg_sq: Vec::new() }
+        AdamW { config, step: 0, moments: BTreeMap::new() }
     }
 
-    /// One update. `grads[i]` is `None` (or undefined) for parameters without a gradient; they
-    /// are left untouched, as PyTorch does.
-    pub fn step(&mut self, params: &[Tensor], grads: &[Option<Tensor>], lr: f64) -> Result<()> {
-        if self.exp_avg.is_empty() {
-            self.exp_avg = params.iter().map(Tensor::zeros_like).collect();
-            self.exp_avg_sq = params.iter().map(Tensor::zeros_like).collect();
-        } else if self.exp_avg.len() != params.len() {
-            bail!("AdamW was set up for {} parameters, got {}", self.exp_avg.len(), params.len());
-        }
+    /// One update of `params` from `grads` (by name). A parameter without a gradient is left
+    /// untouched and its moments are not advanced, as PyTorch does.
+    pub fn step(&mut self, params: &[(String, Tensor)], grads: &BTreeMap<String, Tensor>, ctx: &StepContext) -> Result<()> {
         self.step += 1;
-        let c = &self.config;
+        let c = self.config.clone();
         let bias1 = 1.0 - c.beta1.powi(self.step as i32);
         let bias2 = 1.0 - c.beta2.powi(self.step as i32);
-        let step_size = lr / bias1;
         let _guard = tch::no_grad_guard();
-        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
-            let Some(g) = g.as_ref().filter(|g| g.defined()) else { continue };
+        for (name, p) in params {
+            let Some(g) = grads.get(name).filter(|g| g.defined()) else { continue };
+            if g.size() != p.size() {
+                bail!("gradient of {name} has shape {:?}, the parameter {:?}", g.size(), p.size());
+            }
+            let lr = ctx.lr * ctx.lr_scale.get(name).copied().unwrap_or(1.0);
             let mut p = p.shallow_clone();
-            let m = &mut self.exp_avg[i];
-            let v = &mut self.exp_avg_sq[i];
-            if c.weight_decay != 0.0 {
+            let m = self
+                .moments
+                .entry(name.clone())
+                .or_insert_with(|| Moments { exp_avg: Tensor::zeros_like(&p), exp_avg_sq: Tensor::zeros_like(&p) });
+            if c.weight_decay != 0.0 && !ctx.no_weight_decay.contains(name) {
                 let _ = p.g_mul_scalar_(1.0 - lr * c.weight_decay);
             }
-            let _ = m.g_mul_scalar_(c.beta1);
-            let _ = m.g_add_(&(g * (1.0 - c.beta1)));
-            let _ = v.g_mul_scalar_(c.beta2);
-            let _ = v.addcmul_(&(g * (1.0 - c.beta2)), g);
-            let denom = v.sqrt() / bias2.sqrt() + c.eps;
-            let _ = p.addcdiv_(&(&*m * -step_size), &denom);
+            let _ = m.exp_avg.g_mul_scalar_(c.beta1);
+            let _ = m.exp_avg.g_add_(&(g * (1.0 - c.beta1)));
+            let _ = m.exp_avg_sq.g_mul_scalar_(c.beta2);
+            let _ = m.exp_avg_sq.addcmul_(&(g * (1.0 - c.beta2)), g);
+            let denom = m.exp_avg_sq.sqrt() / bias2.sqrt() + c.eps;
+            let _ = p.addcdiv_(&(&m.exp_avg * (-lr / bias1)), &denom);
         }
         Ok(())
     }
 
-    /// Named copies of the state (`step`, `exp_avg.i`, `exp_avg_sq.i`).
+    /// Named copies of the state: `step`, `exp_avg/NAME`, `exp_avg_sq/NAME`.
     pub fn state(&self) -> Vec<(String, Tensor)> {
         let mut out = vec![("step".to_string(), Tensor::from(self.step))];
-        for (i, (m, v)) in self.exp_avg.iter().zip(&self.exp_avg_sq).enumerate() {
-            out.push((format!("exp_avg.{i}"), m.copy()));
-            out.push((format!("exp_avg_sq.{i}"), v.copy()));
+        for (name, m) in &self.moments {
+            out.push((format!("exp_avg/{name}"), m.exp_avg.copy()));
+            out.push((format!("exp_avg_sq/{name}"), m.exp_avg_sq.copy()));
         }
         out
     }
 
-    /// Restore what [`AdamW::state`] returned.
+    /// Restore what [`AdamW::state`] returned; entries with other prefixes are an error.
     pub fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
         let mut step = None;
-        let (mut m, mut v) = (Vec::new(), Vec::new());
+        let mut avg = BTreeMap::new();
+        let mut sq = BTreeMap::new();
         for (name, t) in state {
-            let slot = |prefix: &str| name.strip_prefix(prefix).and_then(|i| i.parse::<usize>().ok());
             if name == "step" {
                 step = Some(t.int64_value(&[]));
-            } else if let Some(i) = slot("exp_avg.") {
-                m.push((i, t.copy()));
-            } else if let Some(i) = slot("exp_avg_sq.") {
-                v.push((i, t.copy()));
+            } else if let Some(p) = name.strip_prefix("exp_avg/") {
+                avg.insert(p.to_string(), t.copy());
+            } else if let Some(p) = name.strip_prefix("exp_avg_sq/") {
+                sq.insert(p.to_string(), t.copy());
             } else {
                 bail!("unknown AdamW state entry {name:?}");
             }
         }
         let Some(step) = step else { bail!("AdamW state has no `step` entry") };
-        m.sort_by_key(|(i, _)| *i);
-        v.sort_by_key(|(i, _)| *i);
-        if m.len() != v.len() || m.iter().enumerate().any(|(k, (i, _))| k != *i) {
-            bail!("AdamW state has mismatched or missing moment entries");
+        if avg.keys().ne(sq.keys()) {
+            bail!("AdamW state has first and second moments for different parameters");
         }
         self.step = step;
-        self.exp_avg = m.into_iter().map(|(_, t)| t).collect();
-        self.exp_avg_sq = v.into_iter().map(|(_, t)| t).collect();
+        self.moments = avg.into_iter().zip(sq.into_values()).map(|((n, exp_avg), exp_avg_sq)| (n, Moments { exp_avg, exp_avg_sq })).collect();
         Ok(())
+    }
+}
+
+/// Scale `grads` in place so their global L2 norm is at most `max_norm`, as
+/// `torch.nn.utils.clip_grad_norm_` does (factor `max_norm / (norm + 1e-6)` when below 1).
+/// Returns the norm before clipping.
+pub fn clip_grad_norm(grads: &mut BTreeMap<String, Tensor>, max_norm: f64) -> f64 {
+    let _guard = tch::no_grad_guard();
+    let sq: Vec<Tensor> = grads.values().filter(|g| g.defined()).map(|g| g.to_kind(Kind::Float).square().sum(Kind::Float)).collect();
+    if sq.is_empty() {
+        return 0.0;
+    }
+    let norm = Tensor::stack(&sq, 0).sum(Kind::Float).sqrt().double_value(&[]);
+    let coef = max_norm / (norm + 1e-6);
+    if coef < 1.0 {
+        for g in grads.values_mut().filter(|g| g.defined()) {
+            let _ = g.g_mul_scalar_(coef);
+        }
+    }
+    norm
+}
+
+/// Per-task gradients folded into one sum by name, as they arrive (plain multitask training).
+#[derive(Default)]
+pub struct GradSum {
+    sum: BTreeMap<String, Tensor>,
+}
+
+impl GradSum {
+    /// Add one task's gradients (copied: the caller reuses its storage).
+    pub fn add(&mut self, grads: Vec<(String, Tensor)>) {
+        let _guard = tch::no_grad_guard();
+        for (name, g) in grads.into_iter().filter(|(_, g)| g.defined()) {
+            match self.sum.get_mut(&name) {
+                Some(s) => {
+                    let _ = s.g_add_(&g);
+                }
+                None => {
+                    self.sum.insert(name, g.copy());
+                }
+            }
+        }
+    }
+
+    /// The sum so far, leaving this empty.
+    pub fn take(&mut self) -> BTreeMap<String, Tensor> {
+        std::mem::take(&mut self.sum)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clipping_matches_torch() {
+        let mut g: BTreeMap<String, Tensor> =
+            [("a".to_string(), Tensor::from_slice(&[3.0f32, 0.0])), ("b".to_string(), Tensor::from_slice(&[4.0f32]))].into();
+        let norm = clip_grad_norm(&mut g, 1.0);
+        assert!((norm - 5.0).abs() < 1e-6);
+        let coef = 1.0 / (5.0 + 1e-6);
+        assert!((g["a"].double_value(&[0]) - 3.0 * coef).abs() < 1e-6);
+        let mut small: BTreeMap<String, Tensor> = [("a".to_string(), Tensor::from_slice(&[0.3f32]))].into();
+        clip_grad_norm(&mut small, 1.0);
+        assert!((small["a"].double_value(&[0]) - 0.3).abs() < 1e-7, "under the limit: unchanged");
+    }
+
+    #[test]
+    fn state_round_trips_by_name() {
+        let p = vec![("w".to_string(), Tensor::from_slice(&[1.0f32, 2.0]))];
+        let g: BTreeMap<String, Tensor> = [("w".to_string(), Tensor::from_slice(&[0.5f32, -0.5]))].into();
+        let ctx = StepContext { lr: 0.1, ..Default::default() };
+        let mut a = AdamW::new(AdamWConfig::default());
+        a.step(&p, &g, &ctx).unwrap();
+        let mut b = AdamW::new(AdamWConfig::default());
+        b.load_state(a.state()).unwrap();
+        let (pa, pb) = (vec![("w".to_string(), p[0].1.copy())], vec![("w".to_string(), p[0].1.copy())]);
+        a.step(&pa, &g, &ctx).unwrap();
+        b.step(&pb, &g, &ctx).unwrap();
+        assert!(pa[0].1.equal(&pb[0].1));
+        assert!(b.load_state(vec![("bogus".into(), Tensor::from(1))]).is_err());
     }
 }

@@ -6,7 +6,7 @@ use abi_stable::std_types::{ROption, RResult, RString, RVec};
 use anyhow::{anyhow, Result};
 use rak_core::abi::modules::*;
 use rak_core::abi::{Handle, NamedTensor, Role, TensorPtr};
-use rak_core::plugin::{Connector, Encoder, Optimizer, Reader};
+use rak_core::plugin::{Connector, Encoder, Optimizer, Reader, StepContext};
 use serde_json::Value;
 use std::path::Path;
 use tch::Tensor;
@@ -114,15 +114,25 @@ impl Encoder for EncoderProxy {
     }
 }
 
+fn lend_named(list: &[(String, Tensor)]) -> Vec<NamedTensor> {
+    list.iter().map(|(n, t)| NamedTensor { name: n.as_str().into(), tensor: TensorPtr::lend(t) }).collect()
+}
+
 impl Optimizer for OptimizerProxy {
-    fn step(&mut self, params: &[Tensor], grads: &[Vec<Tensor>], lr: f64) -> Result<()> {
-        let p: Vec<TensorPtr> = params.iter().map(TensorPtr::lend).collect();
-        for (t, g) in grads.iter().enumerate() {
-            anyhow::ensure!(g.len() == params.len(), "task {t} has {} gradients for {} parameters", g.len(), params.len());
-        }
-        let g: Vec<TensorPtr> = grads.iter().flatten().map(TensorPtr::lend).collect();
-        let r = (self.module.step())(self.handle, p.as_slice().into(), g.as_slice().into(), grads.len() as u32, lr);
-        self.origin.check("step", r)
+    fn begin_step(&mut self, params: Vec<(String, Tensor)>, ctx: StepContext) -> Result<()> {
+        let lent = lend_named(&params);
+        let ctx = serde_json::to_string(&ctx)?;
+        self.origin.check("begin_step", (self.module.begin_step())(self.handle, lent.as_slice().into(), ctx.as_str().into()))
+    }
+
+    fn task_gradients(&mut self, task: &str, loss: f64, grads: Vec<(String, Tensor)>) -> Result<()> {
+        let lent = lend_named(&grads);
+        let r = (self.module.task_gradients())(self.handle, task.into(), loss, lent.as_slice().into());
+        self.origin.check("task_gradients", r)
+    }
+
+    fn finish_step(&mut self) -> Result<Value> {
+        self.origin.json("finish_step", (self.module.finish_step())(self.handle))
     }
 
     fn state(&self) -> Result<Vec<(String, Tensor)>> {
@@ -130,8 +140,7 @@ impl Optimizer for OptimizerProxy {
     }
 
     fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
-        let lent: Vec<NamedTensor> =
-            state.iter().map(|(n, t)| NamedTensor { name: n.as_str().into(), tensor: TensorPtr::lend(t) }).collect();
+        let lent = lend_named(&state);
         self.origin.check("load_state", (self.module.load_state())(self.handle, lent.as_slice().into()))
     }
 }

@@ -46,8 +46,13 @@ pub struct EncoderMod {
         extern "C" fn(h: Handle, texts: RSlice<'_, RStr<'_>>, role: Role, task: ROption<RStr<'_>>) -> Res<ROption<RVec<u32>>>,
 }
 
-/// Optimizers. `grads` is task-major: `grads[t * params.len() + i]` is task `t`'s gradient of
-/// `params[i]` (an undefined tensor when the task gave none). Everything is lent for the call.
+/// Optimizers, step by step in a streaming form: `begin_step` names the parameters and
+/// carries the step's JSON context (step, total steps, learning rate, task names, clipping,
+/// per-parameter learning-rate factors and weight-decay exclusions); `task_gradients` hands
+/// over one task's loss and gradients as the task finishes, so an optimizer can fold each in
+/// and never hold every task's gradient at once; `finish_step` combines and updates the
+/// parameters in place, returning JSON statistics. All tensors are lent for the call: copy
+/// what you keep. State is keyed by name.
 #[repr(C)]
 #[derive(StableAbi)]
 #[sabi(kind(Prefix(prefix_ref = OptimizerModRef)))]
@@ -55,13 +60,11 @@ pub struct EncoderMod {
 pub struct OptimizerMod {
     pub settings_schema: extern "C" fn() -> RString,
     pub create: extern "C" fn(settings: RStr<'_>) -> Res<Handle>,
-    pub step: extern "C" fn(
-        h: Handle,
-        params: RSlice<'_, TensorPtr>,
-        grads: RSlice<'_, TensorPtr>,
-        num_tasks: u32,
-        lr: f64,
-    ) -> Res<()>,
+    pub begin_step: extern "C" fn(h: Handle, params: RSlice<'_, NamedTensor>, context: RStr<'_>) -> Res<()>,
+    /// Gradients by parameter name; a parameter the task did not reach may be missing or
+    /// undefined.
+    pub task_gradients: extern "C" fn(h: Handle, task: RStr<'_>, loss: f64, grads: RSlice<'_, NamedTensor>) -> Res<()>,
+    pub finish_step: extern "C" fn(h: Handle) -> Res<RString>,
     /// Owned copies of the optimizer state, for checkpoints.
     pub state: extern "C" fn(h: Handle) -> Res<RVec<NamedTensor>>,
     /// Lent tensors; the plugin copies what it keeps.

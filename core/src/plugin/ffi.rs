@@ -100,11 +100,6 @@ fn owned_named(list: Vec<(String, Tensor)>) -> RVec<NamedTensor> {
     list.into_iter().map(|(name, t)| NamedTensor { name: name.into(), tensor: TensorPtr::give(t) }).collect()
 }
 
-/// Turn lent handles into owned handles on the same `torch::Tensor` storage.
-fn lent(ptrs: &[TensorPtr]) -> Vec<Tensor> {
-    ptrs.iter().map(|p| unsafe { p.borrow() }.shallow_clone()).collect()
-}
-
 // ---------------------------------------------------------------- encoder
 
 extern "C" fn encoder_encode<T: Encoder + PluginInfo>(
@@ -166,26 +161,28 @@ pub fn encoder_module<T: Encoder + PluginInfo>() -> EncoderModRef {
 
 // ---------------------------------------------------------------- optimizer
 
-extern "C" fn optimizer_step<T: Optimizer + PluginInfo>(
-    h: Handle,
-    params: RSlice<'_, TensorPtr>,
-    grads: RSlice<'_, TensorPtr>,
-    num_tasks: u32,
-    lr: f64,
-) -> Res<()> {
-    with_mut(h, "step", |opt: &mut T| {
-        let n = params.len();
-        anyhow::ensure!(
-            num_tasks as usize * n == grads.len(),
-            "optimizer step: {} gradients for {} parameters and {} tasks",
-            grads.len(),
-            n,
-            num_tasks
-        );
-        let params = lent(&params);
-        let grads: Vec<Vec<Tensor>> = grads.chunks(n.max(1)).map(lent).collect();
-        opt.step(&params, &grads, lr)
+fn lent_named(list: &[NamedTensor]) -> Vec<(String, Tensor)> {
+    list.iter().map(|nt| (nt.name.to_string(), unsafe { nt.tensor.borrow() }.shallow_clone())).collect()
+}
+
+extern "C" fn optimizer_begin_step<T: Optimizer + PluginInfo>(h: Handle, params: RSlice<'_, NamedTensor>, context: RStr<'_>) -> Res<()> {
+    with_mut(h, "begin_step", |opt: &mut T| {
+        let ctx = serde_json::from_str(&context).context("optimizer step context")?;
+        opt.begin_step(lent_named(&params), ctx)
     })
+}
+
+extern "C" fn optimizer_task_gradients<T: Optimizer + PluginInfo>(
+    h: Handle,
+    task: RStr<'_>,
+    loss: f64,
+    grads: RSlice<'_, NamedTensor>,
+) -> Res<()> {
+    with_mut(h, "task_gradients", |opt: &mut T| opt.task_gradients(&task, loss, lent_named(&grads)))
+}
+
+extern "C" fn optimizer_finish_step<T: Optimizer + PluginInfo>(h: Handle) -> Res<RString> {
+    with_mut(h, "finish_step", |opt: &mut T| Ok(opt.finish_step()?.to_string().into()))
 }
 
 extern "C" fn optimizer_state<T: Optimizer + PluginInfo>(h: Handle) -> Res<RVec<NamedTensor>> {
@@ -193,10 +190,7 @@ extern "C" fn optimizer_state<T: Optimizer + PluginInfo>(h: Handle) -> Res<RVec<
 }
 
 extern "C" fn optimizer_load_state<T: Optimizer + PluginInfo>(h: Handle, state: RSlice<'_, NamedTensor>) -> Res<()> {
-    with_mut(h, "load_state", |opt: &mut T| {
-        let state = state.iter().map(|nt| (nt.name.to_string(), unsafe { nt.tensor.borrow() }.shallow_clone())).collect();
-        opt.load_state(state)
-    })
+    with_mut(h, "load_state", |opt: &mut T| opt.load_state(lent_named(&state)))
 }
 
 /// The root module of an optimizer plugin.
@@ -205,7 +199,9 @@ pub fn optimizer_module<T: Optimizer + PluginInfo>() -> OptimizerModRef {
         leak(OptimizerMod {
             settings_schema: settings_schema::<T>,
             create: create::<T>,
-            step: optimizer_step::<T>,
+            begin_step: optimizer_begin_step::<T>,
+            task_gradients: optimizer_task_gradients::<T>,
+            finish_step: optimizer_finish_step::<T>,
             state: optimizer_state::<T>,
             load_state: optimizer_load_state::<T>,
             destroy: destroy::<T>,

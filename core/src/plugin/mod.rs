@@ -14,7 +14,9 @@ pub use host::{Host, HostConnector, HostEncoder, HostIndex, HostProgress, HostRe
 
 use crate::abi::Role;
 use anyhow::Result;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use tch::Tensor;
 
@@ -83,15 +85,59 @@ macro_rules! delegate_encoder {
     };
 }
 
-/// Updates parameters from per-task gradients.
+/// What an optimizer is told at the start of a step (it crosses the ABI as JSON).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StepContext {
+    /// Steps already taken (0 for the first).
+    pub step: u64,
+    /// Steps the run will take in all.
+    pub total_steps: u64,
+    /// Warm-up steps of the learning-rate schedule (T-SAGE's burn-in uses the same span).
+    pub warmup_steps: u64,
+    /// This step's learning rate, schedule applied.
+    pub lr: f64,
+    /// The run's task names, in the order their gradients come.
+    pub tasks: Vec<String>,
+    /// Clip the combined gradient to this global L2 norm.
+    pub max_grad_norm: Option<f64>,
+    /// Per-parameter learning-rate factors (TASER's layer-wise decay); absent means 1.
+    pub lr_scale: BTreeMap<String, f64>,
+    /// Parameters exempt from weight decay (biases and LayerNorm weights, by convention).
+    pub no_weight_decay: BTreeSet<String>,
+}
+
+/// Updates parameters from per-task gradients, one step at a time (see
+/// [`OptimizerMod`](crate::abi::modules::OptimizerMod)): `begin_step`, then
+/// `task_gradients` once per task, then `finish_step`.
 pub trait Optimizer: Send {
-    /// `grads[t][i]` is task `t`'s gradient for `params[i]` (undefined when the task has none).
-    /// Single-task optimizers sum over tasks.
-    fn step(&mut self, params: &[Tensor], grads: &[Vec<Tensor>], lr: f64) -> Result<()>;
-    /// Named copies of the state, for checkpoints.
+    /// The parameters to update (shallow clones sharing storage with the model's) and the
+    /// step's context.
+    fn begin_step(&mut self, params: Vec<(String, Tensor)>, ctx: StepContext) -> Result<()>;
+    /// One task's loss and gradients. The tensors are lent: copy or fold in what you keep,
+    /// the caller reuses their storage after the call.
+    fn task_gradients(&mut self, task: &str, loss: f64, grads: Vec<(String, Tensor)>) -> Result<()>;
+    /// Combine, clip, update the parameters in place; statistics for the log.
+    fn finish_step(&mut self) -> Result<Value>;
+    /// Named copies of the state, for checkpoints (keyed by parameter name).
     fn state(&self) -> Result<Vec<(String, Tensor)>>;
     /// Restore what [`Optimizer::state`] returned.
     fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()>;
+}
+
+/// One whole step: the common case outside the trainer (tests, simple loops). `task_grads`
+/// holds `(task, loss, gradients by name)`.
+pub fn optimizer_step(
+    opt: &mut dyn Optimizer,
+    params: &[(String, Tensor)],
+    task_grads: Vec<(String, f64, Vec<(String, Tensor)>)>,
+    ctx: StepContext,
+) -> Result<Value> {
+    opt.begin_step(params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), ctx)?;
+    for (task, loss, grads) in task_grads {
+        opt.task_gradients(&task, loss, grads)?;
+    }
+    opt.finish_step()
 }
 
 /// A local LM that reads passages (FiD). JSON requests so the protocol can grow.
@@ -114,18 +160,4 @@ pub trait Command: Sized + 'static {
     const ABOUT: &'static str;
     fn settings_schema() -> Value;
     fn run(args: &[String], host: &Host) -> Result<i32>;
-}
-
-/// Sum per-task gradients into one tensor per parameter (`None` where no task has one).
-pub fn sum_task_grads(grads: &[Vec<Tensor>], n_params: usize) -> Vec<Option<Tensor>> {
-    (0..n_params)
-        .map(|i| {
-            grads.iter().map(|g| &g[i]).filter(|g| g.defined()).fold(None, |acc: Option<Tensor>, g| {
-                Some(match acc {
-                    None => g.shallow_clone(),
-                    Some(a) => a + g,
-                })
-            })
-        })
-        .collect()
 }
