@@ -8,6 +8,9 @@ scripts/install.sh
 if [[ ! -f .cache/fixtures/minilm/expected.safetensors ]]; then
     python scripts/fixtures/minilm_reference.py --model .cache/models/all-MiniLM-L6-v2 --out .cache/fixtures/minilm
 fi
+if [[ ! -f .cache/fixtures/st62/expected.safetensors ]]; then
+    python scripts/fixtures/st62_reference.py --model .cache/models/all-MiniLM-L6-v2 --out .cache/fixtures/st62
+fi
 cargo build --release --workspace
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT

@@ -161,14 +161,29 @@ fn taco_gradients_flow_through_the_abi() {
     assert!(a.equal(&b) && !a.requires_grad());
 }
 
-/// save -> reload through the plugin gives identical embeddings and keeps the settings.
+/// Move every parameter the plugin hands out by seeded noise, in place through the ABI (as an
+/// optimizer step would), so that the model differs from the checkpoint it was loaded from.
+fn perturb(enc: &dyn Encoder) {
+    tch::manual_seed(7);
+    let _guard = tch::no_grad_guard();
+    for (_, mut t) in enc.parameters().unwrap() {
+        let noise = t.randn_like() * 0.05;
+        let _ = t.g_add_(&noise);
+    }
+}
+
+/// save -> reload through the plugin gives the changed model's embeddings (not the source
+/// checkpoint's: the weights are changed before saving) and keeps the settings.
 #[test]
 fn taco_save_and_reload() {
     let reg = registry();
     for variant in VARIANTS {
         let dir = fixture(variant);
         let texts = strings(&meta(&dir)["texts"]);
-        let mut enc = taco(&reg, json!({"model": dir, "max_length": 20, "query_max_length": 12}));
+        let settings = json!({"model": dir, "max_length": 20, "query_max_length": 12});
+        let mut original = taco(&reg, settings.clone());
+        let mut enc = taco(&reg, settings);
+        perturb(enc.as_ref());
         let out = TempDir::new(&format!("taco-save-{variant}"));
         enc.save(out.path()).unwrap();
         for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "rak_encoder.json"] {
@@ -178,11 +193,35 @@ fn taco_save_and_reload() {
         assert_eq!(again.info().unwrap()["max_length"], 20, "saved settings are read back");
         assert_eq!(again.info().unwrap()["query_max_length"], 12);
         for (role, task) in [(Role::Passage, None), (Role::Query, Some("nq")), (Role::Query, None)] {
-            let a = encode(&mut enc, &texts, role, task);
-            let b = encode(&mut again, &texts, role, task);
-            assert!(a.equal(&b), "{variant} {role:?} {task:?}: embeddings differ after save/load");
+            let changed = encode(&mut enc, &texts, role, task);
+            let reloaded = encode(&mut again, &texts, role, task);
+            assert!(changed.equal(&reloaded), "{variant} {role:?} {task:?}: embeddings differ after save/load");
+            let d = max_abs(&reloaded, &encode(&mut original, &texts, role, task));
+            assert!(d > 1e-3, "{variant} {role:?} {task:?}: the reloaded model equals the source checkpoint (diff {d})");
         }
         assert_eq!(enc.info().unwrap()["parameters"], again.info().unwrap()["parameters"]);
+    }
+}
+
+/// A passage's embedding does not depend on its batchmates: titled passages ("Title: ...
+/// Text: ...") and untitled ones (their text alone) mixed in one batch, in any order, equal
+/// each passage encoded alone.
+#[test]
+fn taco_passage_embedding_does_not_depend_on_batchmates() {
+    let reg = registry();
+    let dir = fixture("t5-v1_1");
+    let texts = strings(&meta(&dir)["texts"]);
+    let mut passages: Vec<String> = texts.iter().map(|t| rak_core::encoders::passage_string("Warsaw", t)).collect();
+    passages.extend(texts.iter().cloned());
+    let mut enc = taco(&reg, json!({"model": dir, "max_length": 64}));
+    let alone: Vec<Tensor> = passages.iter().map(|p| encode(&mut enc, std::slice::from_ref(p), Role::Passage, None)).collect();
+    let together = encode(&mut enc, &passages, Role::Passage, None);
+    let reversed: Vec<String> = passages.iter().rev().cloned().collect();
+    let backwards = encode(&mut enc, &reversed, Role::Passage, None);
+    let n = passages.len();
+    for (i, a) in alone.iter().enumerate() {
+        let d = max_abs(&together.get(i as i64), &a.get(0)).max(max_abs(&backwards.get((n - 1 - i) as i64), &a.get(0)));
+        assert!(d < 1e-5, "passage {i} ({:?}): batched vs alone max abs diff {d}", passages[i]);
     }
 }
 

@@ -137,3 +137,33 @@ fn bad_checkpoints_name_the_file_and_tensor() {
     assert!(msg.contains("tokenizer.json") && msg.contains("missing tokenizer"), "{msg}");
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// A passage is tokenised by its own form whatever its batchmates: titled ones as the pair
+/// `[CLS] title [SEP] text [SEP]`, untitled ones as `[CLS] text [SEP]` (no empty title), each
+/// row equal to the passage tokenised alone plus padding.
+#[test]
+fn passages_in_a_mixed_batch_are_tokenised_as_alone() {
+    use rak_core::encoders::{bert::BertEncoder, passage_string};
+    let enc = BertEncoder::create(serde_json::json!({"model": model_dir()}), Default::default()).unwrap();
+    let texts = texts();
+    let passages: Vec<String> =
+        texts.iter().enumerate().map(|(i, t)| if i % 3 == 0 { passage_string("Super Bowl 50", t) } else { t.clone() }).collect();
+    let refs: Vec<&str> = passages.iter().map(String::as_str).collect();
+    let batch = enc.tokenize(&refs, Role::Passage, None).unwrap();
+    let tok = TextTokenizer::load(&model_dir()).unwrap();
+    let sep = tok.token_to_id("[SEP]").unwrap() as i64;
+    for (i, p) in refs.iter().enumerate() {
+        let alone = enc.tokenize(&[p], Role::Passage, None).unwrap();
+        let n = alone.input_ids.size()[1];
+        for (field, got, want) in [
+            ("input_ids", &batch.input_ids, &alone.input_ids),
+            ("attention_mask", &batch.attention_mask, &alone.attention_mask),
+            ("token_type_ids", &batch.token_type_ids, &alone.token_type_ids),
+        ] {
+            assert!(got.get(i as i64).narrow(0, 0, n).equal(&want.get(0)), "passage {i} {field}: batch row differs from alone");
+        }
+        let ids: Vec<i64> = alone.input_ids.get(0).try_into().unwrap();
+        let seps = ids.iter().filter(|&&t| t == sep).count();
+        assert_eq!(seps, if i % 3 == 0 { 2 } else { 1 }, "passage {i}: {ids:?}");
+    }
+}

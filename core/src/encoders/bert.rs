@@ -6,7 +6,7 @@ use super::{check_device, parse_device, TITLE_SEPARATOR};
 use crate::abi::Role;
 use crate::models::bert::{BertConfig, BertInput, BertModel};
 use crate::models::pooling::{pool, sentence_transformers_settings, Pooling};
-use crate::models::tokenizer::{save_tokenizer, Encoded, Padding, TextTokenizer};
+use crate::models::tokenizer::{save_tokenizer, Encoded, Padding, TextInput, TextTokenizer};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -142,22 +142,17 @@ impl BertEncoder {
         }
     }
 
-    /// Tokenise as the role and task ask: passages as `(title, text)` pairs, queries with the
-    /// MT-DPR tweaks.
+    /// Tokenise as the role and task ask: titled passages as `(title, text)` pairs, untitled
+    /// ones as their text alone, queries with the MT-DPR tweaks.
     pub fn tokenize(&self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Encoded> {
         let tok = &self.tower(role).tokenizer;
         match role {
             Role::Passage => {
-                let split: Vec<(&str, &str)> =
-                    texts.iter().map(|t| t.split_once(TITLE_SEPARATOR).unwrap_or(("", t))).collect();
-                if split.iter().all(|(title, _)| title.is_empty()) {
-                    let bodies: Vec<&str> = split.iter().map(|(_, b)| *b).collect();
-                    tok.encode(&bodies, None, self.max_length, Padding::Longest)
-                } else {
-                    let titles: Vec<&str> = split.iter().map(|(t, _)| *t).collect();
-                    let bodies: Vec<&str> = split.iter().map(|(_, b)| *b).collect();
-                    tok.encode(&titles, Some(&bodies), self.max_length, Padding::Longest)
-                }
+                // Each passage by its own form: an untitled one must not become `[CLS] [SEP]
+                // text [SEP]` because a batchmate has a title (its embedding would depend on
+                // how `host encode` happened to batch it).
+                let inputs: Vec<TextInput> = texts.iter().copied().map(passage_input).collect();
+                tok.encode_inputs(&inputs, self.max_length, Padding::Longest)
             }
             Role::Query => {
                 let qa = task.is_some_and(|t| {
@@ -222,6 +217,15 @@ impl BertEncoder {
             }
         }
         out
+    }
+}
+
+/// A passage string as the tokenizer takes it: `(title, text)` when it carries a title.
+fn passage_input(passage: &str) -> TextInput<'_> {
+    match passage.split_once(TITLE_SEPARATOR) {
+        Some((title, text)) if !title.is_empty() => TextInput::Pair(title, text),
+        Some((_, text)) => TextInput::Single(text),
+        None => TextInput::Single(passage),
     }
 }
 
@@ -307,17 +311,50 @@ impl crate::plugin::Encoder for BertEncoder {
     }
 }
 
-/// Keep a sentence-transformers checkpoint one after saving (pooling and normalisation files).
+/// Keep a sentence-transformers checkpoint one after saving: its settings files at the top
+/// (6.x keeps max_seq_length in `tokenizer_config.json`) and every file of the module folders
+/// `modules.json` lists (`1_Pooling/`, `2_Normalize/`, a `2_Dense/` with its weights...).
 fn copy_sentence_transformers_files(from: &Path, to: &Path) -> Result<()> {
     if from == to {
         return Ok(());
     }
-    for name in ["modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "1_Pooling/config.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"] {
-        let src = from.join(name);
+    let top = ["modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"];
+    let mut names: Vec<PathBuf> = top.iter().map(PathBuf::from).collect();
+    names.extend(module_files(from)?);
+    for name in names {
+        let src = from.join(&name);
         if src.exists() {
             let bytes = std::fs::read(&src).with_context(|| format!("{}: cannot read", src.display()))?;
-            crate::fsutil::write_bytes(&to.join(name), &bytes)?;
+            crate::fsutil::write_bytes(&to.join(&name), &bytes)?;
         }
     }
     Ok(())
+}
+
+/// The files (relative paths) in the module folders `dir/modules.json` lists. The Transformer's
+/// folder is the checkpoint itself (path ""), saved on its own; a path leaving the checkpoint
+/// is skipped, so a crafted `modules.json` cannot make a save write elsewhere.
+fn module_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let path = dir.join("modules.json");
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let text = std::fs::read_to_string(&path).with_context(|| format!("{}: cannot read", path.display()))?;
+    let modules: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+    let mut out = Vec::new();
+    for sub in modules.as_array().into_iter().flatten().filter_map(|m| m["path"].as_str()) {
+        let sub = Path::new(sub);
+        let inside = sub.components().all(|c| matches!(c, std::path::Component::Normal(_)));
+        if sub.as_os_str().is_empty() || !inside || !dir.join(sub).is_dir() {
+            continue;
+        }
+        let entries = std::fs::read_dir(dir.join(sub)).with_context(|| format!("{}: cannot list", dir.join(sub).display()))?;
+        for entry in entries {
+            let entry = entry?;
+            if entry.file_type()?.is_file() {
+                out.push(sub.join(entry.file_name()));
+            }
+        }
+    }
+    Ok(out)
 }

@@ -21,6 +21,14 @@ pub enum Padding {
     None,
 }
 
+/// One row of a batch to tokenise: a text, or a `(first, second)` pair (BERT's
+/// `[CLS] first [SEP] second [SEP]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TextInput<'a> {
+    Single(&'a str),
+    Pair(&'a str, &'a str),
+}
+
 /// A batch of token ids, CPU tensors `[batch, length]` (int64).
 pub struct Encoded {
     pub input_ids: Tensor,
@@ -81,6 +89,45 @@ impl TextTokenizer {
     /// Tokenise texts (or `(first, second)` pairs when `pairs` is given), truncating each to
     /// `max_length` tokens including special tokens, padded as asked.
     pub fn encode(&self, texts: &[&str], pairs: Option<&[&str]>, max_length: usize, padding: Padding) -> Result<Encoded> {
+        let inputs: Vec<TextInput> = match pairs {
+            Some(second) => texts.iter().zip(second).map(|(a, b)| TextInput::Pair(a, b)).collect(),
+            None => texts.iter().map(|t| TextInput::Single(t)).collect(),
+        };
+        self.encode_inputs(&inputs, max_length, padding)
+    }
+
+    /// Tokenise a batch that may mix single texts and pairs, each row exactly as it would be
+    /// tokenised alone (only padding depends on the batch), truncating each to `max_length`
+    /// tokens including special tokens.
+    pub fn encode_inputs(&self, inputs: &[TextInput], max_length: usize, padding: Padding) -> Result<Encoded> {
+        let tok = self.configured(max_length, padding)?;
+        let inputs: Vec<EncodeInput> = inputs
+            .iter()
+            .map(|i| match *i {
+                TextInput::Single(t) => EncodeInput::Single(t.into()),
+                TextInput::Pair(a, b) => EncodeInput::Dual(a.into(), b.into()),
+            })
+            .collect();
+        let encodings = tok.encode_batch(inputs, true).map_err(|e| anyhow!("{}: {e}", self.path.display()))?;
+        let rows = encodings.len() as i64;
+        let len = encodings.iter().map(|e| e.len()).max().unwrap_or(0);
+        anyhow::ensure!(
+            padding != Padding::None || rows <= 1 || encodings.iter().all(|e| e.len() == len),
+            "unpadded encoding of several texts of different lengths"
+        );
+        let flat = |f: &dyn Fn(&tokenizers::Encoding) -> &[u32]| -> Tensor {
+            let v: Vec<i64> = encodings.iter().flat_map(|e| f(e).iter().map(|&x| x as i64)).collect();
+            Tensor::from_slice(&v).view([rows, len as i64])
+        };
+        Ok(Encoded {
+            input_ids: flat(&|e| e.get_ids()),
+            attention_mask: flat(&|e| e.get_attention_mask()),
+            token_type_ids: flat(&|e| e.get_type_ids()),
+        })
+    }
+
+    /// A copy of the tokenizer with this call's truncation and padding.
+    fn configured(&self, max_length: usize, padding: Padding) -> Result<Tokenizer> {
         let mut tok = self.inner.clone();
         tok.with_truncation(Some(TruncationParams {
             direction: TruncationDirection::Right,
@@ -102,26 +149,7 @@ impl TextTokenizer {
             pad_type_id: 0,
             pad_token: self.pad_token.clone(),
         }));
-        let inputs: Vec<EncodeInput> = match pairs {
-            Some(second) => texts.iter().zip(second).map(|(a, b)| EncodeInput::Dual((*a).into(), (*b).into())).collect(),
-            None => texts.iter().map(|t| EncodeInput::Single((*t).into())).collect(),
-        };
-        let encodings = tok.encode_batch(inputs, true).map_err(|e| anyhow!("{}: {e}", self.path.display()))?;
-        let rows = encodings.len() as i64;
-        let len = encodings.iter().map(|e| e.len()).max().unwrap_or(0);
-        anyhow::ensure!(
-            padding != Padding::None || rows <= 1 || encodings.iter().all(|e| e.len() == len),
-            "unpadded encoding of several texts of different lengths"
-        );
-        let flat = |f: &dyn Fn(&tokenizers::Encoding) -> &[u32]| -> Tensor {
-            let v: Vec<i64> = encodings.iter().flat_map(|e| f(e).iter().map(|&x| x as i64)).collect();
-            Tensor::from_slice(&v).view([rows, len as i64])
-        };
-        Ok(Encoded {
-            input_ids: flat(&|e| e.get_ids()),
-            attention_mask: flat(&|e| e.get_attention_mask()),
-            token_type_ids: flat(&|e| e.get_type_ids()),
-        })
+        Ok(tok)
     }
 
     /// Token ids of one text without special tokens or truncation.
