@@ -33,6 +33,8 @@ enum Cmd {
     Index(commands::index::IndexCmd),
     /// Retrieve the top-k passages for each query into a TREC run.
     Search(commands::search::SearchArgs),
+    /// Train a dense retriever on several tasks (TOML recipe; flags override it).
+    Train(commands::train::TrainArgs),
     /// Evaluate TREC runs against qrels: R-precision (page, passage), recall, MRR, nDCG, answer accuracy.
     Eval(commands::eval::EvalArgs),
     /// A subcommand provided by a command plugin.
@@ -81,6 +83,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Search(args) => {
             commands::search::run(&Registry::discover(&sources)?, &args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Train(args) => {
+            let out = commands::train::run(&Registry::discover(&sources)?, &args)?;
+            println!("{}", serde_json::to_string_pretty(&out)?);
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Eval(args) => {

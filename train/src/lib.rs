@@ -5,7 +5,10 @@
 //! `rak-retrieval` (BM25 and dense indexes for hard negatives, ANCE episodes). It loads no
 //! plugins itself: the host hands it trait objects.
 
+pub mod data;
 pub mod loss;
+pub mod negatives;
 pub mod rng;
 pub mod sampler;
 pub mod schedule;
+pub mod trainer;

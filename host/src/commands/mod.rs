@@ -5,6 +5,7 @@ pub mod encode;
 pub mod eval;
 pub mod index;
 pub mod search;
+pub mod train;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use rak_retrieval::pipeline::Progress;
@@ -32,6 +33,11 @@ impl Progress for Bar {
             bar.finish_and_clear();
         }
     }
+    fn message(&self, text: &str) {
+        if let Some(bar) = &*self.0.lock().unwrap_or_else(|e| e.into_inner()) {
+            bar.set_message(text.to_string());
+        }
+    }
     fn log(&self, line: &str) {
         match &*self.0.lock().unwrap_or_else(|e| e.into_inner()) {
             Some(bar) => bar.suspend(|| eprintln!("{line}")),
@@ -44,7 +50,7 @@ impl Progress for Bar {
 pub fn progress(len: u64, what: &str) -> ProgressBar {
     let bar = ProgressBar::new(len);
     bar.set_style(
-        ProgressStyle::with_template("{prefix} {bar:40} {pos}/{len} [{elapsed_precise}<{eta_precise}, {per_sec}]")
+        ProgressStyle::with_template("{prefix} {bar:40} {pos}/{len} [{elapsed_precise}<{eta_precise}, {per_sec}] {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar.set_prefix(what.to_string());

@@ -18,6 +18,8 @@ pub trait Progress: Sync {
     fn inc(&self, _n: u64) {}
     /// The phase is over.
     fn finish(&self) {}
+    /// A short status shown beside the bar (losses, learning rate).
+    fn message(&self, _text: &str) {}
     /// A line for the user ("resuming, 3 of 4 parts done").
     fn log(&self, line: &str) {
         eprintln!("{line}");

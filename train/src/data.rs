@@ -1,0 +1,128 @@
+//! Training data: per task, queries with their gold passages (from BEIR qrels) and hard
+//! negatives; and the texts of the passages they name.
+//!
+//! Problems a run cannot train through are errors naming the file: a task without examples,
+//! a passage text that is empty. Problems that only shrink the data are counted and reported:
+//! queries without gold passages are dropped, judgements naming passages the corpus lacks
+//! are ignored.
+
+use anyhow::{bail, Context, Result};
+use rak_core::encoders::passage_string;
+use rak_retrieval::data::beir;
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+/// One training query.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Example {
+    pub query_id: String,
+    pub query: String,
+    /// Gold passage ids (at least one).
+    pub positives: Vec<String>,
+    /// Hard-negative passage ids (may be empty: in-batch negatives only).
+    pub negatives: Vec<String>,
+}
+
+/// Where a task's training data is.
+#[derive(Debug, Clone)]
+pub struct TaskSource {
+    pub name: String,
+    pub queries: PathBuf,
+    pub qrels: PathBuf,
+}
+
+/// One task's examples.
+#[derive(Debug, Clone)]
+pub struct TaskData {
+    pub name: String,
+    pub examples: Vec<Example>,
+}
+
+/// What loading dropped, for the user.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct LoadReport {
+    pub queries_without_gold: usize,
+    pub judgements_naming_unknown_passages: usize,
+}
+
+/// Load a task's queries and their relevant passages (grade >= 1) that exist in `known`.
+pub fn load_task(src: &TaskSource, known: &dyn Fn(&str) -> bool, report: &mut LoadReport) -> Result<TaskData> {
+    let queries = beir::load_queries(&src.queries)?;
+    let qrels = beir::read_qrels(&src.qrels)?;
+    let mut examples = Vec::new();
+    for q in queries {
+        let mut positives = Vec::new();
+        for (pid, &grade) in qrels.get(&q.id).into_iter().flatten() {
+            if grade < 1 {
+                continue;
+            }
+            if known(pid) {
+                positives.push(pid.clone());
+            } else {
+                report.judgements_naming_unknown_passages += 1;
+            }
+        }
+        if positives.is_empty() {
+            report.queries_without_gold += 1;
+            continue;
+        }
+        examples.push(Example { query_id: q.id, query: q.text, positives, negatives: Vec::new() });
+    }
+    if examples.is_empty() {
+        bail!(
+            "task {:?} has no training examples: no query in {} has a relevant passage of the corpus in {}",
+            src.name,
+            src.queries.display(),
+            src.qrels.display()
+        );
+    }
+    Ok(TaskData { name: src.name.clone(), examples })
+}
+
+/// The ids of every passage in a corpus file (streamed).
+pub fn corpus_ids(corpus: &Path) -> Result<HashSet<String>> {
+    let mut ids = HashSet::new();
+    for p in beir::read_corpus(corpus)? {
+        ids.insert(p?.id);
+    }
+    Ok(ids)
+}
+
+/// The encoder strings (`title \u{1f} text`) of the passages in `wanted`, streamed from the
+/// corpus. An empty passage text is an error naming it: it would train on nothing.
+pub fn passage_texts(corpus: &Path, wanted: &HashSet<&str>) -> Result<HashMap<String, String>> {
+    let mut out = HashMap::with_capacity(wanted.len());
+    for p in beir::read_corpus(corpus)? {
+        let p = p?;
+        if wanted.contains(p.id.as_str()) {
+            if p.text.trim().is_empty() {
+                bail!("{}: passage {:?} has an empty text; remove it or give it one", corpus.display(), p.id);
+            }
+            out.insert(p.id.clone(), passage_string(&p.title, &p.text));
+        }
+    }
+    let missing: Vec<&&str> = wanted.iter().filter(|id| !out.contains_key(**id)).take(3).collect();
+    if !missing.is_empty() {
+        bail!("{}: passages {missing:?} are named by the training data but not in the corpus", corpus.display());
+    }
+    Ok(out)
+}
+
+/// The mini-KILT layout: `DIR/<task>/queries.train.jsonl` and `qrels.train.tsv`.
+pub fn task_sources(task_dir: &Path, tasks: &[String], split: &str) -> Result<Vec<TaskSource>> {
+    tasks
+        .iter()
+        .map(|t| {
+            let dir = task_dir.join(t);
+            let src = TaskSource {
+                name: t.clone(),
+                queries: dir.join(format!("queries.{split}.jsonl")),
+                qrels: dir.join(format!("qrels.{split}.tsv")),
+            };
+            for f in [&src.queries, &src.qrels] {
+                std::fs::metadata(f).with_context(|| format!("task {t:?}: {} is missing", f.display()))?;
+            }
+            Ok(src)
+        })
+        .collect()
+}

@@ -1,0 +1,398 @@
+//! The training loop: multitask steps of per-task contrastive losses, one optimizer step each,
+//! checkpoints an interrupted run resumes from exactly.
+//!
+//! A step: the sampler picks each task's examples; for each task in turn the encoder embeds
+//! the queries (with the task name, for prefixes or markers) and each query's group (its
+//! positive, then `h` hard negatives), [`nce_loss`] scores them, backward fills the gradients,
+//! and the optimizer receives that task's loss and gradients before they are zeroed for the
+//! next task. `finish_step` then combines and updates. Dropout draws from libtorch's global
+//! generator, reseeded from (seed, step) at each step, so a resumed run draws what the
+//! uninterrupted one would without saving generator state.
+
+use crate::data::TaskData;
+use crate::loss::{nce_loss, Exchange, Local};
+use crate::rng::Rng;
+use crate::sampler::{SubBatch, TacoSampler, TacoSamplerState, TaskPerBatchSampler, TaskPerBatchState};
+use crate::schedule::linear_warmup_decay;
+use anyhow::{bail, Context, Result};
+use rak_core::abi::Role;
+use rak_core::plugin::{Encoder, Optimizer, StepContext};
+use rak_retrieval::pipeline::Progress;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use tch::Tensor;
+
+/// How batches are composed.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum SamplerKind {
+    /// TACO: every step holds every task, sizes from `(N_t/ΣN)^(1/temperature)`.
+    Taco { temperature: f64 },
+    /// MT-DPR: one task per batch, batches of all tasks shuffled.
+    TaskPerBatch,
+}
+
+/// Everything the loop needs to know (after the command resolved flags over the config).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainerConfig {
+    pub learning_rate: f64,
+    /// Queries per step, over all tasks.
+    pub batch_size: usize,
+    /// Hard negatives per query (the group is 1 + this).
+    pub hard_negatives: usize,
+    pub sampler: SamplerKind,
+    pub max_steps: u64,
+    pub warmup_ratio: f64,
+    pub max_grad_norm: Option<f64>,
+    pub seed: u64,
+    pub logging_steps: u64,
+    pub save_steps: u64,
+    /// Pass task names to the encoder (query prefixes or markers).
+    pub task_prefix: bool,
+    /// Scale each parameter's learning rate by the encoder's `lr_scale` (TASER).
+    pub layerwise_lr_decay: bool,
+    /// Stop after this many steps skipped for a non-finite loss.
+    pub max_skipped_steps: u64,
+}
+
+/// The sampler in use.
+#[derive(Debug, Clone)]
+pub enum Sampler {
+    Taco(TacoSampler),
+    TaskPerBatch(TaskPerBatchSampler),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum SamplerState {
+    Taco(TacoSamplerState),
+    TaskPerBatch(TaskPerBatchState),
+}
+
+impl Sampler {
+    pub fn new(kind: SamplerKind, counts: &[usize], batch_size: usize, seed: u64) -> Result<Self> {
+        Ok(match kind {
+            SamplerKind::Taco { temperature } => Sampler::Taco(TacoSampler::new(counts, batch_size, temperature, seed)?),
+            SamplerKind::TaskPerBatch => Sampler::TaskPerBatch(TaskPerBatchSampler::new(counts, batch_size, seed)?),
+        })
+    }
+    pub fn steps_per_epoch(&self) -> usize {
+        match self {
+            Sampler::Taco(s) => s.steps_per_epoch(),
+            Sampler::TaskPerBatch(s) => s.steps_per_epoch(),
+        }
+    }
+    fn next_step(&mut self) -> Vec<SubBatch> {
+        match self {
+            Sampler::Taco(s) => s.next_step(),
+            Sampler::TaskPerBatch(s) => s.next_step(),
+        }
+    }
+    fn state(&self) -> SamplerState {
+        match self {
+            Sampler::Taco(s) => SamplerState::Taco(s.state()),
+            Sampler::TaskPerBatch(s) => SamplerState::TaskPerBatch(s.state()),
+        }
+    }
+    fn load_state(&mut self, state: &SamplerState) -> Result<()> {
+        match (self, state) {
+            (Sampler::Taco(s), SamplerState::Taco(st)) => s.load_state(st),
+            (Sampler::TaskPerBatch(s), SamplerState::TaskPerBatch(st)) => s.load_state(st),
+            _ => bail!("the checkpoint was written with another sampler"),
+        }
+    }
+}
+
+/// What a checkpoint holds besides the model and the optimizer state.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Steps taken.
+    pub step: u64,
+    pub sampler: SamplerState,
+    /// Steps skipped for a non-finite loss.
+    pub skipped_steps: u64,
+    /// ANCE episode (0: BM25 negatives).
+    pub episode: u32,
+    /// The configuration the run started with (a resume must match it).
+    pub config: TrainerConfig,
+}
+
+/// Files of a checkpoint directory (besides the model the encoder saves).
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const STATE_FILE: &str = "trainer_state.json";
+pub const LOG_FILE: &str = "trainer_log.jsonl";
+
+/// One training run.
+pub struct Trainer<'a> {
+    pub config: TrainerConfig,
+    encoder: &'a mut dyn Encoder,
+    optimizer: &'a mut dyn Optimizer,
+    tasks: Vec<TaskData>,
+    texts: HashMap<String, String>,
+    output_dir: PathBuf,
+    sampler: Sampler,
+    state: TrainerState,
+    exchange: Box<dyn Exchange>,
+}
+
+impl<'a> Trainer<'a> {
+    /// `texts` holds the encoder string of every passage the examples name.
+    pub fn new(
+        config: TrainerConfig,
+        encoder: &'a mut dyn Encoder,
+        optimizer: &'a mut dyn Optimizer,
+        tasks: Vec<TaskData>,
+        texts: HashMap<String, String>,
+        output_dir: &Path,
+    ) -> Result<Self> {
+        if config.batch_size == 0 || config.max_steps == 0 {
+            bail!("the batch size and the number of steps must be positive");
+        }
+        for t in &tasks {
+            if config.hard_negatives > 0 {
+                if let Some(e) = t.examples.iter().find(|e| e.negatives.is_empty()) {
+                    bail!("task {:?}: query {:?} has no hard negatives to draw {} from", t.name, e.query_id, config.hard_negatives);
+                }
+            }
+        }
+        let counts: Vec<usize> = tasks.iter().map(|t| t.examples.len()).collect();
+        let sampler = Sampler::new(config.sampler, &counts, config.batch_size, config.seed)?;
+        let state = TrainerState { step: 0, sampler: sampler.state(), skipped_steps: 0, episode: 0, config: config.clone() };
+        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, exchange: Box::new(Local) })
+    }
+
+    /// Where embeddings from other processes would join (data-parallel runs).
+    pub fn set_exchange(&mut self, exchange: Box<dyn Exchange>) {
+        self.exchange = exchange;
+    }
+
+    pub fn step(&self) -> u64 {
+        self.state.step
+    }
+
+    pub fn steps_per_epoch(&self) -> usize {
+        self.sampler.steps_per_epoch()
+    }
+
+    /// Continue from a checkpoint directory: the optimizer state, the sampler position and
+    /// the step. The encoder must already have been created from the same directory.
+    pub fn resume(&mut self, checkpoint: &Path) -> Result<()> {
+        let state_path = checkpoint.join(STATE_FILE);
+        let text = std::fs::read_to_string(&state_path).with_context(|| format!("{}: cannot read", state_path.display()))?;
+        let state: TrainerState = serde_json::from_str(&text).with_context(|| format!("{}: not a trainer state", state_path.display()))?;
+        let (a, b) = (serde_json::to_value(&state.config)?, serde_json::to_value(&self.config)?);
+        if a != b {
+            bail!("{} was written by a run with another configuration:\n  checkpoint {a}\n  this run   {b}", checkpoint.display());
+        }
+        let opt_path = checkpoint.join(OPTIMIZER_FILE);
+        let tensors = Tensor::read_safetensors(&opt_path).map_err(|e| anyhow::anyhow!("{}: cannot read optimizer state: {e}", opt_path.display()))?;
+        self.optimizer.load_state(tensors).with_context(|| format!("{}: optimizer state", opt_path.display()))?;
+        self.sampler.load_state(&state.sampler).with_context(|| format!("{}: sampler state", state_path.display()))?;
+        self.state = state;
+        truncate_log(&self.output_dir.join(LOG_FILE), self.state.step)?;
+        Ok(())
+    }
+
+    fn params(&self) -> Result<Vec<(String, Tensor)>> {
+        self.encoder.parameters()
+    }
+
+    /// The query and passage strings of one task's sub-batch: each query's positive (one of
+    /// its gold passages) then `h` of its hard negatives, drawn from (seed, step, task, row).
+    fn group_texts(&self, sub: &SubBatch) -> Result<(Vec<String>, Vec<String>)> {
+        let task = &self.tasks[sub.task];
+        let h = self.config.hard_negatives;
+        let mut queries = Vec::with_capacity(sub.examples.len());
+        let mut passages = Vec::with_capacity(sub.examples.len() * (1 + h));
+        for (row, &i) in sub.examples.iter().enumerate() {
+            let ex = &task.examples[i];
+            let mut rng = Rng::derive(self.config.seed, &[3, self.state.step, sub.task as u64, row as u64]);
+            queries.push(ex.query.clone());
+            let pos = &ex.positives[rng.below(ex.positives.len() as u64) as usize];
+            let mut group = vec![pos.clone()];
+            // With fewer negatives than asked, draw with replacement (the group size is fixed).
+            let negs = if ex.negatives.len() >= h {
+                rng.sample(&ex.negatives, h)
+            } else {
+                (0..h).map(|_| ex.negatives[rng.below(ex.negatives.len() as u64) as usize].clone()).collect()
+            };
+            group.extend(negs);
+            for id in group {
+                let text = self.texts.get(&id).with_context(|| format!("passage {id:?} has no text loaded"))?;
+                passages.push(text.clone());
+            }
+        }
+        Ok((queries, passages))
+    }
+
+    /// Train until `max_steps`, checkpointing every `save_steps` and at the end; the final
+    /// model goes to the output directory itself.
+    pub fn train(&mut self, progress: &dyn Progress) -> Result<()> {
+        std::fs::create_dir_all(&self.output_dir).with_context(|| format!("{}: cannot create", self.output_dir.display()))?;
+        let params = self.params()?;
+        let info = self.encoder.info()?;
+        let lr_scale: BTreeMap<String, f64> = if self.config.layerwise_lr_decay {
+            serde_json::from_value(info["lr_scale"].clone()).context("the encoder gives no lr_scale for layer-wise decay")?
+        } else {
+            BTreeMap::new()
+        };
+        let no_weight_decay: BTreeSet<String> = params.iter().map(|(n, _)| n).filter(|n| exempt_from_decay(n)).cloned().collect();
+        let task_names: Vec<String> = self.tasks.iter().map(|t| t.name.clone()).collect();
+        let warmup = (self.config.warmup_ratio * self.config.max_steps as f64).round() as u64;
+        let mut log = open_log(&self.output_dir.join(LOG_FILE))?;
+        let mut window: BTreeMap<String, (f64, u64)> = BTreeMap::new();
+        let started = std::time::Instant::now();
+        let first = self.state.step;
+        progress.start("train", self.config.max_steps);
+        progress.inc(first);
+        while self.state.step < self.config.max_steps {
+            let step = self.state.step;
+            tch::manual_seed(Rng::derive(self.config.seed, &[4, step]).next_u64() as i64);
+            let lr = self.config.learning_rate * linear_warmup_decay(step, self.config.max_steps, warmup);
+            let ctx = StepContext {
+                step,
+                total_steps: self.config.max_steps,
+                warmup_steps: warmup,
+                lr,
+                tasks: task_names.clone(),
+                max_grad_norm: self.config.max_grad_norm,
+                lr_scale: lr_scale.clone(),
+                no_weight_decay: no_weight_decay.clone(),
+            };
+            self.optimizer.begin_step(shallow(&params), ctx)?;
+            let subs = self.sampler.next_step();
+            let mut losses: Vec<(String, f64)> = Vec::new();
+            let mut finite = true;
+            for sub in &subs {
+                let (queries, passages) = self.group_texts(sub)?;
+                let queries: Vec<&str> = queries.iter().map(String::as_str).collect();
+                let passages: Vec<&str> = passages.iter().map(String::as_str).collect();
+                let name = self.tasks[sub.task].name.clone();
+                let task = self.config.task_prefix.then_some(name.as_str());
+                let q = self.encoder.encode(&queries, Role::Query, task, true)?;
+                let p = self.encoder.encode(&passages, Role::Passage, None, true)?;
+                let loss = nce_loss(&q, &p, 1 + self.config.hard_negatives, self.exchange.as_ref())?;
+                let value = loss.double_value(&[]);
+                if !value.is_finite() {
+                    finite = false;
+                    progress.log(&format!("warning: step {}: task {name:?} has a non-finite loss ({value}); the step is skipped", step + 1));
+                    break;
+                }
+                loss.backward();
+                let grads: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.grad())).collect();
+                self.optimizer.task_gradients(&name, value, grads)?;
+                zero_grads(&params);
+                losses.push((name, value));
+            }
+            zero_grads(&params);
+            if finite {
+                self.optimizer.finish_step()?;
+            } else {
+                self.state.skipped_steps += 1;
+                if self.state.skipped_steps > self.config.max_skipped_steps {
+                    bail!(
+                        "{} steps had a non-finite loss (more than max_skipped_steps = {}); stopping. Lower the learning rate or check the data",
+                        self.state.skipped_steps,
+                        self.config.max_skipped_steps
+                    );
+                }
+            }
+            self.state.step += 1;
+            self.state.sampler = self.sampler.state();
+            progress.inc(1);
+            for (name, v) in &losses {
+                let w = window.entry(name.clone()).or_default();
+                w.0 += v;
+                w.1 += 1;
+            }
+            let step = self.state.step;
+            if step % self.config.logging_steps.max(1) == 0 || step == self.config.max_steps {
+                let loss: BTreeMap<&str, f64> = window.iter().map(|(n, (s, c))| (n.as_str(), s / *c as f64)).collect();
+                let per_step = started.elapsed().as_secs_f64() / (step - first) as f64;
+                let line = json!({
+                    "step": step, "epoch": step as f64 / self.sampler.steps_per_epoch().max(1) as f64,
+                    "learning_rate": lr, "loss": loss, "skipped_steps": self.state.skipped_steps,
+                    "seconds_per_step": per_step,
+                });
+                writeln!(log, "{line}")?;
+                log.flush()?;
+                let text: Vec<String> = loss.iter().map(|(n, l)| format!("{n} {l:.4}")).collect();
+                progress.message(&format!("lr {lr:.2e} | {}", text.join(" | ")));
+                window.clear();
+            }
+            if step % self.config.save_steps.max(1) == 0 && step < self.config.max_steps {
+                self.save_checkpoint()?;
+            }
+        }
+        progress.finish();
+        self.save_checkpoint()?;
+        self.encoder.save(&self.output_dir)?;
+        Ok(())
+    }
+
+    /// `OUTPUT/checkpoint-STEP/`: the model as the encoder saves it, the optimizer state and
+    /// the trainer state, built under a temporary name and renamed (a kill never leaves a
+    /// half-written checkpoint that looks whole).
+    pub fn save_checkpoint(&self) -> Result<PathBuf> {
+        let dir = self.output_dir.join(format!("checkpoint-{}", self.state.step));
+        rak_retrieval::index::write_dir_atomically(&dir, |tmp| {
+            self.encoder.save(tmp)?;
+            rak_core::models::weights::save_safetensors(&tmp.join(OPTIMIZER_FILE), &self.optimizer.state()?)?;
+            rak_core::fsutil::write_bytes(&tmp.join(STATE_FILE), serde_json::to_string_pretty(&self.state)?.as_bytes())
+        })?;
+        Ok(dir)
+    }
+}
+
+fn shallow(params: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
+}
+
+fn zero_grads(params: &[(String, Tensor)]) {
+    for (_, t) in params {
+        let mut g = t.grad();
+        if g.defined() {
+            let _ = g.zero_();
+        }
+    }
+}
+
+/// Hugging Face's convention: no weight decay on biases and normalisation weights.
+pub fn exempt_from_decay(name: &str) -> bool {
+    name.ends_with("bias") || name.contains("LayerNorm") || name.contains("layer_norm")
+}
+
+fn open_log(path: &Path) -> Result<std::fs::File> {
+    std::fs::OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("{}: cannot open", path.display()))
+}
+
+/// Drop log lines past `step` (written after the checkpoint a run resumes from).
+fn truncate_log(path: &Path, step: u64) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| serde_json::from_str::<Value>(l).ok().and_then(|v| v["step"].as_u64()).is_some_and(|s| s <= step))
+        .collect();
+    let mut out = kept.join("\n");
+    if !out.is_empty() {
+        out.push('\n');
+    }
+    rak_core::fsutil::write_bytes(path, out.as_bytes())
+}
+
+/// The checkpoint with the highest step in `output_dir`, if any.
+pub fn latest_checkpoint(output_dir: &Path) -> Option<PathBuf> {
+    std::fs::read_dir(output_dir)
+        .ok()?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let step: u64 = name.strip_prefix("checkpoint-")?.parse().ok()?;
+            e.path().join(STATE_FILE).exists().then_some((step, e.path()))
+        })
+        .max_by_key(|(s, _)| *s)
+        .map(|(_, p)| p)
+}
