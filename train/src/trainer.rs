@@ -120,6 +120,24 @@ pub struct TrainerState {
     pub config: TrainerConfig,
 }
 
+/// One task's share of a step, as texts.
+#[derive(Debug, Clone)]
+pub struct TaskGroup {
+    pub task: String,
+    pub queries: Vec<String>,
+    /// `queries.len() × (1 + hard_negatives)` passages, each query's positive first.
+    pub passages: Vec<String>,
+}
+
+/// What [`Trainer::train_step`] did.
+#[derive(Debug)]
+pub enum StepOutcome {
+    /// The parameters were updated; per-task losses and the optimizer's statistics.
+    Updated { losses: Vec<(String, f64)>, stats: Value },
+    /// A task's loss was not finite: no update.
+    Skipped { task: String, loss: f64 },
+}
+
 /// Files of a checkpoint directory (besides the model the encoder saves).
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const STATE_FILE: &str = "trainer_state.json";
@@ -228,6 +246,37 @@ impl<'a> Trainer<'a> {
         Ok((queries, passages))
     }
 
+    /// One optimizer step on the given per-task groups: for each task, embed its queries (with
+    /// the task name when `task_prefix` is on) and passages (query `i`'s group at rows
+    /// `i·n..(i+1)·n`, positive first), take the NCE loss, backward, and hand the loss and the
+    /// gradients to the optimizer; then `finish_step`. A non-finite loss skips the step (no
+    /// update). This is the seam the parity tests drive with fixed inputs.
+    pub fn train_step(&mut self, params: &[(String, Tensor)], groups: &[TaskGroup], ctx: StepContext) -> Result<StepOutcome> {
+        self.optimizer.begin_step(shallow(params), ctx)?;
+        let mut losses = Vec::with_capacity(groups.len());
+        let group_size = 1 + self.config.hard_negatives;
+        for g in groups {
+            let queries: Vec<&str> = g.queries.iter().map(String::as_str).collect();
+            let passages: Vec<&str> = g.passages.iter().map(String::as_str).collect();
+            let task = self.config.task_prefix.then_some(g.task.as_str());
+            let q = self.encoder.encode(&queries, Role::Query, task, true)?;
+            let p = self.encoder.encode(&passages, Role::Passage, None, true)?;
+            let loss = nce_loss(&q, &p, group_size, self.exchange.as_ref())?;
+            let value = loss.double_value(&[]);
+            if !value.is_finite() {
+                zero_grads(params);
+                return Ok(StepOutcome::Skipped { task: g.task.clone(), loss: value });
+            }
+            loss.backward();
+            let grads: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.grad())).collect();
+            self.optimizer.task_gradients(&g.task, value, grads)?;
+            zero_grads(params);
+            losses.push((g.task.clone(), value));
+        }
+        let stats = self.optimizer.finish_step()?;
+        Ok(StepOutcome::Updated { losses, stats })
+    }
+
     /// Train until `max_steps`, checkpointing every `save_steps` and at the end; the final
     /// model goes to the output directory itself.
     pub fn train(&mut self, progress: &dyn Progress) -> Result<()> {
@@ -262,44 +311,30 @@ impl<'a> Trainer<'a> {
                 lr_scale: lr_scale.clone(),
                 no_weight_decay: no_weight_decay.clone(),
             };
-            self.optimizer.begin_step(shallow(&params), ctx)?;
-            let subs = self.sampler.next_step();
-            let mut losses: Vec<(String, f64)> = Vec::new();
-            let mut finite = true;
-            for sub in &subs {
-                let (queries, passages) = self.group_texts(sub)?;
-                let queries: Vec<&str> = queries.iter().map(String::as_str).collect();
-                let passages: Vec<&str> = passages.iter().map(String::as_str).collect();
-                let name = self.tasks[sub.task].name.clone();
-                let task = self.config.task_prefix.then_some(name.as_str());
-                let q = self.encoder.encode(&queries, Role::Query, task, true)?;
-                let p = self.encoder.encode(&passages, Role::Passage, None, true)?;
-                let loss = nce_loss(&q, &p, 1 + self.config.hard_negatives, self.exchange.as_ref())?;
-                let value = loss.double_value(&[]);
-                if !value.is_finite() {
-                    finite = false;
-                    progress.log(&format!("warning: step {}: task {name:?} has a non-finite loss ({value}); the step is skipped", step + 1));
-                    break;
+            let groups: Vec<TaskGroup> = self
+                .sampler
+                .next_step()
+                .iter()
+                .map(|sub| {
+                    let (queries, passages) = self.group_texts(sub)?;
+                    Ok(TaskGroup { task: self.tasks[sub.task].name.clone(), queries, passages })
+                })
+                .collect::<Result<_>>()?;
+            let losses = match self.train_step(&params, &groups, ctx)? {
+                StepOutcome::Updated { losses, .. } => losses,
+                StepOutcome::Skipped { task, loss } => {
+                    progress.log(&format!("warning: step {}: task {task:?} has a non-finite loss ({loss}); the step is skipped", step + 1));
+                    self.state.skipped_steps += 1;
+                    if self.state.skipped_steps > self.config.max_skipped_steps {
+                        bail!(
+                            "{} steps had a non-finite loss (more than max_skipped_steps = {}); stopping. Lower the learning rate or check the data",
+                            self.state.skipped_steps,
+                            self.config.max_skipped_steps
+                        );
+                    }
+                    Vec::new()
                 }
-                loss.backward();
-                let grads: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.grad())).collect();
-                self.optimizer.task_gradients(&name, value, grads)?;
-                zero_grads(&params);
-                losses.push((name, value));
-            }
-            zero_grads(&params);
-            if finite {
-                self.optimizer.finish_step()?;
-            } else {
-                self.state.skipped_steps += 1;
-                if self.state.skipped_steps > self.config.max_skipped_steps {
-                    bail!(
-                        "{} steps had a non-finite loss (more than max_skipped_steps = {}); stopping. Lower the learning rate or check the data",
-                        self.state.skipped_steps,
-                        self.config.max_skipped_steps
-                    );
-                }
-            }
+            };
             self.state.step += 1;
             self.state.sampler = self.sampler.state();
             progress.inc(1);
