@@ -1,5 +1,6 @@
 //! `host encode`: a JSONL file of passages or queries → `embeddings.npy` + `ids.txt`
-//! (resumable, shardable; see `rak_retrieval::pipeline::encode`).
+//! (resumable, shardable, safe to run several times at once on one output; see
+//! `rak_retrieval::pipeline::encode`).
 
 use super::Bar;
 use crate::registry::Registry;
@@ -169,4 +170,49 @@ pub fn run(registry: &Registry, args: &EncodeArgs) -> Result<()> {
     let make = || registry.encoder(&args.encoder, &settings);
     encode_file(&job, EncoderSource::Lazy(Box::new(make)), &Bar::default())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::checkpoint_digest;
+    use std::path::Path;
+
+    fn write(dir: &Path, rel: &str, bytes: &[u8]) {
+        let path = dir.join(rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn the_checkpoint_digest_follows_content_not_place() {
+        let root = std::env::temp_dir().join(format!("rak-digest-{}", std::process::id()));
+        let (a, b) = (root.join("a"), root.join("b"));
+        for dir in [&a, &b] {
+            write(dir, "config.json", b"{}");
+            write(dir, "query_encoder/model.safetensors", &[1, 2, 3, 4]);
+        }
+        let digest = checkpoint_digest(&a).unwrap();
+        assert_eq!(digest, checkpoint_digest(&b).unwrap(), "same files elsewhere, same digest");
+
+        // Temporary files of a write in progress and encode outputs kept inside do not count.
+        write(&a, ".model.safetensors.tmp-42", b"half");
+        write(&a, "emb/.encode.lock", b"");
+        write(&a, "emb/embeddings.npy", b"rows");
+        assert_eq!(digest, checkpoint_digest(&a).unwrap());
+
+        // One byte changed in place, a file renamed, or bytes moved between files: another digest.
+        write(&b, "query_encoder/model.safetensors", &[1, 2, 3, 5]);
+        assert_ne!(digest, checkpoint_digest(&b).unwrap());
+        std::fs::remove_dir_all(&b).unwrap();
+        write(&b, "config.json", b"{}");
+        write(&b, "query_encoder/model2.safetensors", &[1, 2, 3, 4]);
+        assert_ne!(digest, checkpoint_digest(&b).unwrap());
+        std::fs::remove_dir_all(&b).unwrap();
+        write(&b, "config.json", b"{}\x01");
+        write(&b, "query_encoder/model.safetensors", &[2, 3, 4]);
+        assert_ne!(digest, checkpoint_digest(&b).unwrap());
+
+        assert!(checkpoint_digest(&root.join("missing")).is_err());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 }

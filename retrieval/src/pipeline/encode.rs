@@ -23,6 +23,7 @@
 //!
 //! The locks need `flock` to work across the processes involved: one machine, or a shared
 //! file system that supports it.
+
 use super::Progress;
 use crate::data::beir;
 use crate::npy::{self, NpyF32, NpyWriter};
@@ -258,7 +259,10 @@ pub fn encode_file(job: &EncodeJob, encoder: EncoderSource<'_>, progress: &dyn P
 fn finished(job: &EncodeJob, manifest: &Value, lines: usize) -> Result<Option<usize>> {
     let Ok(text) = std::fs::read_to_string(job.output.join("encode.json")) else { return Ok(None) };
     if serde_json::from_str::<Value>(&text).ok().as_ref() != Some(manifest) {
-        bail!("{} already holds embeddings made differently; choose another output directory or delete it", job.output.display());
+        bail!(
+            "{} already holds embeddings made differently (other settings, another input or another checkpoint); choose another output directory or delete it",
+            job.output.display()
+        );
     }
     // Nobody writes parts once encode.json exists (writers re-check it under their claim).
     let _ = std::fs::remove_dir_all(parts_dir(&job.output));
@@ -415,6 +419,8 @@ fn join_parts(out: &Path, num_parts: usize) -> Result<()> {
         let _ = std::fs::remove_file(&tmp);
         return Err(e).with_context(|| format!("{}: cannot move into place", npy_path.display()));
     }
+    // As `NpyWriter::finish` does for its own rename: a crash must not lose this one.
+    File::open(out).and_then(|d| d.sync_all()).with_context(|| format!("{}: cannot sync the directory to disk", out.display()))?;
     npy::write_ids(&out.join("ids.txt"), &ids)
 }
 
