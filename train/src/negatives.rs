@@ -25,12 +25,14 @@ pub fn bm25_negatives(index: &Bm25Index, tasks: &mut [TaskData], depth: usize, p
     Ok(())
 }
 
-/// Save every example's negatives (`{"task": {"query id": [ids]}}`), atomically.
-pub fn save(path: &Path, tasks: &[TaskData]) -> Result<()> {
+/// Save every example's negatives (`{"depth": d, "negatives": {"task": {"query id": [ids]}}}`),
+/// atomically.
+pub fn save(path: &Path, tasks: &[TaskData], depth: usize) -> Result<()> {
     let map: BTreeMap<&str, BTreeMap<&str, &Vec<String>>> = tasks
         .iter()
         .map(|t| (t.name.as_str(), t.examples.iter().map(|e| (e.query_id.as_str(), &e.negatives)).collect()))
         .collect();
+    let map = serde_json::json!({"depth": depth, "negatives": map});
     rak_core::fsutil::write_atomically(path, |tmp| {
         let mut f = std::io::BufWriter::new(std::fs::File::create(tmp)?);
         serde_json::to_writer(&mut f, &map)?;
@@ -39,21 +41,36 @@ pub fn save(path: &Path, tasks: &[TaskData]) -> Result<()> {
     })
 }
 
-/// Load what [`save`] wrote into the examples; false when the file does not exist.
-pub fn load(path: &Path, tasks: &mut [TaskData]) -> Result<bool> {
+/// Load what [`save`] wrote into the examples. False (nothing loaded) when the file does not
+/// exist or was made for other data: another depth, other tasks or other queries.
+pub fn load(path: &Path, tasks: &mut [TaskData], depth: usize) -> Result<bool> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e).with_context(|| format!("{}: cannot read", path.display())),
     };
-    let mut map: BTreeMap<String, BTreeMap<String, Vec<String>>> =
-        serde_json::from_str(&text).with_context(|| format!("{}: not a negatives file", path.display()))?;
+    #[derive(serde::Deserialize)]
+    struct Saved {
+        depth: usize,
+        negatives: BTreeMap<String, BTreeMap<String, Vec<String>>>,
+    }
+    // A file of another format (an older version, a torn write) is simply recomputed.
+    let Ok(saved) = serde_json::from_str::<Saved>(&text) else { return Ok(false) };
+    let same_queries = saved.depth == depth
+        && saved.negatives.len() == tasks.len()
+        && tasks.iter().all(|t| {
+            saved.negatives.get(&t.name).is_some_and(|by_query| {
+                by_query.len() == t.examples.len() && t.examples.iter().all(|e| by_query.contains_key(&e.query_id))
+            })
+        });
+    if !same_queries {
+        return Ok(false);
+    }
+    let mut map = saved.negatives;
     for t in tasks.iter_mut() {
-        let mut by_query = map.remove(&t.name).with_context(|| format!("{}: no negatives for task {:?}", path.display(), t.name))?;
+        let by_query = map.get_mut(&t.name).expect("checked above");
         for e in t.examples.iter_mut() {
-            e.negatives = by_query
-                .remove(&e.query_id)
-                .with_context(|| format!("{}: no negatives for query {:?} of task {:?}", path.display(), e.query_id, t.name))?;
+            e.negatives = by_query.remove(&e.query_id).expect("checked above");
         }
     }
     Ok(true)

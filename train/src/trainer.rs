@@ -50,8 +50,9 @@ pub struct TrainerConfig {
     pub seed: u64,
     pub logging_steps: u64,
     pub save_steps: u64,
-    /// Pass task names to the encoder (query prefixes or markers).
-    pub task_prefix: bool,
+    /// Encode queries with their task's name; the encoder turns it into a prefix, a marker or
+    /// a `?`, or ignores it.
+    pub task_names: bool,
     /// Scale each parameter's learning rate by the encoder's `lr_scale` (TASER).
     pub layerwise_lr_decay: bool,
     /// Stop after this many steps skipped for a non-finite loss.
@@ -247,7 +248,7 @@ impl<'a> Trainer<'a> {
     }
 
     /// One optimizer step on the given per-task groups: for each task, embed its queries (with
-    /// the task name when `task_prefix` is on) and passages (query `i`'s group at rows
+    /// the task name when `task_names` is on) and passages (query `i`'s group at rows
     /// `i·n..(i+1)·n`, positive first), take the NCE loss, backward, and hand the loss and the
     /// gradients to the optimizer; then `finish_step`. A non-finite loss skips the step (no
     /// update). This is the seam the parity tests drive with fixed inputs.
@@ -258,7 +259,7 @@ impl<'a> Trainer<'a> {
         for g in groups {
             let queries: Vec<&str> = g.queries.iter().map(String::as_str).collect();
             let passages: Vec<&str> = g.passages.iter().map(String::as_str).collect();
-            let task = self.config.task_prefix.then_some(g.task.as_str());
+            let task = self.config.task_names.then_some(g.task.as_str());
             let q = self.encoder.encode(&queries, Role::Query, task, true)?;
             let p = self.encoder.encode(&passages, Role::Passage, None, true)?;
             let loss = nce_loss(&q, &p, group_size, self.exchange.as_ref())?;

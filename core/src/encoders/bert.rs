@@ -41,6 +41,9 @@ pub struct BertEncoderSettings {
     pub qa_tasks: Option<Vec<String>>,
     /// MT-DPR task markers: task name → marker token put right after `[CLS]` (e.g. `[unused0]`).
     pub task_markers: Option<BTreeMap<String, String>>,
+    /// TACO-style task prefix: queries of a task become the pair `[CLS] TASK [SEP] query [SEP]`
+    /// (passages are never prefixed, so one index serves every task).
+    pub task_prefix: Option<bool>,
     /// TASER: specialise every T-th block (0 or absent: plain BERT).
     pub taser_every: Option<i64>,
     /// `cpu`, `cuda`, `cuda:N`.
@@ -53,7 +56,7 @@ impl BertEncoderSettings {
     /// Fill unset fields from `other` (explicit settings win over saved ones).
     fn or(mut self, other: BertEncoderSettings) -> Self {
         macro_rules! fill { ($($f:ident),*) => { $( if self.$f.is_none() { self.$f = other.$f; } )* } }
-        fill!(model, passage_model, pooling, normalize, max_length, query_max_length, question_mark, qa_tasks, task_markers, taser_every, device, bf16);
+        fill!(model, passage_model, pooling, normalize, max_length, query_max_length, question_mark, qa_tasks, task_markers, task_prefix, taser_every, device, bf16);
         self
     }
 }
@@ -172,9 +175,16 @@ impl BertEncoder {
                     .collect();
                 let refs: Vec<&str> = owned.iter().map(String::as_str).collect();
                 let marker = task.and_then(|t| self.settings.task_markers.as_ref()?.get(t)).and_then(|m| tok.token_to_id(m));
-                match marker {
-                    None => tok.encode(&refs, None, self.query_max_length, Padding::Longest),
-                    Some(id) => {
+                // TACO's task prefix in BERT form (the paper's `TaskName [SEP] query`): the
+                // upper-case task name as the first segment of a pair.
+                let prefix = task.filter(|_| self.settings.task_prefix.unwrap_or(false)).map(str::to_uppercase);
+                match (marker, prefix) {
+                    (_, Some(prefix)) => {
+                        let inputs: Vec<TextInput> = refs.iter().map(|q| TextInput::Pair(prefix.as_str(), q)).collect();
+                        tok.encode_inputs(&inputs, self.query_max_length, Padding::Longest)
+                    }
+                    (None, None) => tok.encode(&refs, None, self.query_max_length, Padding::Longest),
+                    (Some(id), None) => {
                         let e = tok.encode(&refs, None, self.query_max_length.saturating_sub(1).max(2), Padding::Longest)?;
                         Ok(insert_after_cls(e, id as i64))
                     }

@@ -117,8 +117,9 @@ pub struct TrainSection {
     pub hard_negatives: usize,
     /// How deep in BM25's ranking negatives are drawn from.
     pub negative_depth: usize,
-    /// Pass task names to the encoder (query prefixes or markers).
-    pub task_prefix: bool,
+    /// Encode queries with their task's name (the encoder makes it a prefix, a marker or a
+    /// `?`, or ignores it).
+    pub task_names: bool,
     pub layerwise_lr_decay: bool,
     pub max_skipped_steps: u64,
 }
@@ -141,7 +142,7 @@ impl Default for TrainSection {
             temperature: 4.0,
             hard_negatives: 1,
             negative_depth: 100,
-            task_prefix: false,
+            task_names: true,
             layerwise_lr_decay: false,
             max_skipped_steps: 10,
         }
@@ -222,7 +223,7 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
     let t = &recipe.train;
     if t.hard_negatives > 0 {
         let saved = out.join("negatives-episode-0.json");
-        if !negatives::load(&saved, &mut tasks)? {
+        if !negatives::load(&saved, &mut tasks, t.negative_depth)? {
             let index_dir = match &d.bm25_index {
                 Some(dir) => dir.clone(),
                 None => {
@@ -235,7 +236,7 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
             };
             let index = Bm25Index::open(&index_dir)?;
             negatives::bm25_negatives(&index, &mut tasks, t.negative_depth, &progress)?;
-            negatives::save(&saved, &tasks)?;
+            negatives::save(&saved, &tasks, t.negative_depth)?;
         }
     }
     let wanted: HashSet<&str> =
@@ -257,7 +258,7 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
         seed: t.seed,
         logging_steps: t.logging_steps,
         save_steps: t.save_steps,
-        task_prefix: t.task_prefix,
+        task_names: t.task_names,
         layerwise_lr_decay: t.layerwise_lr_decay,
         max_skipped_steps: t.max_skipped_steps,
     };
