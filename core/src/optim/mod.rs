@@ -1,6 +1,8 @@
 //! Optimizer math shared by the optimizer plugins: AdamW (which T-SAGE, PCGrad, CGD and
 //! GradNorm finish with), gradient clipping, and folding per-task gradients into a sum.
 
+pub mod tsage;
+
 use crate::plugin::StepContext;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};

@@ -1,0 +1,55 @@
+//! The `tsage` optimizer plugin: TACO's task-sensitivity-guided adaptive learning
+//! (`rak_core::optim::tsage`), in its exact form or the lean one-step-lag form
+//! (`{"form": "lean"}`), finishing with AdamW.
+
+use anyhow::{Context, Result};
+use rak_core::optim::tsage::{TSage, TSageConfig};
+use rak_core::plugin::{Optimizer, PluginInfo, StepContext};
+use serde_json::{json, Value};
+use tch::Tensor;
+
+pub struct TSagePlugin(TSage);
+
+impl PluginInfo for TSagePlugin {
+    const NAME: &'static str = "tsage";
+
+    fn settings_schema() -> Value {
+        let d = TSageConfig::default();
+        json!({
+            "beta": {"type": "float", "default": d.beta, "help": "momentum of the task sensitivities"},
+            "tau": {"type": "float", "default": d.tau, "help": "softmax temperature across tasks"},
+            "median_normalise": {"type": "bool", "default": d.median_normalise, "help": "divide each task's sensitivities by their median"},
+            "divide_by_tasks": {"type": "bool", "default": d.divide_by_tasks, "help": "divide the combined gradient by the number of tasks (the authors' code)"},
+            "form": {"type": "string", "default": "exact", "help": "exact (this step's weights; holds every task gradient) or lean (previous step's weights; folds each task in)"},
+            "beta1": {"type": "float", "default": d.adamw.beta1, "help": "AdamW first-moment decay"},
+            "beta2": {"type": "float", "default": d.adamw.beta2, "help": "AdamW second-moment decay"},
+            "eps": {"type": "float", "default": d.adamw.eps, "help": "AdamW epsilon"},
+            "weight_decay": {"type": "float", "default": d.adamw.weight_decay, "help": "AdamW decoupled weight decay"},
+        })
+    }
+
+    fn create(settings: Value) -> Result<Self> {
+        let config: TSageConfig = serde_json::from_value(settings).context("tsage settings")?;
+        Ok(TSagePlugin(TSage::new(config)?))
+    }
+}
+
+impl Optimizer for TSagePlugin {
+    fn begin_step(&mut self, params: Vec<(String, Tensor)>, ctx: StepContext) -> Result<()> {
+        self.0.begin_step(params, ctx)
+    }
+    fn task_gradients(&mut self, task: &str, _loss: f64, grads: Vec<(String, Tensor)>) -> Result<()> {
+        self.0.task_gradients(task, grads)
+    }
+    fn finish_step(&mut self) -> Result<Value> {
+        self.0.finish_step()
+    }
+    fn state(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self.0.state())
+    }
+    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
+        self.0.load_state(state)
+    }
+}
+
+rak_core::export_optimizer!(TSagePlugin);
