@@ -90,10 +90,10 @@ fn a_killed_run_resumes_to_the_same_result() {
     assert_eq!(want.len(), 8, "one log line per step");
 
     let killed = dir.path().join("killed");
+    let mut kills = 0;
     for (round, wait_ms) in [700u64, 1900].into_iter().enumerate() {
         let mut child = train_cmd(&recipe, &killed, &["--resume-from-checkpoint", "latest"]).stderr(std::process::Stdio::null()).spawn().unwrap();
         // Wait for a new checkpoint, then a little more, then kill mid-step.
-        let before = std::fs::read_dir(&killed).map(|d| d.count()).unwrap_or(0);
         let started = std::time::Instant::now();
         while started.elapsed().as_secs() < 300 {
             let now = std::fs::read_dir(&killed).map(|d| d.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("checkpoint-")).count()).unwrap_or(0);
@@ -103,13 +103,21 @@ fn a_killed_run_resumes_to_the_same_result() {
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
         std::thread::sleep(std::time::Duration::from_millis(wait_ms));
+        if child.try_wait().unwrap().is_none() {
+            kills += 1;
+        }
         let _ = child.kill();
         let _ = child.wait();
-        let _ = before;
     }
+    assert!(kills > 0, "no kill landed while a run was going: nothing was resumed");
     let o = run(&mut train_cmd(&recipe, &killed, &["--resume-from-checkpoint", "latest"]));
     assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("resumed from"), "{}", stderr(&o));
     assert_eq!(losses(&killed), want, "per-step losses after kills and resumes");
+    // Starting afresh over a finished run's checkpoints needs saying so.
+    let o = run(&mut train_cmd(&recipe, &killed, &[]));
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--overwrite-output-dir"), "{}", stderr(&o));
     for ((na, a), (nb, b)) in weights(&whole).iter().zip(weights(&killed).iter()) {
         assert_eq!(na, nb);
         let diff = (a - b).abs().max().double_value(&[]);
@@ -154,6 +162,7 @@ fn bad_training_inputs_are_clear_errors() {
     assert!(o.status.success(), "{}", stderr(&o));
     let err = stderr(&o);
     assert!(err.contains("dropped 1 queries without a relevant corpus passage") && err.contains("ignored 1 judgements"), "{err}");
+    let out = dir.path().join("out-later");
 
     // An empty passage text named by the training data.
     let corpus = dir.path().join("corpus.jsonl");

@@ -29,7 +29,7 @@ use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 type Res<T> = RResult<T, RString>;
 
@@ -58,6 +58,19 @@ impl Object {
     }
 }
 
+/// The services a context points to while the command runs (`None` after).
+struct Gate(RwLock<Option<*const Services<'static>>>);
+
+// The pointer is only dereferenced under the read lock while it is `Some`, and `Services` is
+// `Sync` (checked below).
+unsafe impl Send for Gate {}
+unsafe impl Sync for Gate {}
+
+const _: () = {
+    fn sync<T: Sync>() {}
+    let _ = sync::<Services<'static>>;
+};
+
 /// The host's side of one command run.
 pub struct Services<'r> {
     registry: &'r Registry,
@@ -71,11 +84,16 @@ impl<'r> Services<'r> {
         Services { registry, objects: Mutex::new(HashMap::new()), next_id: AtomicU64::new(1), progress: Bar::default() }
     }
 
-    /// Run `f` with the `HostApi` of these services; valid only during `f`.
+    /// Run `f` with the `HostApi` of these services. A plugin may keep the API (or objects
+    /// made through it) past `f`, e.g. in a thread it did not join: the context is a gate that
+    /// is closed when `f` returns, after every call in flight has finished, so a late call
+    /// gets an error instead of reaching services that are gone. The gate itself (a few
+    /// bytes) is never freed, for the same reason.
     pub fn with_api<R>(&self, f: impl FnOnce(HostApi) -> R) -> R {
-        let ctx = Handle::new(self as *const Services<'r> as *const Services<'static>);
+        let gate: &'static Gate = Box::leak(Box::new(Gate(RwLock::new(Some(self as *const Services<'r> as *const Services<'static>)))));
+        let ctx = Handle::new(gate as *const Gate);
         let out = f(HostApi { ctx, services: module() });
-        unsafe { ctx.destroy::<*const Services<'static>>() };
+        *gate.0.write().unwrap_or_else(|e| e.into_inner()) = None;
         out
     }
 
@@ -271,8 +289,11 @@ impl<'r> Services<'r> {
 
     fn search_vectors(&self, id: u64, queries: &tch::Tensor, k: usize) -> Result<Value> {
         let index = self.index(id)?;
+        if !queries.defined() {
+            bail!("search_vectors: the queries tensor is undefined");
+        }
         let size = queries.size();
-        if !queries.defined() || size.len() != 2 {
+        if size.len() != 2 {
             bail!("search_vectors: queries must be a [n, dim] tensor, got {size:?}");
         }
         let flat: Vec<f32> =
@@ -388,8 +409,14 @@ struct TextSearchRequest {
 
 // ------------------------------------------------------------------ the extern "C" table
 
-fn services<'a>(ctx: Handle) -> &'a Services<'a> {
-    unsafe { &**ctx.get_ref::<*const Services<'static>>() }
+/// Run `f` with the services behind `ctx`, or fail when the command has returned.
+fn with_services<T>(ctx: Handle, f: impl FnOnce(&Services<'_>) -> Result<T>) -> Result<T> {
+    let gate: &Gate = unsafe { &**ctx.get_ref::<*const Gate>() };
+    let open = gate.0.read().unwrap_or_else(|e| e.into_inner());
+    match *open {
+        Some(services) => f(unsafe { &*services }),
+        None => bail!("the host's services are closed: the command that received them has returned"),
+    }
 }
 
 fn json_reply(v: Value) -> RString {
@@ -404,15 +431,15 @@ fn request_json(text: &str) -> Result<Value> {
 }
 
 extern "C" fn call(ctx: Handle, method: RStr<'_>, request: RStr<'_>) -> Res<RString> {
-    guard(|| Ok(json_reply(services(ctx).call(method.as_str(), request_json(&request)?)?)))
+    guard(|| with_services(ctx, |s| Ok(json_reply(s.call(method.as_str(), request_json(&request)?)?))))
 }
 
 extern "C" fn create(ctx: Handle, kind: RStr<'_>, name: RStr<'_>, settings: RStr<'_>) -> Res<u64> {
-    guard(|| services(ctx).create(kind.as_str(), name.as_str(), request_json(&settings)?))
+    guard(|| with_services(ctx, |s| s.create(kind.as_str(), name.as_str(), request_json(&settings)?)))
 }
 
 extern "C" fn object_call(ctx: Handle, id: u64, method: RStr<'_>, request: RStr<'_>) -> Res<RString> {
-    guard(|| Ok(json_reply(services(ctx).object_call(id, method.as_str(), request_json(&request)?)?)))
+    guard(|| with_services(ctx, |s| Ok(json_reply(s.object_call(id, method.as_str(), request_json(&request)?)?))))
 }
 
 extern "C" fn encode(
@@ -426,27 +453,29 @@ extern "C" fn encode(
     guard(|| {
         let texts: Vec<&str> = texts.iter().map(|s| s.as_str()).collect();
         let task = task.as_ref().map(|s| s.as_str()).into_option();
-        Ok(TensorPtr::give(services(ctx).encode(id, &texts, role, task, train)?))
+        with_services(ctx, |s| Ok(TensorPtr::give(s.encode(id, &texts, role, task, train)?)))
     })
 }
 
 extern "C" fn parameters(ctx: Handle, id: u64) -> Res<RVec<NamedTensor>> {
     guard(|| {
-        let obj = services(ctx).encoder(id)?;
-        let params = obj.encoder.lock().unwrap_or_else(|e| e.into_inner()).parameters()?;
-        Ok(params.into_iter().map(|(name, t)| NamedTensor { name: name.into(), tensor: TensorPtr::give(t) }).collect())
+        with_services(ctx, |s| {
+            let obj = s.encoder(id)?;
+            let params = obj.encoder.lock().unwrap_or_else(|e| e.into_inner()).parameters()?;
+            Ok(params.into_iter().map(|(name, t)| NamedTensor { name: name.into(), tensor: TensorPtr::give(t) }).collect())
+        })
     })
 }
 
 extern "C" fn search_vectors_fn(ctx: Handle, id: u64, queries: TensorPtr, k: u32) -> Res<RString> {
     guard(|| {
         let queries = unsafe { queries.borrow() };
-        Ok(json_reply(services(ctx).search_vectors(id, &queries, k as usize)?))
+        with_services(ctx, |s| Ok(json_reply(s.search_vectors(id, &queries, k as usize)?)))
     })
 }
 
 extern "C" fn release(ctx: Handle, id: u64) -> Res<()> {
-    guard(|| services(ctx).release(id))
+    guard(|| with_services(ctx, |s| s.release(id)))
 }
 
 /// The service table, made once.
@@ -464,4 +493,26 @@ fn module() -> HostModRef {
         })));
         HostModRef(m.static_as_prefix())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A plugin that keeps the API past its `run` gets an error, not a dangling pointer.
+    #[test]
+    fn services_close_when_the_command_returns() {
+        let registry = Registry::discover(&[]).unwrap();
+        let services = Services::new(&registry);
+        let kept = services.with_api(|api| {
+            let reply = (api.services.call())(api.ctx, "version".into(), "{}".into()).into_result().unwrap();
+            assert!(reply.contains("\"abi\""), "{reply}");
+            api
+        });
+        drop(services);
+        let late = (kept.services.call())(kept.ctx, "version".into(), "{}".into()).into_result();
+        assert!(late.unwrap_err().contains("closed"));
+        let late = (kept.services.release())(kept.ctx, 1).into_result();
+        assert!(late.unwrap_err().contains("closed"));
+    }
 }

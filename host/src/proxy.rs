@@ -40,10 +40,8 @@ macro_rules! proxy {
             origin: Origin,
         }
 
-        // The plugin object is only touched through `&mut self`, one call at a time, except
-        // a connector's `complete`, which its trait declares safe to call concurrently.
+        // The plugin object is owned by this proxy alone and may move between threads.
         unsafe impl Send for $name {}
-        unsafe impl Sync for $name {}
 
         impl $name {
             pub fn create(p: &Plugin, module: $modref, settings: &Value) -> Result<Self> {
@@ -65,6 +63,11 @@ proxy!(EncoderProxy, EncoderModRef);
 proxy!(OptimizerProxy, OptimizerModRef);
 proxy!(ReaderProxy, ReaderModRef);
 proxy!(ConnectorProxy, ConnectorModRef);
+
+// Only a connector may be shared: its `complete` is `&self` on the plugin side too (the
+// `Connector` trait requires `Sync`). The other kinds' `&self` methods reach `&mut` plugin
+// objects and must not run concurrently.
+unsafe impl Sync for ConnectorProxy {}
 
 impl Encoder for EncoderProxy {
     fn encode(&mut self, texts: &[&str], role: Role, task: Option<&str>, train: bool) -> Result<Tensor> {

@@ -59,6 +59,31 @@ pub fn task_batch_sizes(counts: &[usize], total: usize, c: f64) -> Result<Vec<us
             excess -= 1;
         }
     }
+    // A task never gets more than it has (a sub-batch would repeat examples, and a repeated
+    // passage is a false in-batch negative): hand the excess to tasks with room.
+    let available: usize = counts.iter().sum();
+    if total > available {
+        bail!("a batch of {total} is larger than all {available} training examples");
+    }
+    loop {
+        let excess: usize = sizes.iter().zip(counts).map(|(&s, &n)| s.saturating_sub(n)).sum();
+        if excess == 0 {
+            break;
+        }
+        for (s, &n) in sizes.iter_mut().zip(counts) {
+            *s = (*s).min(n);
+        }
+        let mut left = excess;
+        for &i in by_remainder.iter().cycle().take(counts.len() * excess) {
+            if left == 0 {
+                break;
+            }
+            if sizes[i] < counts[i] {
+                sizes[i] += 1;
+                left -= 1;
+            }
+        }
+    }
     Ok(sizes)
 }
 
@@ -233,8 +258,8 @@ mod tests {
 
     #[test]
     fn batch_sizes_follow_the_tempered_rates() {
-        // Rates (N_t/ΣN)^(1/4) for 1000:100:10 are 0.9564:0.5378:0.3024 (×1/Σ).
-        let s = task_batch_sizes(&[1000, 100, 10], 120, 4.0).unwrap();
+        // Rates (N_t/ΣN)^(1/4) for 1000:100:10 are 0.9743:0.5479:0.3081 (×1/Σ).
+        let s = task_batch_sizes(&[10000, 1000, 100], 120, 4.0).unwrap();
         assert_eq!(s.iter().sum::<usize>(), 120);
         assert_eq!(s, vec![64, 36, 20]);
         // Equal tasks split evenly, a remainder to the earliest.
@@ -244,6 +269,11 @@ mod tests {
         assert_eq!(s.iter().sum::<usize>(), 4);
         assert!(s[1] >= 1);
         assert!(task_batch_sizes(&[3, 3, 3], 2, 4.0).is_err());
+        // A task is never given more examples than it has.
+        let s = task_batch_sizes(&[1000, 2], 40, 1.0).unwrap();
+        assert_eq!(s.iter().sum::<usize>(), 40);
+        assert!(s[1] <= 2, "{s:?}");
+        assert!(task_batch_sizes(&[3, 2], 6, 4.0).is_err());
         assert!(task_batch_sizes(&[3, 0], 8, 4.0).is_err());
     }
 

@@ -282,6 +282,12 @@ impl<'a> Trainer<'a> {
     /// model goes to the output directory itself.
     pub fn train(&mut self, progress: &dyn Progress) -> Result<()> {
         std::fs::create_dir_all(&self.output_dir).with_context(|| format!("{}: cannot create", self.output_dir.display()))?;
+        remove_stale_checkpoint_temporaries(&self.output_dir);
+        if self.state.step == 0 {
+            // A fresh run: no log lines of an earlier one (the command refuses to start over an
+            // earlier run's checkpoints unless told to overwrite them).
+            truncate_log(&self.output_dir.join(LOG_FILE), 0)?;
+        }
         let params = self.params()?;
         let info = self.encoder.info()?;
         let lr_scale: BTreeMap<String, f64> = if self.config.layerwise_lr_decay {
@@ -291,7 +297,8 @@ impl<'a> Trainer<'a> {
         };
         let no_weight_decay: BTreeSet<String> = params.iter().map(|(n, _)| n).filter(|n| exempt_from_decay(n)).cloned().collect();
         let task_names: Vec<String> = self.tasks.iter().map(|t| t.name.clone()).collect();
-        let warmup = (self.config.warmup_ratio * self.config.max_steps as f64).round() as u64;
+        // As transformers' `get_warmup_steps`: ceil(ratio × steps).
+        let warmup = (self.config.warmup_ratio * self.config.max_steps as f64).ceil() as u64;
         let mut log = open_log(&self.output_dir.join(LOG_FILE))?;
         let mut window: BTreeMap<String, (f64, u64)> = BTreeMap::new();
         let started = std::time::Instant::now();
@@ -417,6 +424,29 @@ fn truncate_log(path: &Path, step: u64) -> Result<()> {
         out.push('\n');
     }
     rak_core::fsutil::write_bytes(path, out.as_bytes())
+}
+
+/// Remove `.checkpoint-N.tmp-PID` folders left by killed runs (the PID no longer running).
+fn remove_stale_checkpoint_temporaries(output_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(output_dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix(".checkpoint-").and_then(|r| r.rsplit_once(".tmp-")).map(|(_, pid)| pid.to_string()) else { continue };
+        let alive = pid.parse::<u32>().is_ok_and(|p| p == std::process::id() || Path::new(&format!("/proc/{p}")).exists());
+        if !alive {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// Earlier runs' checkpoints in `output_dir` (`checkpoint-N` folders).
+pub fn checkpoints(output_dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(output_dir) else { return Vec::new() };
+    entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().strip_prefix("checkpoint-").is_some_and(|n| n.parse::<u64>().is_ok()))
+        .map(|e| e.path())
+        .collect()
 }
 
 /// The checkpoint with the highest step in `output_dir`, if any.

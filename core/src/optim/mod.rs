@@ -65,6 +65,11 @@ impl AdamW {
                 .moments
                 .entry(name.clone())
                 .or_insert_with(|| Moments { exp_avg: Tensor::zeros_like(&p), exp_avg_sq: Tensor::zeros_like(&p) });
+            if m.exp_avg.device() != p.device() {
+                // Restored from a checkpoint, which keeps state on the CPU.
+                m.exp_avg = m.exp_avg.to_device(p.device());
+                m.exp_avg_sq = m.exp_avg_sq.to_device(p.device());
+            }
             if c.weight_decay != 0.0 && !ctx.no_weight_decay.contains(name) {
                 let _ = p.g_mul_scalar_(1.0 - lr * c.weight_decay);
             }

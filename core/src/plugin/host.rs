@@ -44,8 +44,9 @@ fn task_arg(task: Option<&str>) -> ROption<RStr<'_>> {
 }
 
 impl Host {
-    /// Wrap what `run` received (done by the export macro).
-    pub fn new(api: HostApi) -> Self {
+    /// Wrap what `run` received (done by the export macro). The host closes the services
+    /// when `run` returns: a `Host` or an object kept past that gets errors, not crashes.
+    pub(crate) fn new(api: HostApi) -> Self {
         Host { inner: Arc::new(Api { ctx: api.ctx, services: api.services }) }
     }
 

@@ -112,7 +112,10 @@ pub struct StepContext {
 /// `task_gradients` once per task, then `finish_step`.
 pub trait Optimizer: Send {
     /// The parameters to update (shallow clones sharing storage with the model's) and the
-    /// step's context.
+    /// step's context. A step that was begun and not finished (the trainer skips a step whose
+    /// loss is not finite) is discarded: no update, and no state it accumulated for that step
+    /// may carry over (T-SAGE's momentum is the documented exception: it folds each task in
+    /// as it arrives).
     fn begin_step(&mut self, params: Vec<(String, Tensor)>, ctx: StepContext) -> Result<()>;
     /// One task's loss and gradients. The tensors are lent: copy or fold in what you keep,
     /// the caller reuses their storage after the call.

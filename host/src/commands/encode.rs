@@ -111,7 +111,11 @@ pub fn encoder_identity(encoder: &str, settings: &Value) -> Result<Value> {
 /// are left out (temporary names of atomic writes in progress, `.git`), and so are
 /// subdirectories that are `host encode` outputs (they hold `.encode.lock`): their content
 /// derives from the checkpoint, and would change its digest on each run if an output were
-/// put inside the checkpoint's directory.
+/// put inside the checkpoint's directory. A `host train` output folder is also its final
+/// model: its checkpoints, indexes and logs are not part of that model and are left out
+/// (subfolders holding `trainer_state.json` or `index.json`, `trainer_log.jsonl`,
+/// `negatives-*.json`), so encoding with `--model OUT` neither re-reads gigabytes of
+/// checkpoints nor changes identity whenever training writes a log line.
 pub fn checkpoint_digest(path: &Path) -> Result<String> {
     use sha2::{Digest, Sha256};
     fn visit(hasher: &mut Sha256, path: &Path, rel: &str, depth: usize) -> Result<()> {
@@ -121,7 +125,7 @@ pub fn checkpoint_digest(path: &Path) -> Result<String> {
             if depth > 32 {
                 bail!("{}: checkpoint directories nest too deep (a symbolic link loop?)", path.display());
             }
-            if depth > 0 && path.join(".encode.lock").exists() {
+            if depth > 0 && [".encode.lock", "trainer_state.json", "index.json"].iter().any(|f| path.join(f).exists()) {
                 return Ok(());
             }
             let mut names: Vec<String> = std::fs::read_dir(path)
@@ -129,7 +133,7 @@ pub fn checkpoint_digest(path: &Path) -> Result<String> {
                 .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
                 .collect::<std::io::Result<_>>()
                 .with_context(|| format!("{}: cannot list the checkpoint", path.display()))?;
-            names.retain(|n| !n.starts_with('.'));
+            names.retain(|n| !n.starts_with('.') && n != "trainer_log.jsonl" && !(n.starts_with("negatives-") && n.ends_with(".json")));
             names.sort();
             for name in names {
                 let child_rel = if rel.is_empty() { name.clone() } else { format!("{rel}/{name}") };
@@ -213,6 +217,26 @@ mod tests {
         assert_ne!(digest, checkpoint_digest(&b).unwrap());
 
         assert!(checkpoint_digest(&root.join("missing")).is_err());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// A `host train` output folder is the final model plus checkpoints, indexes and logs: only
+    /// the model counts.
+    #[test]
+    fn a_training_output_is_digested_as_its_model() {
+        let root = std::env::temp_dir().join(format!("rak-digest-train-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        write(&root, "model.safetensors", b"weights");
+        write(&root, "1_Pooling/config.json", b"{}");
+        let before = checkpoint_digest(&root).unwrap();
+        write(&root, "checkpoint-100/trainer_state.json", b"{}");
+        write(&root, "checkpoint-100/model.safetensors", b"older weights");
+        write(&root, "bm25-index/index.json", b"{}");
+        write(&root, "trainer_log.jsonl", b"{\"step\": 1}\n");
+        write(&root, "negatives-episode-0.json", b"{}");
+        assert_eq!(checkpoint_digest(&root).unwrap(), before);
+        write(&root, "model.safetensors", b"new weights");
+        assert_ne!(checkpoint_digest(&root).unwrap(), before);
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

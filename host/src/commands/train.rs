@@ -48,6 +48,9 @@ pub struct TrainArgs {
     /// A checkpoint directory, or `latest` (the newest under --output-dir).
     #[arg(long)]
     pub resume_from_checkpoint: Option<String>,
+    /// Start afresh in an --output-dir that holds an earlier run's checkpoints (they are removed).
+    #[arg(long)]
+    pub overwrite_output_dir: bool,
     /// `cpu`, `cuda` or `cuda:N`.
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -198,6 +201,18 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
         }
         Some(dir) => Some(PathBuf::from(dir)),
     };
+    if resume.is_none() {
+        let earlier = rak_train::trainer::checkpoints(out);
+        if !earlier.is_empty() && !args.overwrite_output_dir {
+            bail!(
+                "{} holds checkpoints of an earlier run; continue it with --resume-from-checkpoint latest, or start over with --overwrite-output-dir",
+                out.display()
+            );
+        }
+        for dir in earlier {
+            std::fs::remove_dir_all(&dir).with_context(|| format!("{}: cannot remove", dir.display()))?;
+        }
+    }
     let start_model = match &resume {
         Some(ckpt) => ckpt.clone(),
         None => args.model.clone().or(recipe.model.path.clone()).context("no model: give --model or model.path")?,
