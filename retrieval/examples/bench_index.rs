@@ -39,7 +39,8 @@ fn main() -> anyhow::Result<()> {
     let mut out = serde_json::json!({"n": base.rows(), "dim": d, "nq": nq, "k": k, "threads": threads});
     match mode.as_str() {
         "flat" => {
-            let flat = FlatIndex::from_npy(Path::new(&a[2]), ids)?;
+            // The matrix already read as `base`, not read a second time.
+            let flat = FlatIndex::new(base.into_vec(), d, ids)?;
             let t = Instant::now();
             let hits = flat.search_with(FlatBackend::Torch, queries.data(), d, k)?;
             let s = t.elapsed().as_secs_f64();
@@ -61,7 +62,8 @@ fn main() -> anyhow::Result<()> {
             let reuse = std::env::var_os("RAK_BENCH_REUSE").filter(|v| !v.is_empty()).map(std::path::PathBuf::from);
             let mut h = match &reuse {
                 Some(dir) if dir.exists() => HnswIndex::load(dir)?,
-                _ => HnswIndex::build_with(base.data(), d, ids, HnswParams { m, ef_construction: efc, ef_search: efs[0] }, builder)?,
+                // The index takes `base` over (one copy of the matrix, as `host index build`).
+                _ => HnswIndex::build_owned(base.into_vec(), d, ids, HnswParams { m, ef_construction: efc, ef_search: efs[0] }, builder, &|_| ())?,
             };
             if let Some(dir) = reuse.filter(|d| !d.exists()) {
                 h.save(&dir)?;

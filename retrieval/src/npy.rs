@@ -4,7 +4,8 @@
 //! Writing streams rows into `.NAME.partial` beside the target and patches the header's shape on
 //! [`NpyWriter::finish`], which renames the file into place: a killed `encode` never leaves a
 //! file that looks whole, and [`NpyWriter::resume`] continues the partial file after the last
-//! whole row. Reading memory-maps the file and hands out a `&[f32]` view.
+//! whole row. Reading copies the values into memory ([`NpyF32`]) or streams them a block of
+//! rows at a time ([`NpyRows`]); files are never memory-mapped (see [`NpyF32`] for why).
 
 use anyhow::{bail, Context, Result};
 use std::fs::File;
@@ -111,7 +112,8 @@ impl NpyWriter {
         self.rows
     }
 
-    /// Patch the header with the final shape, flush, fsync and rename into place.
+    /// Patch the header with the final shape, flush, fsync, rename into place and fsync the
+    /// directory (so that a crash cannot keep the rename but lose the data, or lose the rename).
     pub fn finish(mut self) -> Result<()> {
         let out = self.out.take().expect("NpyWriter finished twice");
         let tmp = self.tmp.clone();
@@ -124,7 +126,10 @@ impl NpyWriter {
         })()
         .with_context(|| format!("{}: cannot finish", tmp.display()));
         match res.and_then(|_| std::fs::rename(&tmp, &self.path).with_context(|| format!("{}: cannot move into place", self.path.display()))) {
-            Ok(()) => Ok(()),
+            Ok(()) => rak_core::fsutil::sync_dir(match self.path.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => Path::new("."),
+            }),
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp);
                 Err(e)
@@ -139,38 +144,34 @@ pub fn partial_path(path: &Path) -> PathBuf {
     path.with_file_name(format!(".{name}.partial"))
 }
 
-/// A memory-mapped `[rows, dim]` f32 matrix.
+/// A `[rows, dim]` f32 matrix read into memory.
+///
+/// Why not memory-mapped (as it once was): the files come from user directories (`encode`
+/// output, an index's own `embeddings.npy` / `vectors.npy`), and any other program can
+/// truncate or rewrite a file while it is mapped. Reading a mapped page past the new end of
+/// the file raises SIGBUS, which kills the process, and a rewrite changes values after they
+/// were checked (a NaN then outranks every score). Nothing prevents that for a mapping: file
+/// locks are advisory and other programs ignore them, and a private mapping still reads
+/// the file for every page it has not copied. A copy of our own does not change, so the values
+/// are read with plain reads, once, and checked after. A search touches every vector (exact) or
+/// most of them (HNSW) anyway, so the memory is the same as a mapping's once warm.
+/// [`NpyRows`] streams a file instead, for work that needs one pass and no copy.
 pub struct NpyF32 {
     path: PathBuf,
-    mmap: memmap2::Mmap,
-    offset: usize,
+    data: Vec<f32>,
     rows: usize,
     dim: usize,
 }
 
 impl NpyF32 {
-    /// Map `path` and check its header: version 1.0/2.0, `<f4`, C order, 2-D, full length.
+    /// Read `path` after checking its header: version 1.0/2.0/3.0, `<f4`, C order, 2-D, and a
+    /// file length that matches the shape.
     pub fn open(path: &Path) -> Result<Self> {
-        let file = File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
-        // Safety: read-only map; the toolkit writes files under temporary names and renames,
-        // so a file is not modified in place while mapped.
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("{}: cannot map", path.display()))?;
-        let (offset, rows, dim) = parse_header(&mmap).with_context(|| format!("{}: not a 2-D float32 .npy file", path.display()))?;
-        let want = rows.checked_mul(dim).and_then(|n| n.checked_mul(4)).and_then(|n| n.checked_add(offset));
-        match want {
-            Some(w) if w == mmap.len() => {}
-            Some(w) if w > mmap.len() => bail!(
-                "{}: truncated: header says shape ({rows}, {dim}) = {w} bytes, file has {}",
-                path.display(),
-                mmap.len()
-            ),
-            Some(w) => bail!("{}: {} trailing bytes after the ({rows}, {dim}) array", path.display(), mmap.len() - w),
-            None => bail!("{}: shape ({rows}, {dim}) overflows", path.display()),
-        }
-        if offset % 4 != 0 {
-            bail!("{}: data offset {offset} is not 4-byte aligned", path.display());
-        }
-        Ok(Self { path: path.to_path_buf(), mmap, offset, rows, dim })
+        let mut r = NpyRows::open(path)?;
+        let (rows, dim) = (r.rows(), r.dim());
+        let mut data = Vec::new();
+        r.read_rows(rows, &mut data)?;
+        Ok(Self { path: path.to_path_buf(), data, rows, dim })
     }
 
     pub fn rows(&self) -> usize {
@@ -184,14 +185,103 @@ impl NpyF32 {
     }
     /// All values, row-major.
     pub fn data(&self) -> &[f32] {
-        let bytes = &self.mmap[self.offset..];
-        // Safety: length checked in open; mmap is page-aligned and offset is a multiple of 4.
-        unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, self.rows * self.dim) }
+        &self.data
     }
     /// Row `i`.
     pub fn row(&self, i: usize) -> &[f32] {
-        &self.data()[i * self.dim..(i + 1) * self.dim]
+        &self.data[i * self.dim..(i + 1) * self.dim]
     }
+    /// The values, row-major, without a copy.
+    pub fn into_vec(self) -> Vec<f32> {
+        self.data
+    }
+}
+
+/// Reads the rows of a `[rows, dim]` f32 `.npy` file a block at a time, with plain reads (see
+/// [`NpyF32`] for why not a mapping): a file truncated meanwhile is an error, not a SIGBUS.
+pub struct NpyRows {
+    path: PathBuf,
+    file: std::io::BufReader<File>,
+    rows: usize,
+    dim: usize,
+    /// Rows handed out so far.
+    done: usize,
+}
+
+impl NpyRows {
+    /// Open `path` and check its header and length (as [`NpyF32::open`]); reads no rows yet.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+        let len = file.metadata().with_context(|| format!("{}: cannot stat", path.display()))?.len();
+        let mut file = std::io::BufReader::with_capacity(1 << 20, file);
+        let (offset, rows, dim) = read_header(&mut file).with_context(|| format!("{}: not a 2-D float32 .npy file", path.display()))?;
+        let want = rows.checked_mul(dim).and_then(|n| n.checked_mul(4)).and_then(|n| n.checked_add(offset)).map(|w| w as u64);
+        match want {
+            Some(w) if w == len => {}
+            Some(w) if w > len => bail!("{}: truncated: header says shape ({rows}, {dim}) = {w} bytes, file has {len}", path.display()),
+            Some(w) => bail!("{}: {} trailing bytes after the ({rows}, {dim}) array", path.display(), len - w),
+            None => bail!("{}: shape ({rows}, {dim}) overflows", path.display()),
+        }
+        Ok(Self { path: path.to_path_buf(), file, rows, dim, done: 0 })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    /// Rows read so far (the index of the next row).
+    pub fn position(&self) -> usize {
+        self.done
+    }
+
+    /// Replace `buf` with the next rows, at most `max_rows` of them; returns how many
+    /// (0 at the end).
+    pub fn read_rows(&mut self, max_rows: usize, buf: &mut Vec<f32>) -> Result<usize> {
+        let n = max_rows.min(self.rows - self.done);
+        buf.clear();
+        if buf.capacity() < n * self.dim {
+            *buf = vec![0.0; n * self.dim]; // zeroed by the allocator, not written twice
+        } else {
+            buf.resize(n * self.dim, 0.0);
+        }
+        // f32 little-endian on disk; this crate targets little-endian machines only.
+        // Safety: any bytes are a valid f32; the view covers exactly `buf`'s values.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, std::mem::size_of_val(buf.as_slice())) };
+        std::io::Read::read_exact(&mut self.file, bytes).with_context(|| {
+            format!("{}: cannot read rows {}..{} (was the file changed while being read?)", self.path.display(), self.done, self.done + n)
+        })?;
+        self.done += n;
+        Ok(n)
+    }
+}
+
+/// Read and parse the header at the start of `r`, leaving `r` at the first value.
+fn read_header(r: &mut impl std::io::Read) -> Result<(usize, usize, usize)> {
+    // Magic, version and the header length (2 bytes in v1, 4 in v2/v3), then the header.
+    let mut head = vec![0u8; 10];
+    let eof = |e: std::io::Error| if e.kind() == std::io::ErrorKind::UnexpectedEof { anyhow::anyhow!("missing the \\x93NUMPY magic or truncated header") } else { e.into() };
+    r.read_exact(&mut head).map_err(eof)?;
+    if &head[..6] != MAGIC {
+        bail!("missing the \\x93NUMPY magic");
+    }
+    let hlen = match head[6] {
+        1 => u16::from_le_bytes([head[8], head[9]]) as usize,
+        2 | 3 => {
+            head.resize(12, 0);
+            r.read_exact(&mut head[10..]).map_err(eof)?;
+            u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize
+        }
+        _ => 0, // parse_header names the version
+    };
+    let start = head.len();
+    head.resize(start + hlen, 0);
+    r.read_exact(&mut head[start..]).map_err(|e| if e.kind() == std::io::ErrorKind::UnexpectedEof { anyhow::anyhow!("truncated header") } else { e.into() })?;
+    parse_header(&head)
 }
 
 fn parse_header(b: &[u8]) -> Result<(usize, usize, usize)> {

@@ -26,6 +26,42 @@ pub const BM25_K1: f32 = 1.2;
 /// The b tantivy uses (not configurable).
 pub const BM25_B: f32 = 0.75;
 
+/// The most text that may wait in tantivy's queue (see [`QueueBound`]).
+const QUEUE_BYTES: usize = 16 << 20;
+/// The length of tantivy's queue between `add_document` and its indexing threads, in
+/// documents (`PIPELINE_MAX_SIZE_IN_DOCS`, private in tantivy 0.27).
+const QUEUE_DOCS: usize = 10_000;
+
+/// Keeps the memory held by tantivy's document queue bounded while indexing. `add_document`
+/// returns as soon as the document is queued, and the queue holds up to [`QUEUE_DOCS`]
+/// documents: with long passages that is a whole corpus in memory (200 passages of 1 MB
+/// took 0.4 GiB). A commit returns only once the queue is indexed, so the build commits when
+/// the text of the last `QUEUE_DOCS` documents since the last commit (the most the queue can
+/// hold) reaches [`QUEUE_BYTES`]. Passages of ordinary length (under 1.6 KB on average)
+/// never reach it and are indexed without extra commits (each commit ends a segment).
+#[derive(Default)]
+struct QueueBound {
+    sizes: std::collections::VecDeque<usize>,
+    bytes: usize,
+}
+
+impl QueueBound {
+    /// Count a queued document of `bytes`; true when the caller must commit now.
+    fn push(&mut self, bytes: usize) -> bool {
+        self.sizes.push_back(bytes);
+        self.bytes += bytes;
+        if self.sizes.len() > QUEUE_DOCS {
+            self.bytes -= self.sizes.pop_front().unwrap_or(0);
+        }
+        if self.bytes < QUEUE_BYTES {
+            return false;
+        }
+        self.sizes.clear();
+        self.bytes = 0;
+        true
+    }
+}
+
 pub struct Bm25Index {
     index: Index,
     reader: IndexReader,
@@ -56,12 +92,27 @@ impl Bm25Index {
         S2: AsRef<str>,
         S3: AsRef<str>,
     {
+        Self::try_build(dir, corpus.into_iter().map(Ok))
+    }
+
+    /// [`build`](Self::build) from a fallible stream of documents, e.g. a corpus file read
+    /// line by line: the first `Err` stops the build (nothing is written to `dir`) and is
+    /// returned. Documents are consumed one at a time, so the corpus is never held in memory.
+    pub fn try_build<I, S1, S2, S3>(dir: &Path, corpus: I) -> Result<Self>
+    where
+        I: IntoIterator<Item = Result<(S1, S2, S3)>>,
+        S1: AsRef<str>,
+        S2: AsRef<str>,
+        S3: AsRef<str>,
+    {
         super::write_dir_atomically(dir, |tmp| {
             let (schema, id, title, text) = schema();
             let index = Index::create_in_dir(tmp, schema).with_context(|| format!("{}: cannot create a tantivy index", tmp.display()))?;
             let mut writer: tantivy::IndexWriter = index.writer(200_000_000)?;
             let mut count = 0usize;
-            for (i, (d_id, d_title, d_text)) in corpus.into_iter().enumerate() {
+            let mut queue = QueueBound::default();
+            for (i, doc) in corpus.into_iter().enumerate() {
+                let (d_id, d_title, d_text) = doc?;
                 let d_id = d_id.as_ref();
                 if d_id.is_empty() {
                     anyhow::bail!("document #{i} has an empty id");
@@ -70,8 +121,12 @@ impl Bm25Index {
                 doc.add_text(id, d_id);
                 doc.add_text(title, d_title.as_ref());
                 doc.add_text(text, d_text.as_ref());
+                let bytes = d_id.len() + d_title.as_ref().len() + d_text.as_ref().len();
                 writer.add_document(doc)?;
                 count += 1;
+                if queue.push(bytes) {
+                    writer.commit()?;
+                }
             }
             if count == 0 {
                 anyhow::bail!("empty corpus: nothing to index");

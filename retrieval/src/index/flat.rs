@@ -1,10 +1,10 @@
 //! Exact maximum-inner-product search by scanning every vector.
 //!
-//! Files: `index.json`, `embeddings.npy` (`[count, dim]` `<f4`, memory-mapped on load),
-//! `ids.txt`.
+//! Files: `index.json`, `embeddings.npy` (`[count, dim]` `<f4`, read into memory and checked
+//! on load), `ids.txt`.
 
-use super::{check_ids, check_matrix, check_queries, simd, Hit, IndexMeta, Scored};
-use crate::npy::{self, NpyF32};
+use super::{check_ids, check_matrix, check_queries, check_rows, simd, Hit, IndexMeta, Scored};
+use crate::npy::{self, NpyF32, NpyRows, NpyWriter};
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 use std::path::Path;
@@ -22,13 +22,9 @@ pub enum FlatBackend {
     Rust,
 }
 
-enum Storage {
-    Owned(Vec<f32>),
-    Mapped(NpyF32),
-}
-
 pub struct FlatIndex {
-    storage: Storage,
+    /// `[len, dim]` row-major, checked finite. Owned, never memory-mapped: see `npy::NpyF32`.
+    vectors: Vec<f32>,
     dim: usize,
     ids: Vec<String>,
     meta: IndexMeta,
@@ -40,17 +36,56 @@ impl FlatIndex {
         let rows = check_matrix("embeddings", &vectors, dim)?;
         check_ids(&ids, rows)?;
         let meta = IndexMeta::new("flat", dim, rows, "ip", serde_json::json!({}));
-        Ok(Self { storage: Storage::Owned(vectors), dim, ids, meta })
+        Ok(Self { vectors, dim, ids, meta })
     }
 
-    /// Index an `.npy` file of embeddings in place (memory-mapped, not copied).
+    /// An index over an `.npy` file of embeddings, read into memory (a copy: a file mapped
+    /// from a user's directory could change or shrink under us, see `npy::NpyF32`).
     pub fn from_npy(embeddings: &Path, ids: Vec<String>) -> Result<Self> {
         let arr = NpyF32::open(embeddings)?;
         let (rows, dim) = (arr.rows(), arr.dim());
-        check_matrix(&embeddings.display().to_string(), arr.data(), dim)?;
+        let vectors = arr.into_vec();
+        check_matrix(&embeddings.display().to_string(), &vectors, dim)?;
         check_ids(&ids, rows).with_context(|| embeddings.display().to_string())?;
         let meta = IndexMeta::new("flat", dim, rows, "ip", serde_json::json!({}));
-        Ok(Self { storage: Storage::Mapped(arr), dim, ids, meta })
+        Ok(Self { vectors, dim, ids, meta })
+    }
+
+    /// Write a flat index over the `.npy` file `embeddings` to `dir` (atomically) without
+    /// holding the matrix in memory: rows are streamed from the file into the index's own
+    /// `embeddings.npy` a block at a time, each block checked (finite, see `check_matrix`)
+    /// before it is written. The memory needed is one block, whatever the file's size.
+    pub fn build_from_npy(embeddings: &Path, ids: &[String], dir: &Path) -> Result<IndexMeta> {
+        let mut rows = NpyRows::open(embeddings)?;
+        let (n, dim) = (rows.rows(), rows.dim());
+        let what = embeddings.display().to_string();
+        if dim == 0 {
+            anyhow::bail!("{what}: dimension is 0");
+        }
+        if n == 0 {
+            anyhow::bail!("{what}: no vectors (empty embeddings)");
+        }
+        check_ids(ids, n).with_context(|| what.clone())?;
+        let meta = IndexMeta::new("flat", dim, n, "ip", serde_json::json!({}));
+        super::write_dir_atomically(dir, |tmp| {
+            let mut out = NpyWriter::create(&tmp.join("embeddings.npy"), dim)?;
+            // Blocks of about 16 MiB: few system calls, and small next to a large matrix.
+            let block = ((16 << 20) / (4 * dim)).max(1);
+            let mut buf = Vec::new();
+            loop {
+                let first = rows.position();
+                if rows.read_rows(block, &mut buf)? == 0 {
+                    break;
+                }
+                // The copy in `buf` is what is checked and written, even if the file changes.
+                check_rows(&what, &buf, dim, first)?;
+                out.append(&buf)?;
+            }
+            out.finish()?;
+            npy::write_ids(&tmp.join("ids.txt"), ids)?;
+            meta.write(tmp)
+        })?;
+        Ok(meta)
     }
 
     /// Write the index to `dir` (atomically: built under a temporary name, then renamed).
@@ -62,11 +97,14 @@ impl FlatIndex {
         })
     }
 
-    /// Open an index written by [`save`](Self::save); embeddings are memory-mapped.
+    /// Open an index written by [`save`](Self::save) or [`build_from_npy`](Self::build_from_npy).
+    /// The embeddings are read into memory and checked again: another program may have
+    /// replaced the file since it was written, and a NaN would outrank every score.
     pub fn load(dir: &Path) -> Result<Self> {
         let meta = IndexMeta::read(dir)?;
         meta.expect_kind(dir, "flat")?;
-        let arr = NpyF32::open(&dir.join("embeddings.npy"))?;
+        let path = dir.join("embeddings.npy");
+        let arr = NpyF32::open(&path)?;
         let ids = npy::read_ids(&dir.join("ids.txt"))?;
         check_ids(&ids, arr.rows()).with_context(|| dir.display().to_string())?;
         if arr.rows() == 0 || arr.dim() == 0 {
@@ -75,14 +113,14 @@ impl FlatIndex {
         if arr.dim() != meta.dim || arr.rows() != meta.count {
             anyhow::bail!("{}: index.json says ({}, {}), embeddings.npy is ({}, {})", dir.display(), meta.count, meta.dim, arr.rows(), arr.dim());
         }
-        Ok(Self { dim: arr.dim(), storage: Storage::Mapped(arr), ids, meta })
+        let dim = arr.dim();
+        let vectors = arr.into_vec();
+        check_matrix(&path.display().to_string(), &vectors, dim)?;
+        Ok(Self { vectors, dim, ids, meta })
     }
 
     pub fn vectors(&self) -> &[f32] {
-        match &self.storage {
-            Storage::Owned(v) => v,
-            Storage::Mapped(a) => a.data(),
-        }
+        &self.vectors
     }
     pub fn dim(&self) -> usize {
         self.dim
@@ -145,7 +183,7 @@ impl FlatIndex {
             let rows = block.min(n - start);
             let slice = &base[start * d..(start + rows) * d];
             // Safety: `slice` outlives `b` (dropped at the end of this iteration) and libtorch
-            // only reads it (matmul); no copy of a possibly memory-mapped matrix is made.
+            // only reads it (matmul); the block is not copied.
             let b = unsafe { Tensor::f_from_blob(slice.as_ptr() as *const u8, &[rows as i64, d as i64], &[d as i64, 1], Kind::Float, Device::Cpu) }?;
             let scores = block_scores(&q, &b)?;
             anyhow::ensure!(

@@ -164,7 +164,8 @@ fn builder_hnsw_rs() -> HnswBuilder {
 
 pub struct HnswIndex {
     graph: Graph,
-    vectors: Vectors,
+    /// `[len, dim]` row-major, checked finite; owned, never memory-mapped (see `npy::NpyF32`).
+    vectors: Vec<f32>,
     dim: usize,
     params: HnswParams,
     max_norm: f32,
@@ -174,21 +175,6 @@ pub struct HnswIndex {
     meta: IndexMeta,
     dot: simd::Kernel,
     dot4: simd::Kernel4,
-}
-
-/// The vectors searched: owned after a build, memory-mapped after a load.
-enum Vectors {
-    Owned(Vec<f32>),
-    Mapped(NpyF32),
-}
-
-impl Vectors {
-    fn data(&self) -> &[f32] {
-        match self {
-            Vectors::Owned(v) => v,
-            Vectors::Mapped(a) => a.data(),
-        }
-    }
 }
 
 /// The HNSW graph in flat arrays, nodes numbered by row.
@@ -372,7 +358,8 @@ impl HnswIndex {
     }
 
     /// [`build_with`](Self::build_with), calling `progress(points inserted)` now and then
-    /// (the native builder only; from any thread).
+    /// (the native builder only; from any thread). The index keeps a copy of `vectors`;
+    /// [`build_owned`](Self::build_owned) takes them instead.
     pub fn build_with_progress(
         vectors: &[f32],
         dim: usize,
@@ -382,7 +369,22 @@ impl HnswIndex {
         progress: &(dyn Fn(usize) + Sync),
     ) -> Result<Self> {
         params.validate()?;
-        let n = check_matrix("embeddings", vectors, dim)?;
+        Self::build_owned(vectors.to_vec(), dim, ids, params, builder, progress)
+    }
+
+    /// [`build_with_progress`](Self::build_with_progress) over vectors the index takes over:
+    /// the graph is built on them and they are what the index searches, so a build holds one
+    /// copy of the matrix, not two (the hnsw_rs builder keeps its own copy while it runs).
+    pub fn build_owned(
+        vectors: Vec<f32>,
+        dim: usize,
+        ids: Vec<String>,
+        params: HnswParams,
+        builder: HnswBuilder,
+        progress: &(dyn Fn(usize) + Sync),
+    ) -> Result<Self> {
+        params.validate()?;
+        let n = check_matrix("embeddings", &vectors, dim)?;
         check_ids(&ids, n)?;
         if n > i32::MAX as usize {
             bail!("{n} vectors: an HNSW index holds at most {}", i32::MAX);
@@ -399,7 +401,7 @@ impl HnswIndex {
         // empty: the level of a point is drawn with scale 1/ln(m)); kept for parity with it.
         let nb_layer = MAX_LAYERS;
         let graph = match builder {
-            HnswBuilder::Native => Graph::from_built(hnsw_build::build(vectors, dim, params.m, params.ef_construction, progress)),
+            HnswBuilder::Native => Graph::from_built(hnsw_build::build(&vectors, dim, params.m, params.ef_construction, progress)),
             HnswBuilder::HnswRs => {
             let hnsw = Hnsw::<f32, InnerProductDist>::new(params.m, n, nb_layer, params.ef_construction, InnerProductDist::new(max_norm));
             // Insert in chunks so that rayon's work queue stays small.
@@ -414,7 +416,7 @@ impl HnswIndex {
         let meta = IndexMeta::new("hnsw", dim, n, "ip", serde_json::json!({}));
         let mut idx = Self {
             graph,
-            vectors: Vectors::Owned(vectors.to_vec()),
+            vectors,
             dim,
             params,
             max_norm,
@@ -493,7 +495,7 @@ impl HnswIndex {
     /// The hits for one query and the number of vectors scored on the way.
     fn search_one(&self, q: &[f32], k: usize, ef: usize) -> (Vec<Hit>, usize) {
         let g = &self.graph;
-        let s = Scorer { data: self.vectors.data(), dim: self.dim, dot: self.dot, dot4: self.dot4 };
+        let s = Scorer { data: &self.vectors, dim: self.dim, dot: self.dot, dot4: self.dot4 };
         SCRATCH.with(|sc| {
             let sc = &mut *sc.borrow_mut();
             // Greedy descent through the upper layers, then a beam search on layer 0.
@@ -520,7 +522,7 @@ impl HnswIndex {
             let gp = tmp.join("graph.bin");
             self.graph.write(&gp)?;
             let graph_bytes = std::fs::metadata(&gp)?.len();
-            npy::write_f32(&tmp.join("vectors.npy"), self.vectors.data(), self.dim)?;
+            npy::write_f32(&tmp.join("vectors.npy"), &self.vectors, self.dim)?;
             npy::write_ids(&tmp.join("ids.txt"), &self.ids)?;
             let mut meta = self.meta.clone();
             meta.params = self.stored_params(graph_bytes);
@@ -528,7 +530,9 @@ impl HnswIndex {
         })
     }
 
-    /// Load an index written by [`save`](Self::save); vectors are memory-mapped.
+    /// Load an index written by [`save`](Self::save). The vectors are read into memory and
+    /// checked again: another program may have replaced `vectors.npy` since it was written,
+    /// and a NaN would outrank every score.
     pub fn load(dir: &Path) -> Result<Self> {
         let meta = IndexMeta::read(dir)?;
         meta.expect_kind(dir, "hnsw")?;
@@ -536,17 +540,20 @@ impl HnswIndex {
         sp.params.validate().with_context(|| format!("{}: index.json", dir.display()))?;
         let ids = npy::read_ids(&dir.join("ids.txt"))?;
         check_ids(&ids, meta.count).with_context(|| dir.display().to_string())?;
-        let vectors = NpyF32::open(&dir.join("vectors.npy"))?;
+        let path = dir.join("vectors.npy");
+        let vectors = NpyF32::open(&path)?;
         if meta.dim == 0 {
             bail!("{}: index.json says the vectors are 0-d", dir.display());
         }
         if vectors.rows() != meta.count || vectors.dim() != meta.dim {
             bail!("{}: index.json says ({}, {}), vectors.npy is ({}, {})", dir.display(), meta.count, meta.dim, vectors.rows(), vectors.dim());
         }
+        let vectors = vectors.into_vec();
+        check_matrix(&path.display().to_string(), &vectors, meta.dim)?;
         let graph = Graph::read(&dir.join("graph.bin"), meta.count)?;
         Ok(Self {
             graph,
-            vectors: Vectors::Mapped(vectors),
+            vectors,
             dim: meta.dim,
             params: sp.params,
             max_norm: sp.max_norm,

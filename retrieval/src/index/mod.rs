@@ -124,17 +124,24 @@ impl Index {
 }
 
 /// Build a directory under a temporary sibling name, then rename it to `dir`. An existing `dir`
-/// is replaced only after the new one is complete.
+/// is replaced only after the new one is complete. Every file in the new directory is fsynced
+/// before the rename and the parent directory after it (see `rak_core::fsutil`). Then the
+/// leftovers of killed runs that wrote `dir` before (`.NAME.tmp-PID`, `.NAME.old-PID` of
+/// processes that are gone) are removed.
 pub fn write_dir_atomically(dir: &Path, build: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let tmp = rak_core::fsutil::temp_path(dir);
-    if let Some(parent) = dir.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).with_context(|| format!("{}: cannot create directory", parent.display()))?;
-    }
+    use rak_core::fsutil;
+    let tmp = fsutil::temp_path(dir);
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    std::fs::create_dir_all(parent).with_context(|| format!("{}: cannot create directory", parent.display()))?;
     if tmp.exists() {
+        // Ours by name: left by an earlier process that had this same id.
         std::fs::remove_dir_all(&tmp).with_context(|| format!("{}: cannot remove stale temporary directory", tmp.display()))?;
     }
     std::fs::create_dir(&tmp).with_context(|| format!("{}: cannot create directory", tmp.display()))?;
-    if let Err(e) = build(&tmp) {
+    if let Err(e) = build(&tmp).and_then(|()| sync_tree(&tmp)) {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
@@ -146,11 +153,38 @@ pub fn write_dir_atomically(dir: &Path, build: impl FnOnce(&Path) -> Result<()>)
     } else {
         None
     };
-    std::fs::rename(&tmp, dir).with_context(|| format!("{}: cannot move into place", dir.display()))?;
+    if let Err(e) = std::fs::rename(&tmp, dir) {
+        // Put the old index back rather than leave it under a name the next run removes.
+        if let Some(old) = &old {
+            let _ = std::fs::rename(old, dir);
+        }
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e).with_context(|| format!("{}: cannot move into place", dir.display()));
+    }
+    fsutil::sync_dir(parent)?;
     if let Some(old) = old {
         let _ = std::fs::remove_dir_all(old);
     }
+    // Only now: a killed run's `.NAME.old-PID` may hold the only whole copy of the previous
+    // index until the new one is in place.
+    fsutil::remove_stale_temps(dir);
     Ok(())
+}
+
+/// fsync every file under `dir`, then the directories themselves. Files written through
+/// `fsutil` or `NpyWriter` are synced already (a second fsync of a clean file costs little);
+/// tantivy's are not all.
+fn sync_tree(dir: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir).with_context(|| format!("{}: cannot list", dir.display()))? {
+        let entry = entry.with_context(|| format!("{}: cannot list", dir.display()))?;
+        let ty = entry.file_type()?;
+        if ty.is_dir() {
+            sync_tree(&entry.path())?;
+        } else if ty.is_file() {
+            rak_core::fsutil::sync_file(&entry.path())?;
+        }
+    }
+    rak_core::fsutil::sync_dir(dir)
 }
 
 /// Check a `[n, dim]` row-major matrix: non-empty, whole rows, finite. `what` names it in errors.
@@ -164,6 +198,13 @@ pub(crate) fn check_matrix(what: &str, data: &[f32], dim: usize) -> Result<usize
     if !data.len().is_multiple_of(dim) {
         bail!("{what}: {} values is not a whole number of rows of width {dim}", data.len());
     }
+    check_rows(what, data, dim, 0)?;
+    Ok(data.len() / dim)
+}
+
+/// Check that whole rows of width `dim > 0`, the first numbered `first_row`, are finite with
+/// finite squared norms; errors name `what` and the row.
+pub(crate) fn check_rows(what: &str, data: &[f32], dim: usize, first_row: usize) -> Result<()> {
     // Finite values with a finite squared norm: then by Cauchy-Schwarz no inner product of two
     // checked vectors overflows f32 (an overflow could give inf - inf = NaN, a score that
     // ranks nowhere sensible).
@@ -171,12 +212,13 @@ pub(crate) fn check_matrix(what: &str, data: &[f32], dim: usize) -> Result<usize
     let bad = |row: &[f32]| !row.iter().map(|v| v * v).sum::<f32>().is_finite();
     if let Some(r) = data.par_chunks(dim).position_first(bad) {
         let row = &data[r * dim..(r + 1) * dim];
+        let r = first_row + r;
         if let Some(v) = row.iter().find(|v| !v.is_finite()) {
             bail!("{what}: row {r} holds a non-finite value ({v})");
         }
         bail!("{what}: row {r}: its squared norm overflows f32, and inner products with it could too; scale the vectors down");
     }
-    Ok(data.len() / dim)
+    Ok(())
 }
 
 /// Check queries against an index of width `index_dim`.

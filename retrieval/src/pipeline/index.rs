@@ -3,7 +3,7 @@
 use super::Progress;
 use crate::data::beir;
 use crate::index::{Bm25Index, FlatIndex, HnswBuilder, HnswIndex, HnswParams, IndexMeta};
-use crate::npy::{self, NpyF32};
+use crate::npy::{self, NpyF32, NpyRows};
 use anyhow::{bail, Result};
 use std::path::{Path, PathBuf};
 
@@ -18,41 +18,51 @@ pub enum IndexSpec {
     Bm25 { corpus: PathBuf },
 }
 
-/// Read `embeddings.npy` + `ids.txt`, checking they agree.
+/// Read `embeddings.npy` (into memory) + `ids.txt`, checking they agree.
 pub fn read_embeddings(dir: &Path) -> Result<(NpyF32, Vec<String>)> {
     let vectors = NpyF32::open(&dir.join("embeddings.npy"))?;
+    let ids = read_ids_for(dir, vectors.rows())?;
+    Ok((vectors, ids))
+}
+
+/// `dir/ids.txt`, which must hold one id per row of `dir/embeddings.npy` (`rows` of them).
+fn read_ids_for(dir: &Path, rows: usize) -> Result<Vec<String>> {
     let ids = npy::read_ids(&dir.join("ids.txt"))?;
-    if ids.len() != vectors.rows() {
+    if ids.len() != rows {
         bail!(
             "{}: {} ids but {} has {} rows; re-run host encode",
             dir.join("ids.txt").display(),
             ids.len(),
             dir.join("embeddings.npy").display(),
-            vectors.rows()
+            rows
         );
     }
-    Ok((vectors, ids))
+    Ok(ids)
 }
 
 /// Build the index `spec` asks for into the directory `output` (replaced atomically).
+///
+/// Memory: a flat index streams the embeddings into its own file (a block of rows in memory at
+/// a time); HNSW holds the matrix once (the graph is built on the copy the index keeps); BM25
+/// streams the corpus one passage at a time.
 pub fn build_index(spec: &IndexSpec, output: &Path, progress: &dyn Progress) -> Result<IndexMeta> {
     Ok(match spec {
         IndexSpec::Flat { embeddings } => {
-            let (vectors, ids) = read_embeddings(embeddings)?;
-            let idx = FlatIndex::new(vectors.data().to_vec(), vectors.dim(), ids)?;
-            idx.save(output)?;
-            idx.meta().clone()
+            let npy_path = embeddings.join("embeddings.npy");
+            // Only the header now (shape, length); the rows are read while writing the index.
+            let rows = NpyRows::open(&npy_path)?.rows();
+            let ids = read_ids_for(embeddings, rows)?;
+            FlatIndex::build_from_npy(&npy_path, &ids, output)?
         }
         IndexSpec::Hnsw { embeddings, params, builder } => {
             params.validate()?;
             let (vectors, ids) = read_embeddings(embeddings)?;
+            let (rows, dim) = (vectors.rows(), vectors.dim());
             progress.log(&format!(
-                "index: building HNSW over {} vectors (m={}, ef_construction={}, builder {builder})",
-                vectors.rows(),
-                params.m,
-                params.ef_construction
+                "index: building HNSW over {rows} vectors (m={}, ef_construction={}, builder {builder})",
+                params.m, params.ef_construction
             ));
-            progress.start("hnsw", vectors.rows() as u64);
+            progress.start("hnsw", rows as u64);
             let last = std::sync::atomic::AtomicUsize::new(0);
             let report = |done: usize| {
                 let before = last.fetch_max(done, std::sync::atomic::Ordering::Relaxed);
@@ -60,15 +70,14 @@ pub fn build_index(spec: &IndexSpec, output: &Path, progress: &dyn Progress) -> 
                     progress.inc((done - before) as u64);
                 }
             };
-            let idx = HnswIndex::build_with_progress(vectors.data(), vectors.dim(), ids, *params, *builder, &report)?;
+            let idx = HnswIndex::build_owned(vectors.into_vec(), dim, ids, *params, *builder, &report)?;
             progress.finish();
             idx.save(output)?;
             idx.meta().clone()
         }
         IndexSpec::Bm25 { corpus } => {
-            let passages: Vec<_> = beir::read_corpus(corpus)?.collect::<Result<_>>()?;
-            let idx = Bm25Index::build(output, passages.iter().map(|p| (&p.id, &p.title, &p.text)))?;
-            idx.meta().clone()
+            let docs = beir::read_corpus(corpus)?.map(|p| p.map(|p| (p.id, p.title, p.text)));
+            Bm25Index::try_build(output, docs)?.meta().clone()
         }
     })
 }
