@@ -284,6 +284,12 @@ fn concurrent_shards_and_relaunches_match_one_run() {
     let twins: Vec<_> = (0..2).map(|i| spawn_logged(encode_cmd(&model, &corpus, &relaunched, &args), dir.path().join(format!("twin-{i}.log")))).collect();
     let errs = wait_all_ok(twins);
     assert_same_output(&reference, &relaunched);
+    // Each twin of a one-shard run only exits once the output is whole: none may leave while
+    // the other still holds some of the parts (that one could die, and `host encode && host
+    // index build` would then fail).
+    for e in &errs {
+        assert!(!e.contains("parts present"), "a one-shard run exited before the output was complete:\n{e}");
+    }
     eprintln!("{}", errs.join("\n---\n"));
 }
 

@@ -191,29 +191,37 @@ pub fn encode_file(job: &EncodeJob, encoder: EncoderSource<'_>, progress: &dyn P
         progress.log(&format!("encode: resuming, {} of this shard's {} parts already done", mine.len() - todo.len(), mine.len()));
     }
 
-    // Parts another live process is encoding: it writes them, and joins if it finishes last.
-    let mut busy = 0;
-    if !todo.is_empty() {
-        let mut encoder = LiveEncoder::new(encoder);
+    // A first pass skips parts another live process has claimed; then this process waits for
+    // those claims and encodes whatever their holder did not finish (it may have died), so a
+    // process never reports its shard done while one of its parts is missing.
+    let mut encoder = LiveEncoder::new(encoder);
+    let mut pending = todo.clone();
+    let mut wait = false;
+    if !pending.is_empty() {
         progress.start("encode", todo_lines as u64);
+    }
+    while let Some(&last) = pending.last() {
+        let mut busy = Vec::new();
         let mut records = records(job)?;
-        let last = *todo.last().unwrap();
         for part in 0..=last {
             let chunk: Vec<(String, String)> = records.by_ref().take(job.part_size).collect::<Result<_>>()?;
             if chunk.is_empty() {
                 bail!("{}: ended early (changed while encoding?)", job.input.display());
             }
-            if !todo.contains(&part) {
+            if !pending.contains(&part) {
                 continue;
             }
-            let _claim = match claim_part(&job.output, part)? {
+            let _claim = match claim_part(&job.output, part, wait)? {
                 Claim::Mine(lock) => lock,
                 Claim::Busy => {
-                    busy += 1;
+                    busy.push(part);
                     continue;
                 }
                 // `parts/` is gone: another process joined everything.
-                Claim::Gone => break,
+                Claim::Gone => {
+                    busy.clear();
+                    break;
+                }
             };
             let (npy_path, ids_path) = part_paths(&job.output, part);
             // Re-checked under the claim: another process may have written it since `todo`
@@ -227,8 +235,13 @@ pub fn encode_file(job: &EncodeJob, encoder: EncoderSource<'_>, progress: &dyn P
             npy::write_ids(&ids_path, &ids)?;
             npy::write_f32(&npy_path, &rows, dim)?; // written last: its presence marks the part done
         }
-        progress.finish();
+        if !busy.is_empty() {
+            progress.log(&format!("encode: waiting for another process encoding {} of this shard's parts", busy.len()));
+        }
+        pending = busy;
+        wait = true;
     }
+    progress.finish();
 
     // The last process to write a part sees them all here: each writes its parts before
     // taking the lock, and the lock orders the checks.
@@ -239,9 +252,8 @@ pub fn encode_file(job: &EncodeJob, encoder: EncoderSource<'_>, progress: &dyn P
     }
     let present = (0..num_parts).filter(|&p| part_paths(&job.output, p).0.exists()).count();
     if present < num_parts {
-        let others = if busy > 0 { format!("; {busy} of this shard's parts are being encoded by another process") } else { String::new() };
         progress.log(&format!(
-            "encode: shard {}/{} done; {present} of {num_parts} parts present{others}, the last shard to finish joins them",
+            "encode: shard {}/{} done; {present} of {num_parts} parts present, the last shard to finish joins them",
             job.shard_id, job.shard_num
         ));
         return Ok(EncodeOutcome::ShardDone { present, parts: num_parts });
@@ -300,14 +312,19 @@ enum Claim {
     Gone,
 }
 
-/// Try to take the lock of `part` without waiting.
-fn claim_part(out: &Path, part: usize) -> Result<Claim> {
+/// Take the lock of `part`: waiting for it when `wait`, else only if it is free.
+fn claim_part(out: &Path, part: usize, wait: bool) -> Result<Claim> {
     let path = parts_dir(out).join(format!("part-{part:06}.lock"));
     let file = match lock_file(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Claim::Gone),
         Err(e) => return Err(e).with_context(|| format!("{}: cannot create", path.display())),
     };
+    if wait {
+        file.lock().with_context(|| format!("{}: cannot lock", path.display()))?;
+        // The holder may have finished everything and removed `parts/` meanwhile.
+        return Ok(if parts_dir(out).exists() { Claim::Mine(file) } else { Claim::Gone });
+    }
     match file.try_lock() {
         Ok(()) => Ok(Claim::Mine(file)),
         Err(TryLockError::WouldBlock) => Ok(Claim::Busy),
