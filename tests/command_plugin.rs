@@ -64,6 +64,38 @@ fn gradients_reach_the_encoder_through_the_services() {
     }
 }
 
+/// The reader service: `fid` on a fixture T5 through the command plugin gives what the reader
+/// gives when loaded directly.
+#[test]
+fn the_reader_service_equals_the_reader() {
+    let dir = root().join("tests/fixtures/t5/t5-v1_1");
+    let settings = json!({"model": dir, "max_length": 64});
+    let request = json!({"items": [{"prompt": "Where is Warsaw?", "passages": [{"title": "Warsaw", "text": "Warsaw is the capital of Poland."}]}], "max_new_tokens": 6});
+    let out = host(&[
+        "--plugin", p(&minipipe_plugin()), "minipipe", "read", "--name", "fid", "--settings", &settings.to_string(), "--request", &request.to_string(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let via_services: Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    let direct = Registry::discover(&[Source::Dir(release_dir())]).unwrap().reader("fid", &settings).unwrap().generate(request).unwrap();
+    assert_eq!(via_services, direct);
+    assert_eq!(direct["outputs"][0]["ids"].as_array().unwrap().len() > 0, true);
+}
+
+/// The connector service carries calls from several threads at once: 32 calls from 8 threads,
+/// each answered with its own request, several in flight together.
+#[test]
+fn the_connector_service_serves_threads_at_once() {
+    let out = host(&[
+        "--plugin", p(&minipipe_plugin()), "--plugin", p(&echo_plugin()), "minipipe", "connect", "--name", "echo", "--settings", "{\"delay_ms\": 100}",
+        "--threads", "8", "--requests", "32",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert_eq!(v["replies"], 32);
+    assert_eq!(v["wrong"], 0);
+    assert!(v["most_in_flight"].as_u64().unwrap() >= 4, "calls were serialised: {v}");
+}
+
 #[test]
 fn exit_codes_out_of_range_fail() {
     let plugin = minipipe_plugin();

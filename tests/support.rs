@@ -88,6 +88,11 @@ pub fn minipipe_plugin() -> PathBuf {
     third_party("minipipe_command")
 }
 
+/// The out-of-tree `echo` connector plugin (replies with the request; a concurrency probe).
+pub fn echo_plugin() -> PathBuf {
+    third_party("echo_connector")
+}
+
 /// The out-of-tree `faulty` encoder plugin (misbehaves on request).
 pub fn faulty_plugin() -> PathBuf {
     third_party("faulty_encoder")

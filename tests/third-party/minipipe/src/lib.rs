@@ -7,11 +7,15 @@
 //!   tensors, from four threads at once, checking both searches agree. Prints JSON.
 //! - `minipipe grad --encoder E --settings JSON`: one contrastive loss through the host's
 //!   encoder, backward, and which parameters got gradients. Prints JSON.
+//! - `minipipe read --name R --settings JSON --request JSON`: one `generate` through the
+//!   host's reader service. Prints the reply.
+//! - `minipipe connect --name C --settings JSON --threads N --requests M`: M connector calls
+//!   from N threads through one host connector. Prints JSON.
 //! - `minipipe exit N`: return N as the exit code.
 
 use anyhow::{bail, Context, Result};
 use rak_core::abi::Role;
-use rak_core::plugin::{Command, Encoder, Host};
+use rak_core::plugin::{Command, Connector, Encoder, Host, Reader};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -125,6 +129,36 @@ fn gradients(f: &HashMap<String, String>, host: &Host) -> Result<i32> {
     Ok(0)
 }
 
+fn read(f: &HashMap<String, String>, host: &Host) -> Result<i32> {
+    let settings: Value = serde_json::from_str(flag(f, "settings")?).context("--settings")?;
+    let request: Value = serde_json::from_str(flag(f, "request")?).context("--request")?;
+    let mut reader = host.reader(flag(f, "name")?, &settings)?;
+    println!("{}", reader.generate(request)?);
+    Ok(0)
+}
+
+fn connect(f: &HashMap<String, String>, host: &Host) -> Result<i32> {
+    let settings: Value = serde_json::from_str(flag(f, "settings")?).context("--settings")?;
+    let threads: usize = flag(f, "threads")?.parse()?;
+    let requests: usize = flag(f, "requests")?.parse()?;
+    let connector = host.connector(flag(f, "name")?, &settings)?;
+    let replies: Vec<(usize, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let connector = &connector;
+                s.spawn(move || -> Result<Vec<(usize, Value)>> {
+                    (t..requests).step_by(threads).map(|i| Ok((i, connector.complete(json!({"i": i}))?))).collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("connector thread")).collect::<Result<Vec<_>>>().map(|v| v.concat())
+    })?;
+    let wrong = replies.iter().filter(|(i, r)| r["echo"]["i"] != json!(i)).count();
+    let most = replies.iter().filter_map(|(_, r)| r["in_flight"].as_u64()).max().unwrap_or(0);
+    println!("{}", json!({"replies": replies.len(), "wrong": wrong, "most_in_flight": most}));
+    Ok(0)
+}
+
 impl Command for MiniPipe {
     const NAME: &'static str = "minipipe";
     const ABOUT: &'static str = "The retrieval pipeline end to end through the host's services";
@@ -134,10 +168,12 @@ impl Command for MiniPipe {
     }
 
     fn run(args: &[String], host: &Host) -> Result<i32> {
-        let Some((sub, rest)) = args.split_first() else { bail!("usage: host minipipe run|grad|exit ...") };
+        let Some((sub, rest)) = args.split_first() else { bail!("usage: host minipipe run|grad|read|connect|exit ...") };
         match sub.as_str() {
             "run" => run_pipeline(&flags(rest)?, host),
             "grad" => gradients(&flags(rest)?, host),
+            "read" => read(&flags(rest)?, host),
+            "connect" => connect(&flags(rest)?, host),
             "exit" => Ok(rest.first().context("exit N")?.parse()?),
             other => bail!("unknown minipipe subcommand {other:?}"),
         }
