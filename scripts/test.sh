@@ -11,11 +11,15 @@ fi
 if [[ ! -f .cache/fixtures/st62/expected.safetensors ]]; then
     python scripts/fixtures/st62_reference.py --model .cache/models/all-MiniLM-L6-v2 --out .cache/fixtures/st62
 fi
+if [[ ! -f .cache/fixtures/train_step/taco-v1_1/reference.safetensors ]]; then
+    python scripts/fixtures/train_step_reference.py --model .cache/models/all-MiniLM-L6-v2 --t5 tests/fixtures/t5 --out .cache/fixtures/train_step
+fi
 cargo build --release --workspace
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
-cargo test --release --workspace 2>&1 | tee "$log"
+# --no-fail-fast: one run reports every failing test binary, not only the first.
+cargo test --release --workspace --no-fail-fast 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 # One closing line for the whole run (cargo's own last line is often a crate with no doc tests).

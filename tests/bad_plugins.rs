@@ -91,14 +91,14 @@ fn a_plugin_built_against_another_libtorch() {
 fn hashbow_built_from_a_copy(name: &str, edit: impl Fn(&Path)) -> PathBuf {
     let copy = root().join("target").join(name);
     let _ = std::fs::remove_dir_all(&copy);
-    for sub in ["core", "build-support", "tests/third-party"] {
+    for sub in ["abi", "core", "build-support", "tests/third-party"] {
         copy_tree(&root().join(sub), &copy.join(sub));
     }
     // The copied crates inherit settings from a workspace root: give them one of their own.
     let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
     let (head, tail) = manifest.split_once("members = [").unwrap();
     let tail = &tail[tail.find(']').unwrap() + 1..];
-    std::fs::write(copy.join("Cargo.toml"), format!("{head}members = [\"core\", \"build-support\"]{tail}")).unwrap();
+    std::fs::write(copy.join("Cargo.toml"), format!("{head}members = [\"abi\", \"core\", \"build-support\"]{tail}")).unwrap();
     edit(&copy);
     // A library name of its own, so that building in the shared plugin target folder (which
     // reuses the compiled dependencies) cannot overwrite the real hashbow other tests load.
@@ -122,13 +122,17 @@ fn hashbow_built_from_a_copy(name: &str, edit: impl Fn(&Path)) -> PathBuf {
 fn a_plugin_built_with_another_abi_version() {
     let ours = rak_core::abi::ABI_VERSION;
     let so = hashbow_built_from_a_copy("abi-bump", |copy| {
-        let abi = copy.join("core/src/abi/mod.rs");
+        let abi = copy.join("abi/src/lib.rs");
         let src = std::fs::read_to_string(&abi).unwrap();
         let line = format!("pub const ABI_VERSION: u32 = {ours};");
         let text = format!("pub const ABI_VERSION_STRING: &str = \"{ours}.0.0\";");
         assert!(src.contains(&line) && src.contains(&text));
         let src = src.replace(&line, &format!("pub const ABI_VERSION: u32 = {};", ours + 1));
         std::fs::write(&abi, src.replace(&text, &format!("pub const ABI_VERSION_STRING: &str = \"{}.0.0\";", ours + 1))).unwrap();
+        // The crate's version moves with the ABI's.
+        let manifest = copy.join("abi/Cargo.toml");
+        let m = std::fs::read_to_string(&manifest).unwrap();
+        std::fs::write(&manifest, m.replace(&format!("version = \"{ours}.0.0\""), &format!("version = \"{}.0.0\"", ours + 1))).unwrap();
     });
     let dir = TempDir::new("bad-abi");
     let f = copy_of(&so, &dir, "abi-next.so");

@@ -11,7 +11,6 @@
 //! It is not the CLI (that is `rak-host`), not the retrieval pipeline (`rak-retrieval`), and
 //! it loads no plugins itself.
 
-pub mod abi;
 pub mod encoders;
 pub mod fsutil;
 pub mod malloc;
@@ -20,18 +19,15 @@ pub mod optim;
 pub mod plugin;
 pub mod readers;
 
+/// The stable plugin ABI (the `rak-abi` crate).
+pub use rak_abi as abi;
 #[doc(hidden)]
 pub use abi_stable;
 #[doc(hidden)]
 pub use anyhow;
 pub use tch;
 
-/// The tch version this toolkit pins (`tch = "=0.24.0"` in the workspace).
-pub const TCH_VERSION: &str = "0.24.0";
-/// The libtorch version this copy of the crate was compiled against (from `rak-build`).
-pub const LIBTORCH_VERSION: &str = env!("RAK_LIBTORCH_VERSION");
-/// The target triple this copy of the crate was compiled for.
-pub const TARGET: &str = env!("RAK_TARGET");
+pub use rak_abi::{LIBTORCH_VERSION, TARGET, TCH_VERSION};
 
 #[cfg(test)]
 mod tests {
@@ -40,12 +36,5 @@ mod tests {
         let src = include_str!("plugin/ffi.rs");
         let needle = format!("#[export_name = \"{}\"]", abi_stable::library::ROOT_MODULE_LOADER_NAME);
         assert!(src.contains(&needle), "update __rak_export_root!: abi_stable expects {needle}");
-    }
-
-    #[test]
-    fn tch_version_matches_lockfile() {
-        let lock = include_str!("../../Cargo.lock");
-        let pinned = lock.split("[[package]]").find(|p| p.contains("name = \"tch\"")).unwrap();
-        assert!(pinned.contains(&format!("version = \"{}\"", super::TCH_VERSION)));
     }
 }

@@ -195,7 +195,7 @@ mod tests {
     /// minor); it must carry the ABI version, never the crate's.
     #[test]
     fn root_modules_carry_the_abi_version() {
-        let want = format!("{}.0.0", crate::abi::ABI_VERSION);
+        let want = format!("{}.0.0", crate::ABI_VERSION);
         for v in [
             <EncoderModRef as RootModule>::VERSION_STRINGS,
             <OptimizerModRef as RootModule>::VERSION_STRINGS,

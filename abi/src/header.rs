@@ -187,7 +187,7 @@ mod tests {
         let mut info = HeaderInfo::parse(&header_bytes(&PluginHeader::new(PluginKind::Encoder, "e", "0"))).unwrap();
         info.abi_version += 1;
         let msg = info.incompatibility().unwrap();
-        assert!(msg.contains(&format!("{}", super::super::ABI_VERSION + 1)) && msg.contains(&format!("{}", super::super::ABI_VERSION)));
+        assert!(msg.contains(&format!("{}", crate::ABI_VERSION + 1)) && msg.contains(&format!("{}", crate::ABI_VERSION)));
         info.abi_version -= 1;
         info.libtorch_version = "2.10.0".into();
         let msg = info.incompatibility().unwrap();

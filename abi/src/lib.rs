@@ -1,4 +1,7 @@
-//! The stable plugin ABI: what crosses between `host` and a plugin `.so`.
+//! `rak-abi`: the stable plugin ABI, what crosses between `host` and a plugin `.so`. A crate of
+//! its own, versioned by [`ABI_VERSION`], because abi_stable compares the package versions of
+//! the types it checks: types in rak-core would tie every plugin to rak-core's release.
+//! `rak_core::abi` re-exports it.
 //!
 //! Layering, from the outside in:
 //! 1. [`header`]: a pointer-free static the host reads from the file before loading it.
@@ -24,8 +27,16 @@ use tch::Tensor;
 
 pub use header::{HeaderInfo, PluginHeader, HEADER_SYMBOL};
 
-/// Bump when anything in this module changes incompatibly. Plugins built with another number
-/// are refused before any of their code runs.
+/// The tch version this toolkit pins (`tch = "=0.24.0"` in the workspace).
+pub const TCH_VERSION: &str = "0.24.0";
+/// The libtorch version this copy of the crate was compiled against (from `rak-build`).
+pub const LIBTORCH_VERSION: &str = env!("RAK_LIBTORCH_VERSION");
+/// The target triple this copy of the crate was compiled for.
+pub const TARGET: &str = env!("RAK_TARGET");
+
+/// Bump when anything in this crate changes incompatibly, together with the crate's version
+/// and [`ABI_VERSION_STRING`]. Plugins built with another number are refused before any of
+/// their code runs.
 pub const ABI_VERSION: u32 = 2;
 
 /// [`ABI_VERSION`] as the `major.minor.patch` string abi_stable compares when it loads a root
@@ -244,5 +255,13 @@ mod tests {
     #[test]
     fn version_string_is_the_abi_version() {
         assert_eq!(ABI_VERSION_STRING, format!("{ABI_VERSION}.0.0"));
+        assert_eq!(env!("CARGO_PKG_VERSION"), ABI_VERSION_STRING, "the crate's version is the ABI's");
+    }
+
+    #[test]
+    fn tch_version_matches_lockfile() {
+        let lock = include_str!("../../Cargo.lock");
+        let pinned = lock.split("[[package]]").find(|p| p.contains("name = \"tch\"")).unwrap();
+        assert!(pinned.contains(&format!("version = \"{TCH_VERSION}\"")));
     }
 }
