@@ -35,10 +35,6 @@ pub fn host(args: &[&str]) -> Output {
     Command::new(host_bin()).args(args).env_remove("RAK_PLUGIN_PATH").output().expect("run host")
 }
 
-/// Run `host` with `args` in the folder `cwd`.
-pub fn host_in(cwd: &Path, args: &[&str]) -> Output {
-    Command::new(host_bin()).args(args).current_dir(cwd).env_remove("RAK_PLUGIN_PATH").output().expect("run host")
-}
 
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()

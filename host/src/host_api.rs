@@ -194,22 +194,13 @@ impl<'r> Services<'r> {
     }
 
     fn build_index(&self, r: BuildIndexRequest) -> Result<Value> {
-        let embeddings = || r.embeddings.clone().context("build_index: \"embeddings\" (a directory) is required for flat and hnsw");
         let defaults = HnswParams::default();
-        let spec = match r.kind.as_str() {
-            "flat" => IndexSpec::Flat { embeddings: embeddings()? },
-            "hnsw" => IndexSpec::Hnsw {
-                embeddings: embeddings()?,
-                params: HnswParams {
-                    m: r.m.unwrap_or(defaults.m),
-                    ef_construction: r.ef_construction.unwrap_or(defaults.ef_construction),
-                    ef_search: r.ef_search.unwrap_or(defaults.ef_search),
-                },
-                builder: Default::default(),
-            },
-            "bm25" => IndexSpec::Bm25 { corpus: r.corpus.context("build_index: \"corpus\" (a file) is required for bm25")? },
-            other => bail!("build_index: kind {other:?}: expected flat, hnsw or bm25"),
+        let params = HnswParams {
+            m: r.m.unwrap_or(defaults.m),
+            ef_construction: r.ef_construction.unwrap_or(defaults.ef_construction),
+            ef_search: r.ef_search.unwrap_or(defaults.ef_search),
         };
+        let spec = IndexSpec::from_kind(&r.kind, r.embeddings, r.corpus, params, Default::default()).context("build_index")?;
         Ok(serde_json::to_value(build_index(&spec, &r.output, &self.progress)?)?)
     }
 
@@ -240,11 +231,7 @@ impl<'r> Services<'r> {
     }
 
     fn eval(&self, r: EvalRequest) -> Result<Value> {
-        let missing = match r.missing.as_deref().unwrap_or("zero") {
-            "zero" => MissingQueries::Zero,
-            "skip" => MissingQueries::Skip,
-            other => bail!("eval: missing {other:?}: expected zero or skip"),
-        };
+        let missing: MissingQueries = r.missing.as_deref().unwrap_or("zero").parse().context("eval")?;
         let inputs: Vec<EvalInput> =
             r.runs.into_iter().map(|i| EvalInput { name: i.name, run: i.run, qrels: i.qrels, queries: i.queries }).collect();
         evaluate_files(&inputs, &r.corpus, missing, r.per_query.unwrap_or(false), &self.progress)

@@ -1,9 +1,11 @@
 //! `rak-train`: the trainer behind `host train` (and command plugins such as `aar-train`):
-//! multitask samplers, contrastive losses, learning-rate schedules.
+//! multitask samplers, contrastive losses, learning-rate schedules, BM25 hard negatives,
+//! checkpoints and exact resume. (ANCE episodes, which re-encode and re-index through
+//! `rak_retrieval::pipeline`, are still to come.)
 //!
 //! It builds on `rak-core` (encoders and optimizers through the plugin traits) and
-//! `rak-retrieval` (BM25 and dense indexes for hard negatives, ANCE episodes). It loads no
-//! plugins itself: the host hands it trait objects.
+//! `rak-retrieval` (BM25 for hard negatives). It loads no plugins itself: the host hands it
+//! trait objects.
 
 pub mod data;
 pub mod loss;

@@ -2,7 +2,7 @@
 //! and their macro average when several runs are given (see `rak_retrieval::pipeline::eval`).
 
 use super::Bar;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use rak_retrieval::eval::MissingQueries;
 use rak_retrieval::pipeline::eval::{evaluate_files, EvalInput};
 use serde_json::Value;
@@ -41,11 +41,7 @@ pub fn run(args: &EvalArgs) -> Result<Value> {
     if args.qrels.len() != n || (!args.queries.is_empty() && args.queries.len() != n) || (!args.tasks.is_empty() && args.tasks.len() != n) {
         bail!("give one --qrels (and, if any, one --queries and one --task) per --run: {n} runs");
     }
-    let missing = match args.missing.as_str() {
-        "zero" => MissingQueries::Zero,
-        "skip" => MissingQueries::Skip,
-        other => bail!("--missing {other:?}: expected zero or skip"),
-    };
+    let missing: MissingQueries = args.missing.parse().context("--missing")?;
     let inputs: Vec<EvalInput> = (0..n)
         .map(|i| EvalInput {
             name: args.tasks.get(i).cloned(),

@@ -2,7 +2,7 @@
 //! index from a corpus (see `rak_retrieval::pipeline::index`).
 
 use super::Bar;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use rak_retrieval::index::{self, HnswBuilder, HnswParams};
 use rak_retrieval::pipeline::index::{build_index, IndexSpec};
 use std::path::PathBuf;
@@ -54,15 +54,7 @@ pub fn run(cmd: &IndexCmd) -> Result<serde_json::Value> {
 }
 
 fn spec(args: &BuildArgs) -> Result<IndexSpec> {
-    let embeddings = || args.embeddings.clone().context("--embeddings DIR is required for flat and hnsw indexes");
-    Ok(match args.kind.as_str() {
-        "flat" => IndexSpec::Flat { embeddings: embeddings()? },
-        "hnsw" => IndexSpec::Hnsw {
-            embeddings: embeddings()?,
-            params: HnswParams { m: args.m, ef_construction: args.ef_construction, ef_search: args.ef_search },
-            builder: args.hnsw_builder,
-        },
-        "bm25" => IndexSpec::Bm25 { corpus: args.corpus.clone().context("--corpus FILE is required for a bm25 index")? },
-        other => bail!("--kind {other:?}: expected flat, hnsw or bm25"),
-    })
+    let params = HnswParams { m: args.m, ef_construction: args.ef_construction, ef_search: args.ef_search };
+    IndexSpec::from_kind(&args.kind, args.embeddings.clone(), args.corpus.clone(), params, args.hnsw_builder)
+        .context("--kind, with --embeddings DIR (flat, hnsw) or --corpus FILE (bm25)")
 }

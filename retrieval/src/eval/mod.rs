@@ -43,6 +43,17 @@ pub enum MissingQueries {
     Skip,
 }
 
+impl std::str::FromStr for MissingQueries {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "zero" => Ok(MissingQueries::Zero),
+            "skip" => Ok(MissingQueries::Skip),
+            other => anyhow::bail!("missing queries {other:?}: expected zero or skip"),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct EvalOptions {
     pub missing: MissingQueries,

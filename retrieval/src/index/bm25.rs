@@ -164,8 +164,14 @@ impl Bm25Index {
         self.meta.count == 0
     }
 
-    /// The `k` best documents for free text `query`, as `(id, score)`, best first. A query with
-    /// no indexable token returns nothing.
+    /// The `k` best documents for free text `query`, as `(id, score)`, best first, equal scores
+    /// in id order. A query with no indexable token returns nothing.
+    ///
+    /// Ties are broken by id, not by tantivy's document address: addresses depend on how the
+    /// indexing threads happened to split the corpus into segments, so two builds of one
+    /// corpus would otherwise rank tied passages differently (and a trainer drawing hard
+    /// negatives from the ranking would not repeat itself). A few results past `k` are fetched
+    /// so that a tie straddling the cut is resolved the same way too.
     pub fn search(&self, query: &str, k: usize) -> Result<Vec<(String, f32)>> {
         if k == 0 {
             anyhow::bail!("k must be at least 1");
@@ -184,13 +190,18 @@ impl Bm25Index {
         }
         let q = BooleanQuery::new(clauses);
         let searcher = self.reader.searcher();
-        let top = searcher.search(&q, &TopDocs::with_limit(k).order_by_score())?;
-        top.into_iter()
+        const TIE_MARGIN: usize = 16;
+        let top = searcher.search(&q, &TopDocs::with_limit(k + TIE_MARGIN).order_by_score())?;
+        let mut hits: Vec<(String, f32)> = top
+            .into_iter()
             .map(|(score, addr)| {
                 let doc: TantivyDocument = searcher.doc(addr)?;
                 let id = doc.get_first(self.id).and_then(|v| v.as_str()).context("document without an id")?.to_string();
                 Ok((id, score))
             })
-            .collect()
+            .collect::<Result<_>>()?;
+        hits.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        hits.truncate(k);
+        Ok(hits)
     }
 }

@@ -18,6 +18,20 @@ pub enum IndexSpec {
     Bm25 { corpus: PathBuf },
 }
 
+impl IndexSpec {
+    /// From a kind's name (`flat`, `hnsw`, `bm25`) and the inputs it needs, as the CLI and the
+    /// services take them.
+    pub fn from_kind(kind: &str, embeddings: Option<PathBuf>, corpus: Option<PathBuf>, params: HnswParams, builder: HnswBuilder) -> Result<Self> {
+        let embeddings = || embeddings.clone().ok_or_else(|| anyhow::anyhow!("an embeddings directory is required for flat and hnsw indexes"));
+        Ok(match kind {
+            "flat" => IndexSpec::Flat { embeddings: embeddings()? },
+            "hnsw" => IndexSpec::Hnsw { embeddings: embeddings()?, params, builder },
+            "bm25" => IndexSpec::Bm25 { corpus: corpus.ok_or_else(|| anyhow::anyhow!("a corpus file is required for a bm25 index"))? },
+            other => bail!("index kind {other:?}: expected flat, hnsw or bm25"),
+        })
+    }
+}
+
 /// Read `embeddings.npy` (into memory) + `ids.txt`, checking they agree.
 pub fn read_embeddings(dir: &Path) -> Result<(NpyF32, Vec<String>)> {
     let vectors = NpyF32::open(&dir.join("embeddings.npy"))?;

@@ -1,8 +1,8 @@
 //! The retrieval pipeline as library functions: `encode`, `index`, `search`, `eval`.
 //!
-//! `host encode|index|search|eval` are thin command-line wrappers over these; the host's
-//! services for command plugins and the trainer (ANCE episodes re-encode, re-index and
-//! search) call the same functions, so each step is written once.
+//! `host encode|index|search|eval` are thin command-line wrappers over these, and the host's
+//! services for command plugins call the same functions, as the trainer's ANCE episodes
+//! (re-encode, re-index, search) will: each step is written once.
 
 pub mod encode;
 pub mod eval;
