@@ -4,7 +4,7 @@ use rak_core::abi::Role;
 use rak_e2e::*;
 use rak_host::{Registry, Source};
 use serde_json::json;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use tch::{Kind, Tensor};
 
 fn minilm() -> PathBuf {
@@ -39,6 +39,21 @@ fn adamw_step(reg: &Registry, params: &[(String, Tensor)], settings: serde_json:
     let ctx = rak_core::plugin::StepContext { lr: 1e-3, ..Default::default() };
     let mut opt = reg.optimizer("adamw", &settings).unwrap();
     rak_core::plugin::optimizer_step(opt.as_mut(), params, vec![("t".into(), 0.0, grads)], ctx).unwrap();
+}
+
+/// Embeddings of `texts` from the checkpoint `ckpt` as transformers and sentence-transformers
+/// load it (`scripts/fixtures/hf_load_check.py`), by name.
+fn hf_load_check(work: &Path, ckpt: &Path, texts: &[String]) -> std::collections::HashMap<String, Tensor> {
+    let texts_file = work.join("texts.json");
+    std::fs::write(&texts_file, serde_json::to_string(texts).unwrap()).unwrap();
+    let out = work.join("hf.safetensors");
+    let status = std::process::Command::new(python())
+        .arg(root().join("scripts/fixtures/hf_load_check.py"))
+        .args(["--model", ckpt.to_str().unwrap(), "--texts", texts_file.to_str().unwrap(), "--out", out.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    Tensor::read_safetensors(&out).unwrap().into_iter().collect()
 }
 
 fn python() -> PathBuf {
@@ -80,16 +95,7 @@ fn dpr_checkpoint_round_trips_through_transformers() {
         assert!(ckpt.join(f).exists(), "{f} saved");
     }
     let texts = vec!["Who won Super Bowl 50?".to_string(), "Tuscany is a region of central Italy.".to_string(), "short".into()];
-    let texts_file = dir.path().join("texts.json");
-    std::fs::write(&texts_file, serde_json::to_string(&texts).unwrap()).unwrap();
-    let out = dir.path().join("hf.safetensors");
-    let status = std::process::Command::new(python())
-        .arg(root().join("scripts/fixtures/hf_load_check.py"))
-        .args(["--model", ckpt.to_str().unwrap(), "--texts", texts_file.to_str().unwrap(), "--out", out.to_str().unwrap()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let hf: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&out).unwrap().into_iter().collect();
+    let hf = hf_load_check(dir.path(), &ckpt, &texts);
 
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
     let mut reloaded = reg.encoder("dpr", &json!({"model": ckpt})).unwrap();
@@ -316,16 +322,7 @@ fn dpr_saved_from_a_sentence_transformers_6_2_checkpoint_keeps_its_files() {
     let diff = max_abs(&reloaded.encode(&refs, Role::Passage, None, false).unwrap(), &expected);
     assert!(diff < 1e-5, "reloaded without rak_encoder.json: max abs diff {diff}");
 
-    let texts_file = dir.path().join("texts.json");
-    std::fs::write(&texts_file, serde_json::to_string(&texts).unwrap()).unwrap();
-    let out = dir.path().join("hf.safetensors");
-    let status = std::process::Command::new(python())
-        .arg(root().join("scripts/fixtures/hf_load_check.py"))
-        .args(["--model", ckpt.to_str().unwrap(), "--texts", texts_file.to_str().unwrap(), "--out", out.to_str().unwrap()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let st = Tensor::read_safetensors(&out).unwrap().into_iter().find(|(n, _)| n == "sentence_transformers").expect("ST ran").1;
+    let st = hf_load_check(dir.path(), &ckpt, &texts).remove("sentence_transformers").expect("ST ran");
     let diff = max_abs(&st, &expected);
     assert!(diff < 1e-5, "sentence-transformers on the saved directory: max abs diff {diff}");
 }

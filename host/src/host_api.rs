@@ -6,7 +6,7 @@
 //! held only to look an id up, so the services can be used from several threads. Every
 //! service is a call into the same library functions the built-in subcommands use.
 
-use crate::commands::encode::encoder_identity;
+use crate::commands::encode::settings_identity;
 use crate::commands::Bar;
 use crate::registry::Registry;
 use abi_stable::prefix_type::WithMetadata;
@@ -125,8 +125,10 @@ impl<'r> Services<'r> {
     fn create(&self, kind: &str, name: &str, settings: Value) -> Result<u64> {
         let obj = match kind {
             "encoder" => {
+                // The checkpoint's files are not hashed: `encode_corpus` keys on a digest of the
+                // live weights, which also covers training after creation.
                 let encoder = self.registry.encoder(name, &settings)?;
-                Object::Encoder(Arc::new(EncoderObject { encoder: Mutex::new(encoder), identity: encoder_identity(name, &settings)? }))
+                Object::Encoder(Arc::new(EncoderObject { encoder: Mutex::new(encoder), identity: settings_identity(name, &settings) }))
             }
             "reader" => Object::Reader(Arc::new(Mutex::new(self.registry.reader(name, &settings)?))),
             "connector" => Object::Connector(Arc::from(self.registry.connector(name, &settings)?)),

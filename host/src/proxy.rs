@@ -2,7 +2,7 @@
 //! Each call goes through the root module; errors come back naming the plugin.
 
 use crate::loader::Plugin;
-use abi_stable::std_types::{ROption, RResult, RString, RVec};
+use abi_stable::std_types::{ROption, RResult, RStr, RString, RVec};
 use anyhow::{anyhow, Result};
 use rak_core::abi::modules::*;
 use rak_core::abi::{Handle, NamedTensor, Role, TensorPtr};
@@ -71,11 +71,8 @@ unsafe impl Sync for ConnectorProxy {}
 
 impl Encoder for EncoderProxy {
     fn encode(&mut self, texts: &[&str], role: Role, task: Option<&str>, train: bool) -> Result<Tensor> {
-        let texts: Vec<abi_stable::std_types::RStr<'_>> = texts.iter().map(|s| (*s).into()).collect();
-        let task = match task {
-            Some(t) => ROption::RSome(t.into()),
-            None => ROption::RNone,
-        };
+        let texts: Vec<RStr<'_>> = texts.iter().map(|s| (*s).into()).collect();
+        let task: ROption<RStr<'_>> = task.map(RStr::from).into();
         let n = texts.len();
         let out = (self.module.encode())(self.handle, texts.as_slice().into(), role, task, train);
         let out = unsafe { self.origin.check("encode", out)?.take() };
@@ -107,11 +104,8 @@ impl Encoder for EncoderProxy {
     fn token_lengths(&mut self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Option<Vec<usize>>> {
         // Plugins built before this function existed simply lack it.
         let Some(f) = self.module.token_lengths() else { return Ok(None) };
-        let texts: Vec<abi_stable::std_types::RStr<'_>> = texts.iter().map(|s| (*s).into()).collect();
-        let task = match task {
-            Some(t) => ROption::RSome(t.into()),
-            None => ROption::RNone,
-        };
+        let texts: Vec<RStr<'_>> = texts.iter().map(|s| (*s).into()).collect();
+        let task: ROption<RStr<'_>> = task.map(RStr::from).into();
         let out = self.origin.check("token_lengths", f(self.handle, texts.as_slice().into(), role, task))?;
         Ok(out.into_option().map(|v| v.into_iter().map(|n| n as usize).collect()))
     }

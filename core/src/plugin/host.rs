@@ -5,7 +5,7 @@
 use super::{Connector, Encoder, Reader};
 use crate::abi::modules::{HostApi, HostModRef};
 use crate::abi::{Handle, Role, TensorPtr};
-use abi_stable::std_types::{ROption, RResult, RStr, RString};
+use abi_stable::std_types::{RResult, RStr, RString};
 use anyhow::{anyhow, Context, Result};
 use serde_json::{json, Value};
 use std::path::Path;
@@ -34,13 +34,6 @@ fn check<T>(what: &str, r: RResult<T, RString>) -> Result<T> {
 
 fn parse(what: &str, text: &str) -> Result<Value> {
     serde_json::from_str(text).with_context(|| format!("host {what}: the reply is not valid JSON"))
-}
-
-fn task_arg(task: Option<&str>) -> ROption<RStr<'_>> {
-    match task {
-        Some(t) => ROption::RSome(t.into()),
-        None => ROption::RNone,
-    }
 }
 
 impl Host {
@@ -149,7 +142,7 @@ impl Encoder for HostEncoder {
     fn encode(&mut self, texts: &[&str], role: Role, task: Option<&str>, train: bool) -> Result<Tensor> {
         let texts: Vec<RStr<'_>> = texts.iter().map(|s| (*s).into()).collect();
         let api = &self.0.api;
-        let r = (api.services.encode())(api.ctx, self.0.id, texts.as_slice().into(), role, task_arg(task), train);
+        let r = (api.services.encode())(api.ctx, self.0.id, texts.as_slice().into(), role, task.map(RStr::from).into(), train);
         Ok(unsafe { check("encode", r)?.take() })
     }
 

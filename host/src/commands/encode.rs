@@ -93,17 +93,25 @@ const CHECKPOINT_SETTINGS: [&str; 2] = ["model", "passage_model"];
 /// path alone would not do: a trainer (ANCE episodes) rewrites its checkpoint in place, and
 /// re-encoding must not then reuse the old checkpoint's embeddings.
 pub fn encoder_identity(encoder: &str, settings: &Value) -> Result<Value> {
-    let mut s = settings.clone();
-    if let Some(obj) = s.as_object_mut() {
-        obj.remove("device");
-    }
+    let mut identity = settings_identity(encoder, settings);
     let mut checkpoints = serde_json::Map::new();
     for key in CHECKPOINT_SETTINGS {
         if let Some(path) = settings.get(key).and_then(Value::as_str) {
             checkpoints.insert(key.to_string(), json!(checkpoint_digest(Path::new(path))?));
         }
     }
-    Ok(json!({"plugin": encoder, "settings": s, "checkpoint": checkpoints}))
+    identity["checkpoint"] = Value::Object(checkpoints);
+    Ok(identity)
+}
+
+/// The plugin and the settings that change embeddings (not the device), without the
+/// checkpoint's content: for callers that key on the live weights instead (the services).
+pub fn settings_identity(encoder: &str, settings: &Value) -> Value {
+    let mut s = settings.clone();
+    if let Some(obj) = s.as_object_mut() {
+        obj.remove("device");
+    }
+    json!({"plugin": encoder, "settings": s})
 }
 
 /// SHA-256 of a checkpoint: of each file under `path` (or of `path` itself), in order of
