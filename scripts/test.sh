@@ -14,6 +14,9 @@ fi
 if [[ ! -f .cache/fixtures/train_step/taco-v1_1/reference.safetensors ]]; then
     python scripts/fixtures/train_step_reference.py --model .cache/models/all-MiniLM-L6-v2 --t5 tests/fixtures/t5 --out .cache/fixtures/train_step
 fi
+if [[ ! -f .cache/fixtures/bm25/reference.json ]]; then
+    python scripts/fixtures/bm25_reference.py --data data/minikilt --out .cache/fixtures/bm25
+fi
 cargo build --release --workspace
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT

@@ -17,7 +17,7 @@ use rak_core::abi::{guard, Handle, NamedTensor, Role, TensorPtr};
 use rak_core::plugin::{Connector, Encoder, Reader};
 use rak_retrieval::data::{beir, trec, Query};
 use rak_retrieval::eval::MissingQueries;
-use rak_retrieval::index::{self, HnswParams, Index};
+use rak_retrieval::index::{self, Bm25Params, HnswParams, Index};
 use rak_retrieval::pipeline::encode::{encode_file, EncodeJob, EncodeOutcome, EncoderSource};
 use rak_retrieval::pipeline::eval::{evaluate_files, EvalInput};
 use rak_retrieval::pipeline::index::{build_index, IndexSpec};
@@ -202,7 +202,9 @@ impl<'r> Services<'r> {
             ef_construction: r.ef_construction.unwrap_or(defaults.ef_construction),
             ef_search: r.ef_search.unwrap_or(defaults.ef_search),
         };
-        let spec = IndexSpec::from_kind(&r.kind, r.embeddings, r.corpus, params, Default::default()).context("build_index")?;
+        let d = Bm25Params::default();
+        let bm25 = Bm25Params { k1: r.k1.unwrap_or(d.k1), b: r.b.unwrap_or(d.b) };
+        let spec = IndexSpec::from_kind(&r.kind, r.embeddings, r.corpus, params, Default::default(), bm25).context("build_index")?;
         Ok(serde_json::to_value(build_index(&spec, &r.output, &self.progress)?)?)
     }
 
@@ -336,6 +338,8 @@ struct BuildIndexRequest {
     m: Option<usize>,
     ef_construction: Option<usize>,
     ef_search: Option<usize>,
+    k1: Option<f32>,
+    b: Option<f32>,
 }
 
 #[derive(Deserialize)]

@@ -209,17 +209,17 @@ fn bm25_build_stops_at_the_first_bad_document() {
     let out = dir.join("idx");
     let docs: Vec<anyhow::Result<(&str, &str, &str)>> =
         vec![Ok(("d1", "A", "alpha")), Ok(("d2", "B", "beta")), Err(anyhow::anyhow!("corpus.jsonl:3: not JSON")), Ok(("d4", "D", "delta"))];
-    let e = err(Bm25Index::try_build(&out, docs));
+    let e = err(Bm25Index::try_build(&out, docs, Default::default()));
     assert!(e.contains("corpus.jsonl:3: not JSON"), "{e}");
     assert!(!out.exists());
     // Through the pipeline, from a file: the reader's error names the line.
     let corpus = dir.join("corpus.jsonl");
     std::fs::write(&corpus, "{\"_id\": \"a\", \"text\": \"x\"}\n{\"_id\": \"b\", \"text\": 3}\n").unwrap();
-    let e = err(build_index(&IndexSpec::Bm25 { corpus: corpus.clone() }, &out, &Quiet));
+    let e = err(build_index(&IndexSpec::Bm25 { corpus: corpus.clone(), params: Default::default() }, &out, &Quiet));
     assert!(e.contains("corpus.jsonl:2:"), "{e}");
     assert!(!out.exists());
     std::fs::write(&corpus, "{\"_id\": \"a\", \"text\": \"x y\"}\n{\"_id\": \"b\", \"text\": \"y z\"}\n").unwrap();
-    let meta = build_index(&IndexSpec::Bm25 { corpus }, &out, &Quiet).unwrap();
+    let meta = build_index(&IndexSpec::Bm25 { corpus, params: Default::default() }, &out, &Quiet).unwrap();
     assert_eq!(meta.count, 2);
 }
 
@@ -308,7 +308,7 @@ fn fsync_of_files_and_directories_runs() {
     w.append(&[1.0, 2.0, 3.0, 4.0]).unwrap();
     w.finish().unwrap();
     assert_eq!(NpyF32::open(&dir.join("e/emb.npy")).unwrap().data(), &[1.0, 2.0, 3.0, 4.0]);
-    let bm = Bm25Index::build(&dir.join("bm25"), [("d1", "t", "some text")]).unwrap();
+    let bm = Bm25Index::build(&dir.join("bm25"), [("d1", "t", "some text")], Default::default()).unwrap();
     assert_eq!(bm.len(), 1);
     // A failed write leaves neither the target nor its temporary file.
     let e = err(fsutil::write_atomically(&dir.join("f.bin"), |_| anyhow::bail!("no space")));

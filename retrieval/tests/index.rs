@@ -1,6 +1,6 @@
 //! Indexes and `.npy` files: exactness, recall, persistence, and every error path.
 
-use rak_retrieval::index::{self, Bm25Index, FlatBackend, FlatIndex, HnswBuilder, HnswIndex, HnswParams, Index};
+use rak_retrieval::index::{self, Bm25Index, Bm25Params, FlatBackend, FlatIndex, HnswBuilder, HnswIndex, HnswParams, Index};
 use rak_retrieval::npy::{self, NpyF32, NpyWriter};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -257,7 +257,7 @@ fn bm25_ranks_obvious_document_first_and_survives_weird_queries() {
         ("d4", "Rust (programming language)", "Rust is a language emphasizing memory safety without a garbage collector."),
     ];
     let dir = tmpdir("bm25").join("idx");
-    let bm = Bm25Index::build(&dir, corpus.clone()).unwrap();
+    let bm = Bm25Index::build(&dir, corpus.clone(), Default::default()).unwrap();
     let hits = bm.search("how do plants use sunlight to make glucose", 3).unwrap();
     assert_eq!(hits[0].0, "d1", "{hits:?}");
     assert!(hits.windows(2).all(|w| w[0].1 >= w[1].1));
@@ -274,8 +274,39 @@ fn bm25_ranks_obvious_document_first_and_survives_weird_queries() {
     let Index::Bm25(b) = index::open(&dir).unwrap() else { panic!("wrong kind") };
     assert_eq!(b.len(), 4);
     assert!(err(bm.search("x", 0)).contains("k must be"));
-    let e = err(Bm25Index::build(&tmpdir("bm25e").join("idx"), Vec::<(String, String, String)>::new()));
+    let e = err(Bm25Index::build(&tmpdir("bm25e").join("idx"), Vec::<(String, String, String)>::new(), Default::default()));
     assert!(e.contains("empty corpus"), "{e}");
+}
+
+#[test]
+fn bm25_scores_follow_lucene_formula_with_settable_constants() {
+    // Analysed (title + text, stop words out): d1 [cat cat dog], d2 [dog dog dog mat], d3 [mat mat].
+    let corpus = [("d1", "Cat", "cat dog"), ("d2", "Dog", "dog dog mat"), ("d3", "Mat", "the mat")];
+    let dir = tmpdir("bm25formula").join("idx");
+    let mut bm = Bm25Index::build(&dir, corpus, Default::default()).unwrap();
+    assert_eq!(bm.params(), Bm25Params { k1: 0.9, b: 0.4 }, "Pyserini's defaults");
+    let (n, avgdl) = (3.0f64, 3.0f64);
+    let idf = |df: f64| (1.0 + (n - df + 0.5) / (df + 0.5)).ln();
+    let term = |p: Bm25Params, tf: f64, dl: f64, df: f64| idf(df) * tf / (tf + p.k1 as f64 * (1.0 - p.b as f64 + p.b as f64 * dl / avgdl));
+    for p in [Bm25Params::default(), Bm25Params { k1: 1.2, b: 0.75 }, Bm25Params { k1: 2.0, b: 0.0 }] {
+        bm.set_params(p).unwrap();
+        // "Cats" stems to cat and counts twice, as Lucene sums repeated clauses; "the" is a stop word.
+        let hits = bm.search("the cat Cats mat", 3).unwrap();
+        let expect = [("d1", 2.0 * term(p, 2.0, 3.0, 1.0)), ("d3", term(p, 2.0, 2.0, 2.0)), ("d2", term(p, 1.0, 4.0, 2.0))];
+        let mut expect = expect.to_vec();
+        expect.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
+        assert_eq!(hits.len(), 3);
+        for ((id, score), (eid, escore)) in hits.iter().zip(&expect) {
+            assert_eq!(id, eid, "{p:?}: {hits:?} vs {expect:?}");
+            assert!((*score as f64 - escore).abs() < 1e-5, "{p:?} {id}: {score} vs {escore}");
+        }
+    }
+    assert!(bm.set_params(Bm25Params { k1: -1.0, b: 0.4 }).is_err());
+    assert!(bm.set_params(Bm25Params { k1: 0.9, b: 1.5 }).is_err());
+    // The constants an index was built with are the ones it opens with.
+    let dir2 = tmpdir("bm25formula2").join("idx");
+    Bm25Index::build(&dir2, corpus, Bm25Params { k1: 1.5, b: 0.2 }).unwrap();
+    assert_eq!(Bm25Index::open(&dir2).unwrap().params(), Bm25Params { k1: 1.5, b: 0.2 });
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 use super::Bar;
 use anyhow::{Context, Result};
-use rak_retrieval::index::{self, HnswBuilder, HnswParams};
+use rak_retrieval::index::{self, Bm25Params, HnswBuilder, HnswParams};
 use rak_retrieval::pipeline::index::{build_index, IndexSpec};
 use std::path::PathBuf;
 
@@ -41,6 +41,12 @@ pub struct BuildArgs {
     /// HNSW graph builder: `native` (hnswlib's algorithm on flat arrays) or `hnsw_rs`.
     #[arg(long, default_value_t = HnswBuilder::default())]
     pub hnsw_builder: HnswBuilder,
+    /// BM25 term-frequency saturation (Pyserini's default; stored in index.json).
+    #[arg(long, default_value_t = Bm25Params::default().k1)]
+    pub k1: f32,
+    /// BM25 length normalisation (Pyserini's default; stored in index.json).
+    #[arg(long, default_value_t = Bm25Params::default().b)]
+    pub b: f32,
 }
 
 pub fn run(cmd: &IndexCmd) -> Result<serde_json::Value> {
@@ -55,6 +61,7 @@ pub fn run(cmd: &IndexCmd) -> Result<serde_json::Value> {
 
 fn spec(args: &BuildArgs) -> Result<IndexSpec> {
     let params = HnswParams { m: args.m, ef_construction: args.ef_construction, ef_search: args.ef_search };
-    IndexSpec::from_kind(&args.kind, args.embeddings.clone(), args.corpus.clone(), params, args.hnsw_builder)
+    let bm25 = Bm25Params { k1: args.k1, b: args.b };
+    IndexSpec::from_kind(&args.kind, args.embeddings.clone(), args.corpus.clone(), params, args.hnsw_builder, bm25)
         .context("--kind, with --embeddings DIR (flat, hnsw) or --corpus FILE (bm25)")
 }

@@ -1,30 +1,79 @@
-//! Lexical BM25 search (tantivy): maintained, BM25 built in, memory-mapped segments.
+//! Lexical BM25 search: tantivy keeps the inverted index, the scorer is ours.
 //!
-//! Title and text are indexed as two fields with tantivy's `en_stem` analyzer (split on
-//! non-alphanumerics, drop tokens over 40 bytes, lowercase, English Snowball stemming). A document's score is the sum of
-//! the BM25 scores of the query terms in both fields.
+//! BM25 as Lucene and Pyserini compute it, with settable constants (Pyserini's defaults,
+//! k1 = 0.9, b = 0.4): a query term `t` adds `idf(t) · tf / (tf + k1 · (1 − b + b · dl / avgdl))`
+//! with `idf(t) = ln(1 + (N − df + 0.5) / (df + 0.5))`, once per occurrence in the query (Lucene
+//! sums repeated clauses). tantivy's own BM25 fixes k1 = 1.2, b = 0.75 (private constants), so
+//! the scorer reads tantivy's postings and length norms itself, term at a time into a dense
+//! accumulator per segment (4 bytes per passage per query). Lengths are tantivy's quantised
+//! field norms, which follow Lucene's one-byte encoding, so `dl` is what Lucene would use too.
 //!
-//! tantivy fixes BM25's constants at k1 = 1.2, b = 0.75 (private constants in
-//! `tantivy::query::bm25`); Pyserini's k1 = 0.9, b = 0.4 cannot be set without a custom scorer.
+//! Each passage is one field, `title + " " + text` (as Pyserini's `contents`), analysed like
+//! Lucene's `EnglishAnalyzer` as far as tantivy's filters allow: split on runs of alphanumeric
+//! characters, drop tokens of 40 bytes or more, lowercase, drop Lucene's 33 English stop words,
+//! English Snowball stemmer (Lucene uses Porter; the two agree on most words). Checked against
+//! `bm25s` (method `lucene`) on mini-KILT dev: see `tests/bm25_parity.rs`.
 //!
 //! User text is never given to tantivy's query parser (where `title:x`, quotes, `AND`, `-`
-//! and parentheses mean something, and unbalanced ones are errors): it is tokenized with the
-//! field's own analyzer and each token becomes an optional term query, so any string searches.
+//! and parentheses mean something, and unbalanced ones are errors): it is analysed like a
+//! passage and each token becomes a term, so any string searches.
 //!
-//! Files: `index.json` beside tantivy's own files.
+//! Files: `index.json` (with k1 and b) beside tantivy's own files.
 
 use super::IndexMeta;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::Path;
-use tantivy::collector::TopDocs;
-use tantivy::query::{BooleanQuery, Occur, Query, TermQuery};
+use tantivy::fieldnorm::FieldNormReader;
+use tantivy::postings::Postings;
 use tantivy::schema::{Field, IndexRecordOption, Schema, TextFieldIndexing, TextOptions, Value, STORED, STRING};
-use tantivy::{Index, IndexReader, ReloadPolicy, TantivyDocument, Term};
+use tantivy::tokenizer::{Language, LowerCaser, RemoveLongFilter, SimpleTokenizer, Stemmer, StopWordFilter, TextAnalyzer};
+use tantivy::{DocSet, Index, IndexReader, ReloadPolicy, TantivyDocument, Term, TERMINATED};
 
-/// The k1 tantivy uses (not configurable).
-pub const BM25_K1: f32 = 1.2;
-/// The b tantivy uses (not configurable).
-pub const BM25_B: f32 = 0.75;
+/// BM25's constants.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Bm25Params {
+    /// Term-frequency saturation.
+    pub k1: f32,
+    /// Length normalisation (0: none, 1: full).
+    pub b: f32,
+}
+
+impl Default for Bm25Params {
+    /// Pyserini's defaults.
+    fn default() -> Self {
+        Bm25Params { k1: 0.9, b: 0.4 }
+    }
+}
+
+impl Bm25Params {
+    pub fn validate(&self) -> Result<()> {
+        if !(self.k1.is_finite() && self.k1 >= 0.0) || !(0.0..=1.0).contains(&self.b) {
+            bail!("bm25: k1 must be >= 0 and b in [0, 1] (got k1 = {}, b = {})", self.k1, self.b);
+        }
+        Ok(())
+    }
+}
+
+/// Lucene's `EnglishAnalyzer` stop set.
+const STOP_WORDS: [&str; 33] = [
+    "a", "an", "and", "are", "as", "at", "be", "but", "by", "for", "if", "in", "into", "is", "it", "no", "not", "of", "on", "or", "such", "that", "the", "their",
+    "then", "there", "these", "they", "this", "to", "was", "will", "with",
+];
+
+/// The name the analyzer is registered under in the index's tokenizer manager.
+const ANALYZER: &str = "rak_en";
+
+fn analyzer() -> TextAnalyzer {
+    TextAnalyzer::builder(SimpleTokenizer::default())
+        .filter(RemoveLongFilter::limit(40))
+        .filter(LowerCaser)
+        .filter(StopWordFilter::remove(STOP_WORDS.iter().map(|w| w.to_string())))
+        .filter(Stemmer::new(Language::English))
+        .build()
+}
 
 /// The most text that may wait in tantivy's queue (see [`QueueBound`]).
 const QUEUE_BYTES: usize = 16 << 20;
@@ -66,65 +115,70 @@ pub struct Bm25Index {
     index: Index,
     reader: IndexReader,
     id: Field,
-    title: Field,
-    text: Field,
+    contents: Field,
     meta: IndexMeta,
+    params: Bm25Params,
+    /// Passages, and their mean analysed length (from tantivy's token counts).
+    docs: u64,
+    avgdl: f32,
 }
 
-fn schema() -> (Schema, Field, Field, Field) {
+fn schema() -> (Schema, Field, Field) {
     let mut b = Schema::builder();
     let id = b.add_text_field("id", STRING | STORED);
-    // English stemming, as Lucene/Pyserini BM25 baselines use (squad dev MRR@10 0.733 -> 0.742).
-    let stemmed = TextOptions::default().set_indexing_options(
-        TextFieldIndexing::default().set_tokenizer("en_stem").set_index_option(IndexRecordOption::WithFreqsAndPositions),
-    );
-    let title = b.add_text_field("title", stemmed.clone());
-    let text = b.add_text_field("text", stemmed);
-    (b.build(), id, title, text)
+    let contents =
+        TextOptions::default().set_indexing_options(TextFieldIndexing::default().set_tokenizer(ANALYZER).set_index_option(IndexRecordOption::WithFreqs));
+    let contents = b.add_text_field("contents", contents);
+    (b.build(), id, contents)
 }
 
 impl Bm25Index {
     /// Index `(id, title, text)` documents into `dir` (atomically), then open it.
-    pub fn build<I, S1, S2, S3>(dir: &Path, corpus: I) -> Result<Self>
+    pub fn build<I, S1, S2, S3>(dir: &Path, corpus: I, params: Bm25Params) -> Result<Self>
     where
         I: IntoIterator<Item = (S1, S2, S3)>,
         S1: AsRef<str>,
         S2: AsRef<str>,
         S3: AsRef<str>,
     {
-        Self::try_build(dir, corpus.into_iter().map(Ok))
+        Self::try_build(dir, corpus.into_iter().map(Ok), params)
     }
 
     /// [`build`](Self::build) from a fallible stream of documents, e.g. a corpus file read
     /// line by line: the first `Err` stops the build (nothing is written to `dir`) and is
     /// returned. Documents are consumed one at a time, so the corpus is never held in memory.
-    pub fn try_build<I, S1, S2, S3>(dir: &Path, corpus: I) -> Result<Self>
+    pub fn try_build<I, S1, S2, S3>(dir: &Path, corpus: I, params: Bm25Params) -> Result<Self>
     where
         I: IntoIterator<Item = Result<(S1, S2, S3)>>,
         S1: AsRef<str>,
         S2: AsRef<str>,
         S3: AsRef<str>,
     {
+        params.validate()?;
         super::write_dir_atomically(dir, |tmp| {
-            let (schema, id, title, text) = schema();
+            let (schema, id, contents) = schema();
             let index = Index::create_in_dir(tmp, schema).with_context(|| format!("{}: cannot create a tantivy index", tmp.display()))?;
+            index.tokenizers().register(ANALYZER, analyzer());
             let mut writer: tantivy::IndexWriter = index.writer(200_000_000)?;
             let mut count = 0usize;
             let mut queue = QueueBound::default();
+            let mut text = String::new();
             for (i, doc) in corpus.into_iter().enumerate() {
                 let (d_id, d_title, d_text) = doc?;
                 let d_id = d_id.as_ref();
                 if d_id.is_empty() {
                     anyhow::bail!("document #{i} has an empty id");
                 }
+                text.clear();
+                text.push_str(d_title.as_ref());
+                text.push(' ');
+                text.push_str(d_text.as_ref());
                 let mut doc = TantivyDocument::default();
                 doc.add_text(id, d_id);
-                doc.add_text(title, d_title.as_ref());
-                doc.add_text(text, d_text.as_ref());
-                let bytes = d_id.len() + d_title.as_ref().len() + d_text.as_ref().len();
+                doc.add_text(contents, &text);
                 writer.add_document(doc)?;
                 count += 1;
-                if queue.push(bytes) {
+                if queue.push(d_id.len() + text.len()) {
                     writer.commit()?;
                 }
             }
@@ -133,35 +187,70 @@ impl Bm25Index {
             }
             writer.commit()?;
             writer.wait_merging_threads()?;
-            let params = serde_json::json!({
-                "k1": BM25_K1, "b": BM25_B, "fields": ["title", "text"],
-                "tokenizer": "tantivy en_stem (split on non-alphanumerics, lowercase, English Snowball stemmer)",
-                "tantivy": "0.27",
+            let meta_params = serde_json::json!({
+                "k1": params.k1, "b": params.b, "fields": ["title + ' ' + text"],
+                "analyzer": "split on non-alphanumerics, drop tokens of 40+ bytes, lowercase, Lucene's English stop words, English Snowball stemmer",
+                "scorer": "Lucene BM25 over tantivy 0.27 postings",
             });
-            IndexMeta::new("bm25", 0, count, "bm25", params).write(tmp)
+            IndexMeta::new("bm25", 0, count, "bm25", meta_params).write(tmp)
         })?;
         Self::open(dir)
     }
 
+    /// Open the index in `dir`, scoring with the k1 and b it was built with.
     pub fn open(dir: &Path) -> Result<Self> {
         let meta = IndexMeta::read(dir)?;
         meta.expect_kind(dir, "bm25")?;
+        let params: Bm25Params = serde_json::from_value(serde_json::json!({"k1": meta.params.get("k1"), "b": meta.params.get("b")}))
+            .with_context(|| format!("{}: index.json has no valid k1 and b", dir.display()))?;
         let index = Index::open_in_dir(dir).with_context(|| format!("{}: cannot open the tantivy index", dir.display()))?;
+        index.tokenizers().register(ANALYZER, analyzer());
         let schema = index.schema();
-        let field = |name: &str| schema.get_field(name).with_context(|| format!("{}: tantivy schema has no {name:?} field", dir.display()));
-        let (id, title, text) = (field("id")?, field("title")?, field("text")?);
-        let reader = index.reader_builder().reload_policy(ReloadPolicy::Manual).try_into()?;
-        Ok(Self { index, reader, id, title, text, meta })
+        let field = |name: &str| {
+            schema.get_field(name).with_context(|| {
+                format!("{}: the tantivy schema has no {name:?} field (built by an older version? rebuild it with host index build --kind bm25)", dir.display())
+            })
+        };
+        let (id, contents) = (field("id")?, field("contents")?);
+        let reader: IndexReader = index.reader_builder().reload_policy(ReloadPolicy::Manual).try_into()?;
+        let searcher = reader.searcher();
+        let docs = searcher.num_docs();
+        let mut tokens = 0u64;
+        for segment in searcher.segment_readers() {
+            tokens += segment.inverted_index(contents)?.total_num_tokens();
+        }
+        let avgdl = if docs == 0 { 1.0 } else { (tokens as f64 / docs as f64).max(1e-9) as f32 };
+        Ok(Self { index, reader, id, contents, meta, params, docs, avgdl })
     }
 
     pub fn meta(&self) -> &IndexMeta {
         &self.meta
+    }
+    pub fn params(&self) -> Bm25Params {
+        self.params
+    }
+    /// Score with other constants from now on (the index does not depend on them).
+    pub fn set_params(&mut self, params: Bm25Params) -> Result<()> {
+        params.validate()?;
+        self.params = params;
+        Ok(())
     }
     pub fn len(&self) -> usize {
         self.meta.count
     }
     pub fn is_empty(&self) -> bool {
         self.meta.count == 0
+    }
+
+    /// The query's analysed terms with how often each occurs.
+    fn query_terms(&self, query: &str) -> Result<BTreeMap<String, u32>> {
+        let mut analyzer = self.index.tokenizer_for_field(self.contents)?;
+        let mut stream = analyzer.token_stream(query);
+        let mut terms = BTreeMap::new();
+        while let Some(tok) = stream.next() {
+            *terms.entry(tok.text.clone()).or_insert(0) += 1;
+        }
+        Ok(terms)
     }
 
     /// The `k` best documents for free text `query`, as `(id, score)`, best first, equal scores
@@ -176,26 +265,51 @@ impl Bm25Index {
         if k == 0 {
             anyhow::bail!("k must be at least 1");
         }
-        let mut clauses: Vec<(Occur, Box<dyn Query>)> = Vec::new();
-        for field in [self.title, self.text] {
-            let mut analyzer = self.index.tokenizer_for_field(field)?;
-            let mut stream = analyzer.token_stream(query);
-            while let Some(tok) = stream.next() {
-                let term = Term::from_field_text(field, &tok.text);
-                clauses.push((Occur::Should, Box::new(TermQuery::new(term, IndexRecordOption::WithFreqs))));
-            }
-        }
-        if clauses.is_empty() {
+        let terms = self.query_terms(query)?;
+        if terms.is_empty() {
             return Ok(vec![]);
         }
-        let q = BooleanQuery::new(clauses);
         let searcher = self.reader.searcher();
+        let Bm25Params { k1, b } = self.params;
+        // Per query term: its tantivy term, its weight (idf × occurrences in the query).
+        let mut weighted = Vec::with_capacity(terms.len());
+        for (text, count) in terms {
+            let term = Term::from_field_text(self.contents, &text);
+            let df = searcher.doc_freq(&term)?;
+            if df == 0 {
+                continue;
+            }
+            let idf = (1.0 + (self.docs as f64 - df as f64 + 0.5) / (df as f64 + 0.5)).ln() as f32;
+            weighted.push((term, idf * count as f32));
+        }
+        // `k1 · (1 − b + b · dl / avgdl)` for each of the 256 one-byte length codes.
+        let norm: Vec<f32> = (0..=255u8).map(|code| k1 * (1.0 - b + b * FieldNormReader::id_to_fieldnorm(code) as f32 / self.avgdl)).collect();
         const TIE_MARGIN: usize = 16;
-        let top = searcher.search(&q, &TopDocs::with_limit(k + TIE_MARGIN).order_by_score())?;
-        let mut hits: Vec<(String, f32)> = top
+        let keep = k + TIE_MARGIN;
+        let mut best: Vec<(f32, u32, u32)> = Vec::new();
+        for (ord, segment) in searcher.segment_readers().iter().enumerate() {
+            let inverted = segment.inverted_index(self.contents)?;
+            let norms = segment.get_fieldnorms_reader(self.contents)?;
+            let mut acc = vec![0f32; segment.max_doc() as usize];
+            for (term, weight) in &weighted {
+                let Some(mut postings) = inverted.read_postings(term, IndexRecordOption::WithFreqs)? else { continue };
+                let mut doc = postings.doc();
+                while doc != TERMINATED {
+                    let tf = postings.term_freq() as f32;
+                    acc[doc as usize] += weight * tf / (tf + norm[norms.fieldnorm_id(doc) as usize]);
+                    doc = postings.advance();
+                }
+            }
+            best.extend(acc.iter().enumerate().filter(|(_, s)| **s > 0.0).map(|(d, s)| (*s, ord as u32, d as u32)));
+            if best.len() > keep {
+                best.select_nth_unstable_by(keep - 1, |x, y| y.0.total_cmp(&x.0));
+                best.truncate(keep);
+            }
+        }
+        let mut hits: Vec<(String, f32)> = best
             .into_iter()
-            .map(|(score, addr)| {
-                let doc: TantivyDocument = searcher.doc(addr)?;
+            .map(|(score, ord, doc)| {
+                let doc: TantivyDocument = searcher.doc(tantivy::DocAddress::new(ord, doc))?;
                 let id = doc.get_first(self.id).and_then(|v| v.as_str()).context("document without an id")?.to_string();
                 Ok((id, score))
             })

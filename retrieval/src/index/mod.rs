@@ -11,7 +11,7 @@ mod hnsw;
 mod hnsw_build;
 mod simd;
 
-pub use bm25::{Bm25Index, BM25_B, BM25_K1};
+pub use bm25::{Bm25Index, Bm25Params};
 pub use flat::{FlatBackend, FlatIndex};
 pub use hnsw::{HnswBuilder, HnswIndex, HnswParams, InnerProductDist, SearchStats, DROPPED_LINKS};
 

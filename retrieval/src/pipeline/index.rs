@@ -2,7 +2,7 @@
 
 use super::Progress;
 use crate::data::beir;
-use crate::index::{Bm25Index, FlatIndex, HnswBuilder, HnswIndex, HnswParams, IndexMeta};
+use crate::index::{Bm25Index, Bm25Params, FlatIndex, HnswBuilder, HnswIndex, HnswParams, IndexMeta};
 use crate::npy::{self, NpyF32, NpyRows};
 use anyhow::{bail, Result};
 use std::path::{Path, PathBuf};
@@ -14,19 +14,26 @@ pub enum IndexSpec {
     Flat { embeddings: PathBuf },
     /// Approximate maximum inner product (an HNSW graph) over the same.
     Hnsw { embeddings: PathBuf, params: HnswParams, builder: HnswBuilder },
-    /// Lexical BM25 over a BEIR `corpus.jsonl`.
-    Bm25 { corpus: PathBuf },
+    /// Lexical BM25 over a BEIR `corpus.jsonl`, scored with `params` (stored in `index.json`).
+    Bm25 { corpus: PathBuf, params: Bm25Params },
 }
 
 impl IndexSpec {
     /// From a kind's name (`flat`, `hnsw`, `bm25`) and the inputs it needs, as the CLI and the
     /// services take them.
-    pub fn from_kind(kind: &str, embeddings: Option<PathBuf>, corpus: Option<PathBuf>, params: HnswParams, builder: HnswBuilder) -> Result<Self> {
+    pub fn from_kind(
+        kind: &str,
+        embeddings: Option<PathBuf>,
+        corpus: Option<PathBuf>,
+        params: HnswParams,
+        builder: HnswBuilder,
+        bm25: Bm25Params,
+    ) -> Result<Self> {
         let embeddings = || embeddings.clone().ok_or_else(|| anyhow::anyhow!("an embeddings directory is required for flat and hnsw indexes"));
         Ok(match kind {
             "flat" => IndexSpec::Flat { embeddings: embeddings()? },
             "hnsw" => IndexSpec::Hnsw { embeddings: embeddings()?, params, builder },
-            "bm25" => IndexSpec::Bm25 { corpus: corpus.ok_or_else(|| anyhow::anyhow!("a corpus file is required for a bm25 index"))? },
+            "bm25" => IndexSpec::Bm25 { corpus: corpus.ok_or_else(|| anyhow::anyhow!("a corpus file is required for a bm25 index"))?, params: bm25 },
             other => bail!("index kind {other:?}: expected flat, hnsw or bm25"),
         })
     }
@@ -89,9 +96,9 @@ pub fn build_index(spec: &IndexSpec, output: &Path, progress: &dyn Progress) -> 
             idx.save(output)?;
             idx.meta().clone()
         }
-        IndexSpec::Bm25 { corpus } => {
+        IndexSpec::Bm25 { corpus, params } => {
             let docs = beir::read_corpus(corpus)?.map(|p| p.map(|p| (p.id, p.title, p.text)));
-            Bm25Index::try_build(output, docs)?.meta().clone()
+            Bm25Index::try_build(output, docs, *params)?.meta().clone()
         }
     })
 }
