@@ -192,6 +192,11 @@ impl<'a> Trainer<'a> {
         self.state.step
     }
 
+    /// Which stage of an ANCE run this is (0: BM25 negatives), recorded in checkpoints.
+    pub fn set_episode(&mut self, episode: u32) {
+        self.state.episode = episode;
+    }
+
     pub fn steps_per_epoch(&self) -> usize {
         self.sampler.steps_per_epoch()
     }
@@ -301,6 +306,8 @@ impl<'a> Trainer<'a> {
         let warmup = (self.config.warmup_ratio * self.config.max_steps as f64).ceil() as u64;
         let mut log = open_log(&self.output_dir.join(LOG_FILE))?;
         let mut window: BTreeMap<String, (f64, u64)> = BTreeMap::new();
+        // The optimizer's statistics of the last step taken (task weights, clipping), for the log.
+        let mut last_stats = Value::Null;
         let started = std::time::Instant::now();
         let first = self.state.step;
         progress.start("train", self.config.max_steps);
@@ -329,7 +336,10 @@ impl<'a> Trainer<'a> {
                 })
                 .collect::<Result<_>>()?;
             let losses = match self.train_step(&params, &groups, ctx)? {
-                StepOutcome::Updated { losses, .. } => losses,
+                StepOutcome::Updated { losses, stats } => {
+                    last_stats = stats;
+                    losses
+                }
                 StepOutcome::Skipped { task, loss } => {
                     progress.log(&format!("warning: step {}: task {task:?} has a non-finite loss ({loss}); the step is skipped", step + 1));
                     self.state.skipped_steps += 1;
@@ -358,7 +368,7 @@ impl<'a> Trainer<'a> {
                 let line = json!({
                     "step": step, "epoch": step as f64 / self.sampler.steps_per_epoch().max(1) as f64,
                     "learning_rate": lr, "loss": loss, "skipped_steps": self.state.skipped_steps,
-                    "seconds_per_step": per_step,
+                    "seconds_per_step": per_step, "optimizer": last_stats,
                 });
                 writeln!(log, "{line}")?;
                 log.flush()?;

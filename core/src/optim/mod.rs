@@ -1,7 +1,14 @@
 //! Optimizer math shared by the optimizer plugins: AdamW (which T-SAGE, PCGrad, CGD and
-//! GradNorm finish with), gradient clipping, and folding per-task gradients into a sum.
+//! GradNorm finish with), gradient clipping, folding per-task gradients into a sum, and the
+//! multitask methods themselves.
 
+pub mod cgd;
+pub mod gradnorm;
+pub mod pcgrad;
+#[cfg(test)]
+mod testutil;
 pub mod tsage;
+pub mod weighted;
 
 use crate::plugin::StepContext;
 use anyhow::{bail, Result};
@@ -22,6 +29,34 @@ pub struct AdamWConfig {
 impl Default for AdamWConfig {
     fn default() -> Self {
         AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+    }
+}
+
+impl AdamWConfig {
+    /// The setting names of [`AdamWConfig`].
+    pub const KEYS: [&'static str; 4] = ["beta1", "beta2", "eps", "weight_decay"];
+
+    /// Split a plugin's settings object into AdamW's (these [`KEYS`](Self::KEYS)) and the
+    /// rest, for an optimizer that finishes with AdamW.
+    pub fn split(settings: serde_json::Value) -> Result<(serde_json::Value, AdamWConfig)> {
+        let serde_json::Value::Object(mut rest) = settings else { bail!("optimizer settings must be a JSON object") };
+        let own: serde_json::Map<String, serde_json::Value> = Self::KEYS.iter().filter_map(|k| rest.remove(*k).map(|v| (k.to_string(), v))).collect();
+        let adamw = serde_json::from_value(serde_json::Value::Object(own))?;
+        Ok((serde_json::Value::Object(rest), adamw))
+    }
+
+    /// The settings-schema entries of these keys (for `plugins inspect`).
+    pub fn schema(&self) -> serde_json::Map<String, serde_json::Value> {
+        let d = self;
+        serde_json::json!({
+            "beta1": {"type": "float", "default": d.beta1, "help": "AdamW first-moment decay"},
+            "beta2": {"type": "float", "default": d.beta2, "help": "AdamW second-moment decay"},
+            "eps": {"type": "float", "default": d.eps, "help": "AdamW epsilon"},
+            "weight_decay": {"type": "float", "default": d.weight_decay, "help": "AdamW decoupled weight decay"},
+        })
+        .as_object()
+        .cloned()
+        .unwrap_or_default()
     }
 }
 

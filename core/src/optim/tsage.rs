@@ -256,37 +256,7 @@ fn lower_median(x: &Tensor) -> f64 {
 mod tests {
     use super::*;
 
-    /// Deterministic pseudo-random values in [-1, 1).
-    fn values(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f64 / (1u64 << 24) as f64 * 2.0 - 1.0) as f32
-            })
-            .collect()
-    }
-
-    const SHAPES: [&[i64]; 3] = [&[4, 3], &[3], &[2, 2]];
-    const TASKS: usize = 3;
-
-    fn params() -> Vec<(String, Tensor)> {
-        SHAPES.iter().enumerate().map(|(i, s)| (format!("p{i}"), Tensor::from_slice(&values(100 + i as u64, s.iter().product::<i64>() as usize)).view(*s))).collect()
-    }
-
-    /// Task `t`'s gradient at `step`; task 2 never reaches parameter p2 (a missing gradient).
-    fn grads(step: u64, t: usize) -> Vec<(String, Tensor)> {
-        SHAPES
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !(t == 2 && *i == 2))
-            .map(|(i, s)| (format!("p{i}"), Tensor::from_slice(&values(step * 31 + t as u64 * 7 + i as u64, s.iter().product::<i64>() as usize)).view(*s)))
-            .collect()
-    }
-
-    fn flat(list: &[(String, Tensor)]) -> Tensor {
-        Tensor::cat(&list.iter().map(|(_, t)| t.flatten(0, -1)).collect::<Vec<_>>(), 0)
-    }
+    use crate::optim::testutil::*;
 
     /// The formulas of REFERENCE §4 on dense `[T, P]` tensors, then AdamW on the flat vector.
     fn dense_reference(form: Form, steps: u64, warmup: u64, max_norm: Option<f64>) -> Tensor {

@@ -18,13 +18,7 @@ impl PluginInfo for AdamWPlugin {
     const NAME: &'static str = "adamw";
 
     fn settings_schema() -> Value {
-        let d = AdamWConfig::default();
-        json!({
-            "beta1": {"type": "float", "default": d.beta1, "help": "first-moment decay"},
-            "beta2": {"type": "float", "default": d.beta2, "help": "second-moment decay"},
-            "eps": {"type": "float", "default": d.eps, "help": "added to the denominator"},
-            "weight_decay": {"type": "float", "default": d.weight_decay, "help": "decoupled weight decay"},
-        })
+        Value::Object(AdamWConfig::default().schema())
     }
 
     fn create(settings: Value) -> Result<Self> {

@@ -15,17 +15,15 @@ impl PluginInfo for TSagePlugin {
 
     fn settings_schema() -> Value {
         let d = TSageConfig::default();
-        json!({
+        let mut schema = d.adamw.schema();
+        schema.extend(json!({
             "beta": {"type": "float", "default": d.beta, "help": "momentum of the task sensitivities"},
             "tau": {"type": "float", "default": d.tau, "help": "softmax temperature across tasks"},
             "median_normalise": {"type": "bool", "default": d.median_normalise, "help": "divide each task's sensitivities by their median"},
             "divide_by_tasks": {"type": "bool", "default": d.divide_by_tasks, "help": "divide the combined gradient by the number of tasks (the authors' code)"},
             "form": {"type": "string", "default": "exact", "help": "exact (this step's weights; holds every task gradient) or lean (previous step's weights; folds each task in)"},
-            "beta1": {"type": "float", "default": d.adamw.beta1, "help": "AdamW first-moment decay"},
-            "beta2": {"type": "float", "default": d.adamw.beta2, "help": "AdamW second-moment decay"},
-            "eps": {"type": "float", "default": d.adamw.eps, "help": "AdamW epsilon"},
-            "weight_decay": {"type": "float", "default": d.adamw.weight_decay, "help": "AdamW decoupled weight decay"},
-        })
+        }).as_object().cloned().unwrap_or_default());
+        Value::Object(schema)
     }
 
     fn create(settings: Value) -> Result<Self> {

@@ -1,0 +1,51 @@
+//! The `gradnorm` optimizer plugin: GradNorm's learned task weights (`rak_core::optim::gradnorm`),
+//! finishing with AdamW.
+
+use anyhow::{Context, Result};
+use rak_core::optim::gradnorm::{GradNorm, GradNormConfig};
+use rak_core::optim::weighted::Weighted;
+use rak_core::optim::AdamWConfig;
+use rak_core::plugin::{Optimizer, PluginInfo, StepContext};
+use serde_json::{json, Value};
+use tch::Tensor;
+
+pub struct GradNormPlugin(Weighted<GradNorm>);
+
+impl PluginInfo for GradNormPlugin {
+    const NAME: &'static str = "gradnorm";
+
+    fn settings_schema() -> Value {
+        let d = GradNormConfig::default();
+        let mut schema = AdamWConfig::default().schema();
+        schema.insert("alpha".into(), json!({"type": "float", "default": d.alpha, "help": "restoring force towards balanced training rates"}));
+        schema.insert("weight_lr".into(), json!({"type": "float", "default": d.weight_lr, "help": "Adam learning rate of the task weights"}));
+        schema.insert("min_weight".into(), json!({"type": "float", "default": d.min_weight, "help": "smallest task weight before renormalising to sum T"}));
+        Value::Object(schema)
+    }
+
+    fn create(settings: Value) -> Result<Self> {
+        let (own, adamw) = AdamWConfig::split(settings).context("gradnorm settings")?;
+        let config: GradNormConfig = serde_json::from_value(own).context("gradnorm settings")?;
+        Ok(GradNormPlugin(Weighted::new(GradNorm::new(config)?, adamw)))
+    }
+}
+
+impl Optimizer for GradNormPlugin {
+    fn begin_step(&mut self, params: Vec<(String, Tensor)>, ctx: StepContext) -> Result<()> {
+        self.0.begin_step(params, ctx)
+    }
+    fn task_gradients(&mut self, task: &str, loss: f64, grads: Vec<(String, Tensor)>) -> Result<()> {
+        self.0.task_gradients(task, loss, grads)
+    }
+    fn finish_step(&mut self) -> Result<Value> {
+        self.0.finish_step()
+    }
+    fn state(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self.0.state())
+    }
+    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
+        self.0.load_state(state)
+    }
+}
+
+rak_core::export_optimizer!(GradNormPlugin);
