@@ -3,7 +3,7 @@
 
 use crate::loader::Plugin;
 use abi_stable::std_types::{ROption, RResult, RStr, RString, RVec};
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 use rak_core::abi::modules::*;
 use rak_core::abi::{Handle, NamedTensor, Role, TensorPtr};
 use rak_core::plugin::{Connector, Encoder, Optimizer, Reader, StepContext};
@@ -46,6 +46,7 @@ macro_rules! proxy {
         impl $name {
             pub fn create(p: &Plugin, module: $modref, settings: &Value) -> Result<Self> {
                 let origin = Origin::of(p);
+                check_settings(p, settings)?;
                 let handle = origin.check("create", (module.create())(settings.to_string().as_str().into()))?;
                 Ok(Self { module, handle, origin })
             }
@@ -159,6 +160,24 @@ impl Connector for ConnectorProxy {
     fn complete(&self, request: Value) -> Result<Value> {
         self.origin.json("complete", (self.module.complete())(self.handle, request.to_string().as_str().into()))
     }
+}
+
+/// Settings the host's commands fill in for every encoder or reader (`--model`, `--device`,
+/// `--bf16`); a plugin may ignore them without declaring them.
+const HOST_SETTINGS: [&str; 3] = ["model", "device", "bf16"];
+
+/// Refuse settings the plugin does not declare, naming the ones it does, before the plugin
+/// sees them (so a typo is an error even in a plugin that ignores unknown keys).
+fn check_settings(p: &Plugin, settings: &Value) -> Result<()> {
+    let (Some(given), Value::Object(known)) = (settings.as_object(), settings_schema(p)) else { return Ok(()) };
+    for key in given.keys() {
+        if !known.contains_key(key) && !HOST_SETTINGS.contains(&key.as_str()) {
+            let names: Vec<&str> = known.keys().map(String::as_str).collect();
+            let known = if names.is_empty() { "none".to_string() } else { names.join(", ") };
+            bail!("{} {:?} ({}) has no setting {key:?} (known: {known})", p.header.kind, p.header.name, p.path.display());
+        }
+    }
+    Ok(())
 }
 
 /// The plugin's settings description, for `plugins inspect`.

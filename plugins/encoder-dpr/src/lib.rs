@@ -24,6 +24,7 @@ impl PluginInfo for Dpr {
             "question_mark": {"type": "bool", "default": false, "help": "MT-DPR: append ? to QA queries"},
             "qa_tasks": {"type": "[string]", "default": ["squad", "nq", "tqa", "triviaqa", "hopo", "hotpotqa", "eli5"]},
             "task_markers": {"type": "{task: token}", "help": "MT-DPR task-type marker inserted after [CLS], e.g. {\"squad\": \"[unused0]\"}"},
+            "task_prefix": {"type": "bool", "default": false, "help": "queries become [CLS] TASK [SEP] query [SEP] (TACO's prefix for BERT); passages never get one"},
             "device": {"type": "string", "default": "cpu"},
             "bf16": {"type": "bool", "default": false},
         })

@@ -24,6 +24,10 @@ impl PluginInfo for Taser {
             "normalize": {"type": "bool", "default": false},
             "max_length": {"type": "int", "default": 256},
             "query_max_length": {"type": "int", "default": "max_length"},
+            "question_mark": {"type": "bool", "default": false, "help": "append ? to QA queries"},
+            "qa_tasks": {"type": "[string]", "default": ["squad", "nq", "tqa", "triviaqa", "hopo", "hotpotqa", "eli5"]},
+            "task_markers": {"type": "{task: token}", "help": "task marker inserted after [CLS], e.g. {\"squad\": \"[unused0]\"}"},
+            "task_prefix": {"type": "bool", "default": false, "help": "queries become [CLS] TASK [SEP] query [SEP]"},
             "device": {"type": "string", "default": "cpu"},
             "bf16": {"type": "bool", "default": false},
         })
