@@ -195,3 +195,81 @@ fn bad_training_inputs_are_clear_errors() {
     let o = run(&mut train_cmd(&recipe, &dir.path().join("out3"), &["--learning-rate", "1e30", "--max-steps", "20"]));
     fails(&o, &["non-finite loss", "max_skipped_steps"]);
 }
+
+/// `negatives-episode-E.json`: every example's negatives by task and query id.
+fn saved_negatives(path: &Path) -> (String, std::collections::BTreeMap<String, Vec<String>>) {
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut out = std::collections::BTreeMap::new();
+    for (_, by_query) in v["negatives"].as_object().unwrap() {
+        for (q, ids) in by_query.as_object().unwrap() {
+            out.insert(q.clone(), ids.as_array().unwrap().iter().map(|i| i.as_str().unwrap().to_string()).collect());
+        }
+    }
+    (v["source"].as_str().unwrap().to_string(), out)
+}
+
+/// ANCE episodes: after the BM25 stage, negatives are mined with the trained model over the
+/// whole corpus (top `ance_depth` minus gold), saved, and a new stage trains on them; the final
+/// model lands in the output folder. A run killed in the episode resumes to the same weights.
+#[test]
+fn ance_episodes_mine_with_the_model_and_resume_exactly() {
+    let dir = TempDir::new("train-ance");
+    let train = TRAIN.replace("max_steps = 8", "max_steps = 4") + "\nance_episodes = 1\nance_depth = 10";
+    let recipe = small_task_data(dir.path(), 12, &train);
+    let whole = dir.path().join("whole");
+    let o = run(&mut train_cmd(&recipe, &whole, &[]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("mining negatives"), "{}", stderr(&o));
+
+    let (src0, bm25) = saved_negatives(&whole.join("negatives-episode-0.json"));
+    let (src1, ance) = saved_negatives(&whole.join("negatives-episode-1.json"));
+    assert!(src0.starts_with("bm25") && src1.starts_with("ance episode 1"), "{src0} / {src1}");
+    assert_eq!(bm25.keys().collect::<Vec<_>>(), ance.keys().collect::<Vec<_>>());
+    let mut gold: std::collections::HashMap<String, HashSet<String>> = Default::default();
+    for task in ["squad", "fever"] {
+        for line in std::fs::read_to_string(dir.path().join("tasks").join(task).join("qrels.train.tsv")).unwrap().lines().skip(1) {
+            let c: Vec<&str> = line.split('\t').collect();
+            gold.entry(c[0].to_string()).or_default().insert(c[1].to_string());
+        }
+    }
+    let mut changed = 0;
+    for (q, negs) in &ance {
+        assert!(!negs.is_empty() && negs.len() <= 10, "{q}: {} negatives", negs.len());
+        assert!(negs.iter().all(|n| !gold[q].contains(n)), "{q}: a gold passage among its negatives");
+        changed += usize::from(negs != &bm25[q][..bm25[q].len().min(negs.len())].to_vec());
+    }
+    assert!(changed * 2 > ance.len(), "the model's negatives should differ from BM25's for most queries ({changed} of {})", ance.len());
+    // Each stage has its log and final model; the last one is the output's.
+    assert_eq!(losses(&whole.join("episode-0")).len(), 4);
+    assert_eq!(losses(&whole.join("episode-1")).len(), 4);
+    assert!(!whole.join("episode-1/ance").exists(), "the corpus embeddings are removed once mined");
+    let (top, last) = (weights(&whole), weights(&whole.join("episode-1")));
+    assert!(top.iter().zip(&last).all(|((na, a), (nb, b))| na == nb && a.equal(b)));
+    let first = weights(&whole.join("episode-0"));
+    assert!(first.iter().zip(&last).any(|((_, a), (_, b))| !a.equal(b)), "episode 1 trained");
+
+    // Kill in episode 1 (once it has a checkpoint), resume: the same final weights.
+    let killed = dir.path().join("killed");
+    let mut child = train_cmd(&recipe, &killed, &[]).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let started = std::time::Instant::now();
+    while started.elapsed().as_secs() < 300 && child.try_wait().unwrap().is_none() {
+        if std::fs::read_dir(killed.join("episode-1")).map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with("checkpoint-"))).unwrap_or(false) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let killed_early = child.try_wait().unwrap().is_none();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(killed_early, "the run ended before it could be killed in episode 1");
+    let o = run(&mut train_cmd(&recipe, &killed, &["--resume-from-checkpoint", "latest"]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("mining negatives"), "the saved episode-1 negatives are reused: {}", stderr(&o));
+    assert_eq!(saved_negatives(&killed.join("negatives-episode-1.json")).1, ance);
+    for ((na, a), (_, b)) in weights(&whole).iter().zip(weights(&killed).iter()) {
+        let diff = (a - b).abs().max().double_value(&[]);
+        assert!(diff <= 1e-6, "{na}: final weights differ by {diff}");
+    }
+    // Starting over needs saying so.
+    fails(&run(&mut train_cmd(&recipe, &killed, &[])), &["--overwrite-output-dir"]);
+}

@@ -32,7 +32,7 @@ pub struct TaskSource {
 }
 
 /// One task's examples.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TaskData {
     pub name: String,
     pub examples: Vec<Example>,

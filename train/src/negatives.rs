@@ -1,9 +1,16 @@
 //! Hard negatives: BM25's top passages for each query minus its gold ones (the warm-up of
-//! DPR, MT-DPR and TACO), saved per episode so a restarted run reuses them.
+//! DPR, MT-DPR and TACO), then ANCE's: the current model's own top passages minus gold,
+//! retrieved from the whole corpus re-encoded with it. Saved per episode so a restarted run
+//! reuses them.
 
 use crate::data::TaskData;
 use anyhow::{Context, Result};
-use rak_retrieval::index::Bm25Index;
+use rak_core::abi::Role;
+use rak_core::plugin::Encoder;
+use rak_retrieval::index::{self, Bm25Index};
+use rak_retrieval::pipeline::encode::{encode_file, encode_texts, EncodeJob, EncoderSource};
+use rak_retrieval::pipeline::index::{build_index, IndexSpec};
+use rak_retrieval::pipeline::search::search_vectors;
 use rak_retrieval::pipeline::Progress;
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
@@ -25,14 +32,91 @@ pub fn bm25_negatives(index: &Bm25Index, tasks: &mut [TaskData], depth: usize, p
     Ok(())
 }
 
-/// Save every example's negatives (`{"depth": d, "negatives": {"task": {"query id": [ids]}}}`),
-/// atomically.
-pub fn save(path: &Path, tasks: &[TaskData], depth: usize) -> Result<()> {
+/// ANCE: for each example, the top `depth` passages of `encoder` over the whole corpus that
+/// are not gold, best first. The corpus is encoded into `work/corpus/` (resumable, and keyed
+/// on `identity`, so a rerun with the same model reuses it) and indexed exactly in
+/// `work/index/`; queries are encoded with their task's name when `task_names` is on, as in
+/// training.
+pub fn ance_negatives(
+    encoder: &mut dyn Encoder,
+    identity: serde_json::Value,
+    corpus: &Path,
+    work: &Path,
+    tasks: &mut [TaskData],
+    depth: usize,
+    task_names: bool,
+    progress: &dyn Progress,
+) -> Result<()> {
+    let embeddings = work.join("corpus");
+    let job = EncodeJob::new(corpus, &embeddings, Role::Passage, identity);
+    encode_file(&job, EncoderSource::Ready(&mut *encoder), progress)?;
+    let index_dir = work.join("index");
+    if !index_dir.join("index.json").exists() {
+        build_index(&IndexSpec::Flat { embeddings: embeddings.clone() }, &index_dir, progress)?;
+    }
+    let index = index::open(&index_dir)?;
+    let total: usize = tasks.iter().map(|t| t.examples.len()).sum();
+    progress.start("ance negatives", total as u64);
+    for task in tasks.iter_mut() {
+        let texts: Vec<&str> = task.examples.iter().map(|e| e.query.as_str()).collect();
+        let name = task_names.then_some(task.name.as_str());
+        let (vectors, dim) = encode_texts(encoder, &texts, Role::Query, name, job.batch_size, &rak_retrieval::pipeline::Quiet)?;
+        let most_gold = task.examples.iter().map(|e| e.positives.len()).max().unwrap_or(0);
+        drop(texts);
+        let hits = search_vectors(&index, &vectors, dim, depth + most_gold)?;
+        for (ex, hits) in task.examples.iter_mut().zip(hits) {
+            let gold: HashSet<&str> = ex.positives.iter().map(String::as_str).collect();
+            ex.negatives = hits.into_iter().map(|(id, _)| id).filter(|id| !gold.contains(id.as_str())).take(depth).collect();
+        }
+        progress.inc(task.examples.len() as u64);
+    }
+    progress.finish();
+    Ok(())
+}
+
+/// Give each example its retriever found no negative for (every hit was gold, or the query
+/// matched nothing: BM25 with stop words removed can) `count` gold passages of other queries,
+/// drawn with `seed` (DPR falls back to random passages the same way). Returns how many
+/// examples were filled.
+pub fn fill_empty(tasks: &mut [TaskData], count: usize, seed: u64) -> usize {
+    let pool: Vec<String> = {
+        let all: std::collections::BTreeSet<&String> = tasks.iter().flat_map(|t| &t.examples).flat_map(|e| &e.positives).collect();
+        all.into_iter().cloned().collect()
+    };
+    let mut filled = 0;
+    for (ti, task) in tasks.iter_mut().enumerate() {
+        for (ei, ex) in task.examples.iter_mut().enumerate() {
+            if !ex.negatives.is_empty() || count == 0 {
+                continue;
+            }
+            let mut rng = crate::rng::Rng::derive(seed, &[0xF111, ti as u64, ei as u64]);
+            let gold: HashSet<&str> = ex.positives.iter().map(String::as_str).collect();
+            // Bounded: a pool holding nothing but this query's gold leaves it empty.
+            for _ in 0..count * 16 {
+                if ex.negatives.len() == count || pool.len() <= gold.len() {
+                    break;
+                }
+                let pick = &pool[rng.below(pool.len() as u64) as usize];
+                if !gold.contains(pick.as_str()) && !ex.negatives.contains(pick) {
+                    ex.negatives.push(pick.clone());
+                }
+            }
+            filled += usize::from(!ex.negatives.is_empty());
+        }
+    }
+    filled
+}
+
+/// Save every example's negatives
+/// (`{"source": s, "depth": d, "negatives": {"task": {"query id": [ids]}}}`), atomically.
+/// `source` says what produced them (e.g. `bm25 k1=0.9 b=0.4`), so a change of retriever
+/// settings is noticed by [`load`].
+pub fn save(path: &Path, tasks: &[TaskData], depth: usize, source: &str) -> Result<()> {
     let map: BTreeMap<&str, BTreeMap<&str, &Vec<String>>> = tasks
         .iter()
         .map(|t| (t.name.as_str(), t.examples.iter().map(|e| (e.query_id.as_str(), &e.negatives)).collect()))
         .collect();
-    let map = serde_json::json!({"depth": depth, "negatives": map});
+    let map = serde_json::json!({"source": source, "depth": depth, "negatives": map});
     rak_core::fsutil::write_atomically(path, |tmp| {
         let mut f = std::io::BufWriter::new(std::fs::File::create(tmp)?);
         serde_json::to_writer(&mut f, &map)?;
@@ -42,8 +126,9 @@ pub fn save(path: &Path, tasks: &[TaskData], depth: usize) -> Result<()> {
 }
 
 /// Load what [`save`] wrote into the examples. False (nothing loaded) when the file does not
-/// exist or was made for other data: another depth, other tasks or other queries.
-pub fn load(path: &Path, tasks: &mut [TaskData], depth: usize) -> Result<bool> {
+/// exist or was made for other data: another source, another depth, other tasks or other
+/// queries.
+pub fn load(path: &Path, tasks: &mut [TaskData], depth: usize, source: &str) -> Result<bool> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
@@ -51,12 +136,14 @@ pub fn load(path: &Path, tasks: &mut [TaskData], depth: usize) -> Result<bool> {
     };
     #[derive(serde::Deserialize)]
     struct Saved {
+        source: String,
         depth: usize,
         negatives: BTreeMap<String, BTreeMap<String, Vec<String>>>,
     }
     // A file of another format (an older version, a torn write) is simply recomputed.
     let Ok(saved) = serde_json::from_str::<Saved>(&text) else { return Ok(false) };
-    let same_queries = saved.depth == depth
+    let same_queries = saved.source == source
+        && saved.depth == depth
         && saved.negatives.len() == tasks.len()
         && tasks.iter().all(|t| {
             saved.negatives.get(&t.name).is_some_and(|by_query| {
@@ -74,4 +161,42 @@ pub fn load(path: &Path, tasks: &mut [TaskData], depth: usize) -> Result<bool> {
         }
     }
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::Example;
+
+    fn ex(id: &str, gold: &[&str], negs: &[&str]) -> Example {
+        Example {
+            query_id: id.into(),
+            query: id.into(),
+            positives: gold.iter().map(|s| s.to_string()).collect(),
+            negatives: negs.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn empty_negatives_are_filled_with_other_queries_gold() {
+        let make = || {
+            vec![
+                TaskData { name: "a".into(), examples: vec![ex("q1", &["p1"], &[]), ex("q2", &["p2"], &["n1"])] },
+                TaskData { name: "b".into(), examples: vec![ex("q3", &["p3", "p1"], &[]), ex("q4", &["p4"], &[])] },
+            ]
+        };
+        let mut tasks = make();
+        assert_eq!(fill_empty(&mut tasks, 2, 9), 3);
+        for e in tasks.iter().flat_map(|t| &t.examples) {
+            assert!(!e.negatives.is_empty() && e.negatives.len() <= 2, "{e:?}");
+            assert!(e.negatives.iter().all(|n| !e.positives.contains(n)), "{e:?}");
+        }
+        assert_eq!(tasks[0].examples[1].negatives, vec!["n1".to_string()], "examples with negatives are left alone");
+        let mut again = make();
+        fill_empty(&mut again, 2, 9);
+        assert_eq!(tasks, again, "seeded");
+        // Nothing to draw from but the query's own gold: left empty, no endless loop.
+        let mut lone = vec![TaskData { name: "a".into(), examples: vec![ex("q1", &["p1"], &[])] }];
+        assert_eq!(fill_empty(&mut lone, 1, 0), 0);
+    }
 }

@@ -5,7 +5,7 @@
 use super::Bar;
 use crate::registry::Registry;
 use anyhow::{bail, Context, Result};
-use rak_retrieval::index::Bm25Index;
+use rak_retrieval::index::{Bm25Index, Bm25Params};
 use rak_retrieval::pipeline::index::{build_index, IndexSpec};
 use rak_retrieval::pipeline::Progress;
 use rak_train::data::{corpus_ids, load_task, passage_texts, task_sources, LoadReport};
@@ -57,6 +57,10 @@ pub struct TrainArgs {
     /// Run the model in bfloat16 (GPU).
     #[arg(long)]
     pub bf16: bool,
+    /// After the BM25-negative stage, this many ANCE episodes: mine negatives with the model
+    /// so far over the whole corpus, then train again (default: the recipe's, else 0).
+    #[arg(long)]
+    pub ance_episodes: Option<u32>,
 }
 
 /// The recipe file.
@@ -120,6 +124,13 @@ pub struct TrainSection {
     pub hard_negatives: usize,
     /// How deep in BM25's ranking negatives are drawn from.
     pub negative_depth: usize,
+    /// BM25's constants for the negatives (Pyserini's defaults).
+    pub bm25_k1: f32,
+    pub bm25_b: f32,
+    /// ANCE episodes after the BM25 stage, and how deep in the model's ranking their
+    /// negatives are drawn from.
+    pub ance_episodes: u32,
+    pub ance_depth: usize,
     /// Encode queries with their task's name (the encoder makes it a prefix, a marker or a
     /// `?`, or ignores it).
     pub task_names: bool,
@@ -145,6 +156,10 @@ impl Default for TrainSection {
             temperature: 4.0,
             hard_negatives: 1,
             negative_depth: 100,
+            bm25_k1: Bm25Params::default().k1,
+            bm25_b: Bm25Params::default().b,
+            ance_episodes: 0,
+            ance_depth: 200,
             task_names: true,
             layerwise_lr_decay: false,
             max_skipped_steps: 10,
@@ -186,24 +201,33 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
     }
     let encoder_name = args.encoder.clone().or(recipe.model.encoder.clone()).context("no encoder: give --encoder or model.encoder")?;
     let optim_name = args.optim.clone().or(recipe.train.optim.clone()).context("no optimizer: give --optim or train.optim")?;
+    if let Some(v) = args.ance_episodes {
+        recipe.train.ance_episodes = v;
+    }
+    let episodes = recipe.train.ance_episodes;
     let out = &args.output_dir;
     std::fs::create_dir_all(out).with_context(|| format!("{}: cannot create", out.display()))?;
     let progress = Bar::default();
+    // Where each stage trains: the output folder itself, or with ANCE one folder per stage
+    // (`episode-0` on BM25 negatives, then `episode-E`), the final model copied to the top.
+    let stages: Vec<PathBuf> = if episodes == 0 { vec![out.clone()] } else { (0..=episodes).map(|e| out.join(format!("episode-{e}"))).collect() };
 
     let resume = match args.resume_from_checkpoint.as_deref() {
-        None => None,
-        Some("latest") => {
-            let found = latest_checkpoint(out);
-            if found.is_none() {
-                progress.log(&format!("train: no checkpoint under {} yet; starting from the beginning", out.display()));
-            }
-            found
+        None => Resume::No,
+        Some("latest") => Resume::Latest,
+        Some(dir) => {
+            let dir = PathBuf::from(dir);
+            let parent = dir.parent().map(Path::to_path_buf).unwrap_or_default();
+            let Some(stage) = stages.iter().position(|s| same_dir(s, &parent)) else {
+                bail!("--resume-from-checkpoint {}: not a checkpoint of {} (or of one of its episodes)", dir.display(), out.display());
+            };
+            Resume::At(stage, dir)
         }
-        Some(dir) => Some(PathBuf::from(dir)),
     };
-    if resume.is_none() {
-        let earlier = rak_train::trainer::checkpoints(out);
-        if !earlier.is_empty() && !args.overwrite_output_dir {
+    if matches!(resume, Resume::No) {
+        let earlier: Vec<PathBuf> = stages.iter().flat_map(|s| rak_train::trainer::checkpoints(s)).collect();
+        let finished = stages.iter().any(|s| s.join(STAGE_DONE).exists());
+        if (!earlier.is_empty() || finished) && !args.overwrite_output_dir {
             bail!(
                 "{} holds checkpoints of an earlier run; continue it with --resume-from-checkpoint latest, or start over with --overwrite-output-dir",
                 out.display()
@@ -212,11 +236,14 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
         for dir in earlier {
             std::fs::remove_dir_all(&dir).with_context(|| format!("{}: cannot remove", dir.display()))?;
         }
+        for (e, stage) in stages.iter().enumerate() {
+            let _ = std::fs::remove_file(stage.join(STAGE_DONE));
+            if e > 0 {
+                let _ = std::fs::remove_file(out.join(format!("negatives-episode-{e}.json")));
+            }
+        }
     }
-    let start_model = match &resume {
-        Some(ckpt) => ckpt.clone(),
-        None => args.model.clone().or(recipe.model.path.clone()).context("no model: give --model or model.path")?,
-    };
+    let base_model = args.model.clone().or(recipe.model.path.clone()).context("no model: give --model or model.path")?;
 
     // Data: every task's examples, then hard negatives, then the texts they name.
     let d = &recipe.data;
@@ -238,28 +265,29 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
     let t = &recipe.train;
     if t.hard_negatives > 0 {
         let saved = out.join("negatives-episode-0.json");
-        if !negatives::load(&saved, &mut tasks, t.negative_depth)? {
+        let bm25 = Bm25Params { k1: t.bm25_k1, b: t.bm25_b };
+        bm25.validate()?;
+        let source = format!("bm25 k1={} b={}", bm25.k1, bm25.b);
+        if !negatives::load(&saved, &mut tasks, t.negative_depth, &source)? {
             let index_dir = match &d.bm25_index {
                 Some(dir) => dir.clone(),
                 None => {
                     let dir = out.join("bm25-index");
                     if !dir.join("index.json").exists() {
-                        build_index(&IndexSpec::Bm25 { corpus: d.corpus.clone() }, &dir, &progress)?;
+                        build_index(&IndexSpec::Bm25 { corpus: d.corpus.clone(), params: bm25 }, &dir, &progress)?;
                     }
                     dir
                 }
             };
-            let index = Bm25Index::open(&index_dir)?;
+            let mut index = Bm25Index::open(&index_dir)?;
+            index.set_params(bm25)?;
             negatives::bm25_negatives(&index, &mut tasks, t.negative_depth, &progress)?;
-            negatives::save(&saved, &tasks, t.negative_depth)?;
+            report_filled(negatives::fill_empty(&mut tasks, t.hard_negatives, t.seed), "BM25", &progress);
+            negatives::save(&saved, &tasks, t.negative_depth, &source)?;
         }
     }
-    let wanted: HashSet<&str> =
-        tasks.iter().flat_map(|t| &t.examples).flat_map(|e| e.positives.iter().chain(&e.negatives)).map(String::as_str).collect();
-    let texts = passage_texts(&d.corpus, &wanted)?;
-
-    let counts: Vec<usize> = tasks.iter().map(|t| t.examples.len()).collect();
     let kind = sampler_kind(t)?;
+    let counts: Vec<usize> = tasks.iter().map(|t| t.examples.len()).collect();
     let steps_per_epoch = Sampler::new(kind, &counts, t.per_device_train_batch_size, t.seed)?.steps_per_epoch() as u64;
     let max_steps = t.max_steps.unwrap_or(((t.num_train_epochs * steps_per_epoch as f64).ceil() as u64).max(1));
     let config = TrainerConfig {
@@ -277,25 +305,103 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
         layerwise_lr_decay: t.layerwise_lr_decay,
         max_skipped_steps: t.max_skipped_steps,
     };
-
-    let mut settings = Value::Object(recipe.model.settings.clone());
-    settings["model"] = json!(start_model);
-    settings["device"] = json!(args.device);
-    if args.bf16 {
-        settings["bf16"] = json!(true);
-    }
-    let mut encoder = registry.encoder(&encoder_name, &settings)?;
-    let mut optimizer = registry.optimizer(&optim_name, &Value::Object(t.optim_settings.clone()))?;
+    let settings_for = |model: &Path| {
+        let mut settings = Value::Object(recipe.model.settings.clone());
+        settings["model"] = json!(model);
+        settings["device"] = json!(args.device);
+        if args.bf16 {
+            settings["bf16"] = json!(true);
+        }
+        settings
+    };
     let names: Vec<String> = tasks.iter().map(|t| format!("{} ({} queries)", t.name, t.examples.len())).collect();
+    let episodes_text = if episodes > 0 { format!(" per stage, then {episodes} ANCE episodes") } else { String::new() };
     progress.log(&format!(
-        "train: {encoder_name} with {optim_name}, {max_steps} steps ({steps_per_epoch} per epoch), tasks: {}",
+        "train: {encoder_name} with {optim_name}, {max_steps} steps ({steps_per_epoch} per epoch){episodes_text}, tasks: {}",
         names.join(", ")
     ));
-    let mut trainer = Trainer::new(config, encoder.as_mut(), optimizer.as_mut(), tasks, texts, out)?;
-    if let Some(ckpt) = &resume {
-        trainer.resume(ckpt)?;
-        progress.log(&format!("train: resumed from {} at step {}", ckpt.display(), trainer.step()));
+
+    let mut model = base_model;
+    for (episode, stage) in stages.iter().enumerate() {
+        if episodes > 0 && stage.join(STAGE_DONE).exists() {
+            model = stage.clone();
+            continue;
+        }
+        if episode > 0 && t.hard_negatives > 0 {
+            // ANCE: negatives from the previous stage's model over the whole corpus.
+            let saved = out.join(format!("negatives-episode-{episode}.json"));
+            let source = format!("ance episode {episode}, model {}", model.display());
+            if !negatives::load(&saved, &mut tasks, t.ance_depth, &source)? {
+                let settings = settings_for(&model);
+                let mut miner = registry.encoder(&encoder_name, &settings)?;
+                let identity = super::encode::encoder_identity(&encoder_name, &settings)?;
+                progress.log(&format!("train: episode {episode}: mining negatives with {}", model.display()));
+                let work = stage.join("ance");
+                negatives::ance_negatives(miner.as_mut(), identity, &d.corpus, &work, &mut tasks, t.ance_depth, t.task_names, &progress)?;
+                report_filled(negatives::fill_empty(&mut tasks, t.hard_negatives, t.seed), "the model", &progress);
+                negatives::save(&saved, &tasks, t.ance_depth, &source)?;
+                // The corpus embeddings and index are as large as the corpus; the negatives are kept.
+                std::fs::remove_dir_all(&work).with_context(|| format!("{}: cannot remove", work.display()))?;
+            }
+        }
+        let wanted: HashSet<&str> =
+            tasks.iter().flat_map(|t| &t.examples).flat_map(|e| e.positives.iter().chain(&e.negatives)).map(String::as_str).collect();
+        let texts = passage_texts(&d.corpus, &wanted)?;
+        let checkpoint = match &resume {
+            Resume::No => None,
+            Resume::Latest => {
+                let found = latest_checkpoint(stage);
+                if found.is_none() && (episode == 0 || episodes == 0) {
+                    progress.log(&format!("train: no checkpoint under {} yet; starting from the beginning", stage.display()));
+                }
+                found
+            }
+            Resume::At(s, dir) => (*s == episode).then(|| dir.clone()),
+        };
+        let start = checkpoint.clone().unwrap_or_else(|| model.clone());
+        let mut encoder = registry.encoder(&encoder_name, &settings_for(&start))?;
+        let mut optimizer = registry.optimizer(&optim_name, &Value::Object(t.optim_settings.clone()))?;
+        if episodes > 0 {
+            progress.log(&format!("train: stage {episode} of {episodes} ({}) in {}", if episode == 0 { "BM25 negatives" } else { "ANCE negatives" }, stage.display()));
+        }
+        let mut trainer = Trainer::new(config.clone(), encoder.as_mut(), optimizer.as_mut(), tasks.clone(), texts, stage)?;
+        trainer.set_episode(episode as u32);
+        if let Some(ckpt) = &checkpoint {
+            trainer.resume(ckpt)?;
+            progress.log(&format!("train: resumed from {} at step {}", ckpt.display(), trainer.step()));
+        }
+        trainer.train(&progress)?;
+        drop(trainer);
+        if episodes > 0 {
+            rak_core::fsutil::write_bytes(&stage.join(STAGE_DONE), b"")?;
+            if episode == episodes as usize {
+                encoder.save(out)?;
+            }
+        }
+        model = stage.clone();
     }
-    trainer.train(&progress)?;
-    Ok(json!({"output_dir": out, "steps": max_steps, "log": out.join(rak_train::trainer::LOG_FILE)}))
+    Ok(json!({"output_dir": out, "steps": max_steps, "episodes": episodes, "log": stages.last().map(|s| s.join(rak_train::trainer::LOG_FILE))}))
+}
+
+fn report_filled(filled: usize, retriever: &str, progress: &dyn Progress) {
+    if filled > 0 {
+        progress.log(&format!("train: {retriever} found no negative for {filled} queries; they get gold passages of other queries instead"));
+    }
+}
+
+/// Marks a finished stage of an ANCE run (its model is complete in its folder).
+const STAGE_DONE: &str = "stage_done";
+
+enum Resume {
+    No,
+    Latest,
+    /// A checkpoint of this stage.
+    At(usize, PathBuf),
+}
+
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
 }

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# mini-KILT training experiments (docs/RESULTS.md): train a recipe of configs/minikilt/ with
+# a seed, then encode the corpus with the trained model, build an exact index, search every
+# task's dev queries and evaluate. Resumable: each finished step is skipped on a rerun, and an
+# interrupted training run continues from its latest checkpoint.
+#
+#   scripts/experiments/minikilt.sh METHOD[:SEED] ...     e.g. naive:42 prefix:42 taco:43
+#
+# Outputs under $OUT (default runs/minikilt): METHOD-sSEED/ (the run), its corpus embeddings,
+# index, TREC runs and METHOD-sSEED.metrics.json. $HOST picks the binary (default
+# target/release/host), so a copy can run while the checkout is being rebuilt.
+# Then: .venv/bin/python scripts/experiments/table.py $OUT/*.metrics.json
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+H=${HOST:-target/release/host}
+D=data/minikilt
+M=.cache/models/all-MiniLM-L6-v2
+OUT=${OUT:-runs/minikilt}
+TASKS=(fever squad vitaminc wikidata)
+mkdir -p "$OUT"
+
+encoder_of() { sed -n 's/^encoder = "\(.*\)"/\1/p' "configs/minikilt/$1.toml" | head -1; }
+
+for spec in "$@"; do
+    method=${spec%%:*}
+    seed=42
+    [[ $spec == *:* ]] && seed=${spec##*:}
+    name=$method-s$seed
+    run=$OUT/$name
+    enc=$(encoder_of "$method")
+    echo "== $name ($enc) $(date -u +%H:%M:%S)"
+    if [[ ! -f $run/done ]]; then
+        resume=()
+        compgen -G "$run/checkpoint-*" >/dev/null && resume=(--resume-from-checkpoint latest)
+        start=$(date +%s)
+        $H train --encoder "$enc" --model $M --config "configs/minikilt/$method.toml" --seed "$seed" \
+            --output-dir "$run" "${resume[@]}"
+        echo "$(( $(date +%s) - start ))" > "$run/done"
+    fi
+    [[ -f $run/eval/metrics.json ]] && continue
+    mkdir -p "$run/eval/runs"
+    $H encode --encoder "$enc" --model "$run" --input $D/corpus.jsonl --output "$run/eval/corpus"
+    [[ -f $run/eval/flat/index.json ]] || $H index build --kind flat --embeddings "$run/eval/corpus" --output "$run/eval/flat" >/dev/null
+    args=()
+    for task in "${TASKS[@]}"; do
+        q=$D/tasks/$task/queries.dev.jsonl
+        trec=$run/eval/runs/$task.dev.trec
+        [[ -f $trec ]] || $H search --index "$run/eval/flat" --encoder "$enc" --model "$run" --queries "$q" --task "$task" --k 100 --output "$trec"
+        args+=(--run "$trec" --qrels "$D/tasks/$task/qrels.dev.tsv" --queries "$q" --task "$task")
+    done
+    $H eval --corpus $D/corpus.jsonl "${args[@]}" --output "$run/eval/metrics.json" >/dev/null
+    cp "$run/eval/metrics.json" "$OUT/$name.metrics.json"
+done
