@@ -29,6 +29,13 @@ pub enum Form {
     Lean,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MedianOf {
+    All,
+    Nonzero,
+}
+
 /// T-SAGE's settings (REFERENCE §4 defaults) and the AdamW that takes the step.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -39,6 +46,11 @@ pub struct TSageConfig {
     pub tau: f64,
     /// Divide each task's sensitivities by their median.
     pub median_normalise: bool,
+    /// Which elements the median is over: `all` (REFERENCE §4, the authors' code) or
+    /// `nonzero`. When most parameter elements get no gradient (a BERT whose word embeddings
+    /// are half its parameters, of which a batch touches a few thousand rows), the median of
+    /// all is 0, the scale 1e12, and the task softmax a hard argmax per element.
+    pub median_of: MedianOf,
     /// Divide the combined gradient by the number of tasks, as the authors' code does.
     pub divide_by_tasks: bool,
     pub form: Form,
@@ -48,7 +60,7 @@ pub struct TSageConfig {
 
 impl Default for TSageConfig {
     fn default() -> Self {
-        TSageConfig { beta: 0.999, tau: 2.0, median_normalise: true, divide_by_tasks: true, form: Form::Exact, adamw: AdamWConfig::default() }
+        TSageConfig { beta: 0.999, tau: 2.0, median_normalise: true, median_of: MedianOf::All, divide_by_tasks: true, form: Form::Exact, adamw: AdamWConfig::default() }
     }
 }
 
@@ -65,6 +77,9 @@ struct Step {
     /// Lean form: Σ_u exp(M_u/τ) from the previous step's M, per parameter.
     denominators: BTreeMap<String, Tensor>,
     saw_nan: bool,
+    /// Each task's sensitivity median this step (for the log: a median near 0, when most
+    /// parameters get no gradient, makes the normalisation scale huge).
+    medians: BTreeMap<String, f64>,
 }
 
 /// The optimizer (see the module docs).
@@ -130,6 +145,7 @@ impl TSage {
             weighted: BTreeMap::new(),
             denominators,
             saw_nan: false,
+            medians: BTreeMap::new(),
         });
         Ok(())
     }
@@ -162,7 +178,13 @@ impl TSage {
             if missing > 0 {
                 flat.push(Tensor::zeros([missing], (Kind::Float, flat.first().map_or(tch::Device::Cpu, |f| f.device()))));
             }
-            1.0 / (lower_median(&Tensor::cat(&flat, 0)) + 1e-12)
+            let all = Tensor::cat(&flat, 0);
+            let median = match self.config.median_of {
+                MedianOf::All => lower_median(&all),
+                MedianOf::Nonzero => lower_median(&all.masked_select(&all.gt(0.0))),
+            };
+            step.medians.insert(task.to_string(), median);
+            1.0 / (median + 1e-12)
         } else {
             1.0
         };
@@ -183,7 +205,9 @@ impl TSage {
             }
         }
         if self.config.form == Form::Exact {
-            step.grads[t] = grads;
+            // Kept until finish_step: copy, since `to_kind` to the same kind shares the
+            // caller's storage, which the trainer zeroes for the next task.
+            step.grads[t] = grads.into_iter().map(|(n, g)| (n, g.copy())).collect();
         }
         Ok(())
     }
@@ -223,7 +247,7 @@ impl TSage {
         };
         let norm = step.ctx.max_grad_norm.map(|max| clip_grad_norm(&mut combined, max));
         self.adam.step(&step.params, &combined, &step.ctx)?;
-        Ok(serde_json::json!({"grad_norm": norm, "burn_in": burn_in, "nan_fallback": step.saw_nan}))
+        Ok(serde_json::json!({"grad_norm": norm, "burn_in": burn_in, "nan_fallback": step.saw_nan, "sensitivity_medians": step.medians}))
     }
 
     /// AdamW's state, then `momentum/NAME` (`[T, ..shape]`, rows in the step context's task
@@ -259,8 +283,8 @@ mod tests {
     use crate::optim::testutil::*;
 
     /// The formulas of REFERENCE §4 on dense `[T, P]` tensors, then AdamW on the flat vector.
-    fn dense_reference(form: Form, steps: u64, warmup: u64, max_norm: Option<f64>) -> Tensor {
-        let cfg = TSageConfig { form, ..Default::default() };
+    fn dense_reference(form: Form, median_of: MedianOf, steps: u64, warmup: u64, max_norm: Option<f64>) -> Tensor {
+        let cfg = TSageConfig { form, median_of, ..Default::default() };
         let theta = flat(&params());
         let p = theta.size()[0];
         let mut m = Tensor::zeros([TASKS as i64, p], (Kind::Float, tch::Device::Cpu));
@@ -279,7 +303,11 @@ mod tests {
                 0,
             );
             let s = (&theta.unsqueeze(0) * &g).abs();
-            let med = Tensor::stack(&(0..TASKS as i64).map(|t| Tensor::from(lower_median(&s.get(t)) as f32)).collect::<Vec<_>>(), 0);
+            let median = |row: Tensor| match median_of {
+                MedianOf::All => lower_median(&row),
+                MedianOf::Nonzero => lower_median(&row.masked_select(&row.gt(0.0))),
+            };
+            let med = Tensor::stack(&(0..TASKS as i64).map(|t| Tensor::from(median(s.get(t)) as f32)).collect::<Vec<_>>(), 0);
             let s = &s / (med.unsqueeze(1) + 1e-12);
             let a_prev = (&m / cfg.tau).softmax(0, Kind::Float);
             m = &m * cfg.beta + &s * (1.0 - cfg.beta);
@@ -295,15 +323,20 @@ mod tests {
         theta
     }
 
-    fn ours(form: Form, steps: u64, warmup: u64, max_norm: Option<f64>) -> Tensor {
-        let mut opt = TSage::new(TSageConfig { form, ..Default::default() }).unwrap();
+    fn ours(form: Form, median_of: MedianOf, steps: u64, warmup: u64, max_norm: Option<f64>) -> Tensor {
+        let mut opt = TSage::new(TSageConfig { form, median_of, ..Default::default() }).unwrap();
         let ps = params();
         let tasks: Vec<String> = (0..TASKS).map(|t| format!("task{t}")).collect();
         for step in 0..steps {
             let ctx = StepContext { step, total_steps: steps, warmup_steps: warmup, lr: 0.01, tasks: tasks.clone(), max_grad_norm: max_norm, ..Default::default() };
             opt.begin_step(ps.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), ctx).unwrap();
             for (t, name) in tasks.iter().enumerate() {
-                opt.task_gradients(name, grads(step, t)).unwrap();
+                let lent = grads(step, t);
+                opt.task_gradients(name, lent.iter().map(|(n, g)| (n.clone(), g.shallow_clone())).collect()).unwrap();
+                // The trainer reuses the gradient storage for the next task.
+                for (_, g) in &lent {
+                    let _ = g.shallow_clone().zero_();
+                }
             }
             opt.finish_step().unwrap();
         }
@@ -313,15 +346,17 @@ mod tests {
     #[test]
     fn both_forms_equal_the_dense_formulas() {
         for form in [Form::Exact, Form::Lean] {
-            for (warmup, clip) in [(1, None), (0, Some(0.5)), (3, None)] {
-                let (a, b) = (ours(form, 6, warmup, clip), dense_reference(form, 6, warmup, clip));
+            for (warmup, clip, median_of) in [(1, None, MedianOf::All), (0, Some(0.5), MedianOf::All), (3, None, MedianOf::All), (1, None, MedianOf::Nonzero)] {
+                let (a, b) = (ours(form, median_of, 6, warmup, clip), dense_reference(form, median_of, 6, warmup, clip));
                 let diff = (&a - &b).abs().max().double_value(&[]);
-                assert!(diff < 1e-6, "{form:?} warmup {warmup} clip {clip:?}: max diff {diff}");
+                assert!(diff < 1e-6, "{form:?} {median_of:?} warmup {warmup} clip {clip:?}: max diff {diff}");
             }
         }
-        // The two forms differ once the weights matter (not during burn-in).
-        let diff = (&ours(Form::Exact, 6, 1, None) - &ours(Form::Lean, 6, 1, None)).abs().max().double_value(&[]);
+        // The two forms differ once the weights matter (not during burn-in), and so do the medians.
+        let diff = (&ours(Form::Exact, MedianOf::All, 6, 1, None) - &ours(Form::Lean, MedianOf::All, 6, 1, None)).abs().max().double_value(&[]);
         assert!(diff > 1e-7, "exact and lean should differ: {diff}");
+        let diff = (&ours(Form::Exact, MedianOf::All, 6, 1, None) - &ours(Form::Exact, MedianOf::Nonzero, 6, 1, None)).abs().max().double_value(&[]);
+        assert!(diff > 1e-7, "the two medians should differ here: {diff}");
     }
 
     #[test]

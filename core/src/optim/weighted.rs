@@ -229,7 +229,12 @@ mod tests {
         for step in 0..STEPS {
             opt.begin_step(ps.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), ctx(step, clip)).unwrap();
             for t in (0..TASKS).filter(|&t| present(one, step, t)) {
-                opt.task_gradients(&format!("task{t}"), loss(step, t), grads(step, t)).unwrap();
+                let lent = grads(step, t);
+                opt.task_gradients(&format!("task{t}"), loss(step, t), lent.iter().map(|(n, g)| (n.clone(), g.shallow_clone())).collect()).unwrap();
+                // The trainer reuses the gradient storage for the next task.
+                for (_, g) in &lent {
+                    let _ = g.shallow_clone().zero_();
+                }
             }
             opt.finish_step().unwrap();
         }

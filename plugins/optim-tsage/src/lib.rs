@@ -20,6 +20,7 @@ impl PluginInfo for TSagePlugin {
             "beta": {"type": "float", "default": d.beta, "help": "momentum of the task sensitivities"},
             "tau": {"type": "float", "default": d.tau, "help": "softmax temperature across tasks"},
             "median_normalise": {"type": "bool", "default": d.median_normalise, "help": "divide each task's sensitivities by their median"},
+            "median_of": {"type": "string", "default": d.median_of, "help": "all (the authors') or nonzero: the elements the median is taken over"},
             "divide_by_tasks": {"type": "bool", "default": d.divide_by_tasks, "help": "divide the combined gradient by the number of tasks (the authors' code)"},
             "form": {"type": "string", "default": "exact", "help": "exact (this step's weights; holds every task gradient) or lean (previous step's weights; folds each task in)"},
         }).as_object().cloned().unwrap_or_default());
