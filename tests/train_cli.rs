@@ -273,3 +273,55 @@ fn ance_episodes_mine_with_the_model_and_resume_exactly() {
     // Starting over needs saying so.
     fails(&run(&mut train_cmd(&recipe, &killed, &[])), &["--overwrite-output-dir"]);
 }
+
+/// `host analyze` on a small T-SAGE run: the JSON's task-specific and not-activated shares
+/// equal a direct computation from the saved momentum; the plots are PNG files; the
+/// commitment rate between two checkpoints is reported; fresh gradients work too.
+#[test]
+fn analyze_reports_task_specialisation_from_tsage_momentum() {
+    let dir = TempDir::new("train-analyze");
+    let train = TRAIN.replace("optim = \"adamw\"", "optim = \"tsage\"\noptim_settings = { median_of = \"nonzero\", beta = 0.5 }").replace("max_steps = 8", "max_steps = 4");
+    let recipe = small_task_data(dir.path(), 12, &train);
+    let out = dir.path().join("run");
+    let o = run(&mut train_cmd(&recipe, &out, &[]));
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let analyze = |extra: &[&str]| {
+        let mut c = Command::new(host_bin());
+        c.args(["analyze", "--config", p(&recipe)]).args(extra).env_remove("RAK_PLUGIN_PATH");
+        run(&mut c)
+    };
+    let o = analyze(&["--checkpoint", p(&out.join("checkpoint-4")), "--compare", p(&out.join("checkpoint-2")), "--output", p(&dir.path().join("a"))]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let a: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("a/analysis.json")).unwrap()).unwrap();
+    assert!(a["source"].as_str().unwrap().contains("T-SAGE momentum"), "{}", a["source"]);
+
+    // Independently: entropy of softmax(M / 2) over the tasks, from the checkpoint's momentum.
+    let state = tch::Tensor::read_safetensors(out.join("checkpoint-4/optimizer.safetensors")).unwrap();
+    let rows: Vec<tch::Tensor> = state.iter().filter(|(n, _)| n.starts_with("momentum/")).map(|(_, t)| t.reshape([2, -1])).collect();
+    let m = tch::Tensor::cat(&rows, 1);
+    let logp = (&m / 2.0).log_softmax(0, tch::Kind::Double);
+    let h = -(logp.exp() * &logp).sum_dim_intlist(0, false, tch::Kind::Double);
+    let p_count = m.size()[1] as f64;
+    let specific = h.lt(0.3).sum(tch::Kind::Double).double_value(&[]) / p_count;
+    let idle = m.lt(0.1).all_dim(0, false).sum(tch::Kind::Double).double_value(&[]) / p_count;
+    assert_eq!(a["parameters"].as_i64().unwrap() as f64, p_count);
+    assert!((a["task_specific"].as_f64().unwrap() - specific).abs() < 1e-6, "{} vs {specific}", a["task_specific"]);
+    assert!((a["not_activated"].as_f64().unwrap() - idle).abs() < 1e-6, "{} vs {idle}", a["not_activated"]);
+    assert!(specific > 0.0 && idle > 0.0 && idle < 1.0, "a fixture where the shares say something: {specific} {idle}");
+    let rate = a["commitment"]["rate"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&rate) && a["commitment"]["task_specific_parameters"].as_i64().unwrap() > 0, "{}", a["commitment"]);
+    for png in ["sensitivity_density.png", "entropy_histogram.png"] {
+        let bytes = std::fs::read(dir.path().join("a").join(png)).unwrap();
+        assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n") && bytes.len() > 10_000, "{png}: {} bytes", bytes.len());
+    }
+
+    let o = analyze(&["--checkpoint", p(&out), "--source", "gradients", "--batches", "2", "--batch-size", "6", "--output", p(&dir.path().join("g"))]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let g: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("g/analysis.json")).unwrap()).unwrap();
+    assert!(g["source"].as_str().unwrap().starts_with("gradients"));
+    assert_eq!(g["parameters"], a["parameters"]);
+    // A model trained without T-SAGE has no momentum to read.
+    let o = analyze(&["--checkpoint", p(&minilm_dir()), "--source", "momentum"]);
+    fails(&o, &["no T-SAGE momentum"]);
+}

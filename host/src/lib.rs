@@ -5,6 +5,7 @@ pub mod commands;
 pub mod elf;
 pub mod host_api;
 pub mod loader;
+pub mod plot;
 pub mod proxy;
 pub mod registry;
 

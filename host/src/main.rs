@@ -35,6 +35,8 @@ enum Cmd {
     Search(commands::search::SearchArgs),
     /// Train a dense retriever on several tasks (TOML recipe; flags override it).
     Train(commands::train::TrainArgs),
+    /// Task-specialisation analysis of a trained model: sensitivities, task entropy, commitment (JSON + PNG plots).
+    Analyze(commands::analyze::AnalyzeArgs),
     /// Evaluate TREC runs against qrels: R-precision (page, passage), recall, MRR, nDCG, answer accuracy.
     Eval(commands::eval::EvalArgs),
     /// A subcommand provided by a command plugin.
@@ -87,6 +89,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Train(args) => {
             let out = commands::train::run(&Registry::discover(&sources)?, &args)?;
+            println!("{}", serde_json::to_string_pretty(&out)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Analyze(args) => {
+            let out = commands::analyze::run(&Registry::discover(&sources)?, &args)?;
             println!("{}", serde_json::to_string_pretty(&out)?);
             Ok(ExitCode::SUCCESS)
         }

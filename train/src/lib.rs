@@ -1,12 +1,13 @@
 //! `rak-train`: the trainer behind `host train` (and command plugins such as `aar-train`):
-//! multitask samplers, contrastive losses, learning-rate schedules, BM25 hard negatives,
-//! checkpoints and exact resume. (ANCE episodes, which re-encode and re-index through
-//! `rak_retrieval::pipeline`, are still to come.)
+//! multitask samplers, contrastive losses, learning-rate schedules, BM25 and ANCE hard
+//! negatives, checkpoints and exact resume, and the task-specialisation analysis behind
+//! `host analyze`.
 //!
 //! It builds on `rak-core` (encoders and optimizers through the plugin traits) and
-//! `rak-retrieval` (BM25 for hard negatives). It loads no plugins itself: the host hands it
-//! trait objects.
+//! `rak-retrieval` (BM25, encoding and exact search for hard negatives). It loads no plugins
+//! itself: the host hands it trait objects.
 
+pub mod analyze;
 pub mod data;
 pub mod loss;
 pub mod negatives;

@@ -1,6 +1,7 @@
 //! The built-in subcommands, one module each: command-line parsing over the library
 //! functions of `rak_retrieval::pipeline`.
 
+pub mod analyze;
 pub mod encode;
 pub mod eval;
 pub mod index;

@@ -167,7 +167,7 @@ impl Default for TrainSection {
     }
 }
 
-fn read_recipe(path: &Path) -> Result<Recipe> {
+pub(crate) fn read_recipe(path: &Path) -> Result<Recipe> {
     let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
     toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
