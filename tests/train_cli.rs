@@ -1,6 +1,7 @@
 //! `host train` end to end on a small real slice of mini-KILT with all-MiniLM-L6-v2: a killed
 //! run resumes to exactly the uninterrupted result; bad inputs are clear errors.
 
+use rak_core::plugin::Encoder;
 use rak_e2e::*;
 use serde_json::Value;
 use std::collections::HashSet;
@@ -123,11 +124,38 @@ fn a_killed_run_resumes_to_the_same_result() {
         let diff = (a - b).abs().max().double_value(&[]);
         assert!(diff <= 1e-6, "{na}: final weights differ by {diff}");
     }
+    st_loads_the_trained_model(dir.path(), &whole);
     // No half-written checkpoint is left behind.
     for e in std::fs::read_dir(&killed).unwrap().flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         assert!(!name.starts_with('.') || !name.contains("checkpoint"), "leftover {name}");
     }
+}
+
+/// Training started from a sentence-transformers checkpoint ends in one that
+/// sentence-transformers itself loads (scripts/fixtures/hf_load_check.py) and that embeds as
+/// the toolkit does.
+fn st_loads_the_trained_model(work: &Path, model: &Path) {
+    let texts: Vec<String> = ["who wrote the iliad", "the capital city of tuscany"].iter().map(|s| s.to_string()).collect();
+    let texts_file = work.join("st-texts.json");
+    std::fs::write(&texts_file, serde_json::to_string(&texts).unwrap()).unwrap();
+    let out = work.join("st.safetensors");
+    let status = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("scripts/fixtures/hf_load_check.py"))
+        .args(["--model", p(model), "--texts", p(&texts_file), "--out", p(&out)])
+        .status()
+        .unwrap();
+    assert!(status.success(), "hf_load_check.py failed on {}", model.display());
+    let st = tch::Tensor::read_safetensors(&out).unwrap().into_iter().find(|(n, _)| n == "sentence_transformers").expect("sentence-transformers loaded it").1;
+    let registry = rak_host::Registry::discover(&[rak_host::Source::Dir(release_dir())]).unwrap();
+    let mut enc = registry.encoder("dpr", &serde_json::json!({"model": model})).unwrap();
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let ours = enc.encode(&refs, rak_core::abi::Role::Query, None, false).unwrap();
+    let diff = (ours - &st).abs().max().double_value(&[]);
+    assert!(diff < 1e-5, "sentence-transformers vs the toolkit on the trained model: {diff}");
+    let mut start = registry.encoder("dpr", &serde_json::json!({"model": minilm_dir()})).unwrap();
+    let before = start.encode(&refs, rak_core::abi::Role::Query, None, false).unwrap();
+    assert!((before - st).abs().max().double_value(&[]) > 1e-4, "the trained model differs from the start");
 }
 
 fn fails(o: &Output, needles: &[&str]) {
