@@ -353,3 +353,31 @@ fn analyze_reports_task_specialisation_from_tsage_momentum() {
     let o = analyze(&["--checkpoint", p(&minilm_dir()), "--source", "momentum"]);
     fails(&o, &["no T-SAGE momentum"]);
 }
+
+/// Every recipe in configs/ parses, names plugins that exist, and gives only settings they
+/// declare (optimizers are created with them; encoders' settings are checked against their
+/// schema, since the full-scale recipes name checkpoints that are not here).
+#[test]
+fn every_recipe_parses_and_names_known_plugins_and_settings() {
+    let registry = rak_host::Registry::discover(&[rak_host::Source::Dir(release_dir())]).unwrap();
+    let mut seen = 0;
+    for group in ["minikilt", "kilt"] {
+        for entry in std::fs::read_dir(root().join("configs").join(group)).unwrap().flatten() {
+            let path = entry.path();
+            if path.extension().and_then(|e| e.to_str()) != Some("toml") {
+                continue;
+            }
+            let recipe = rak_host::commands::train::read_recipe(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+            let optim = recipe.train.optim.clone().expect("every recipe names its optimizer");
+            registry.optimizer(&optim, &Value::Object(recipe.train.optim_settings.clone())).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+            let encoder = recipe.model.encoder.clone().expect("every recipe names its encoder");
+            let plugin = registry.iter().find(|p| p.header.name == encoder).unwrap_or_else(|| panic!("{}: no encoder {encoder}", path.display()));
+            let schema = rak_host::proxy::settings_schema(plugin);
+            for key in recipe.model.settings.keys() {
+                assert!(schema.get(key).is_some(), "{}: encoder {encoder} has no setting {key}", path.display());
+            }
+            seen += 1;
+        }
+    }
+    assert!(seen >= 18, "{seen} recipes");
+}

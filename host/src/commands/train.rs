@@ -131,6 +131,9 @@ pub struct TrainSection {
     /// negatives are drawn from.
     pub ance_episodes: u32,
     pub ance_depth: usize,
+    /// Length of each ANCE stage in epochs (TACO: 20 warm-up epochs, then 3 per episode);
+    /// default: the same as the BM25 stage. `max_steps`, when set, caps every stage.
+    pub ance_num_train_epochs: Option<f64>,
     /// Encode queries with their task's name (the encoder makes it a prefix, a marker or a
     /// `?`, or ignores it).
     pub task_names: bool,
@@ -160,6 +163,7 @@ impl Default for TrainSection {
             bm25_b: Bm25Params::default().b,
             ance_episodes: 0,
             ance_depth: 200,
+            ance_num_train_epochs: None,
             task_names: true,
             layerwise_lr_decay: false,
             max_skipped_steps: 10,
@@ -167,7 +171,7 @@ impl Default for TrainSection {
     }
 }
 
-pub(crate) fn read_recipe(path: &Path) -> Result<Recipe> {
+pub fn read_recipe(path: &Path) -> Result<Recipe> {
     let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
     toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
@@ -289,7 +293,9 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
     let kind = sampler_kind(t)?;
     let counts: Vec<usize> = tasks.iter().map(|t| t.examples.len()).collect();
     let steps_per_epoch = Sampler::new(kind, &counts, t.per_device_train_batch_size, t.seed)?.steps_per_epoch() as u64;
-    let max_steps = t.max_steps.unwrap_or(((t.num_train_epochs * steps_per_epoch as f64).ceil() as u64).max(1));
+    let steps_for = |epochs: f64| t.max_steps.unwrap_or(((epochs * steps_per_epoch as f64).ceil() as u64).max(1));
+    let max_steps = steps_for(t.num_train_epochs);
+    let episode_steps = steps_for(t.ance_num_train_epochs.unwrap_or(t.num_train_epochs));
     let config = TrainerConfig {
         learning_rate: t.learning_rate,
         batch_size: t.per_device_train_batch_size,
@@ -315,7 +321,7 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
         settings
     };
     let names: Vec<String> = tasks.iter().map(|t| format!("{} ({} queries)", t.name, t.examples.len())).collect();
-    let episodes_text = if episodes > 0 { format!(" per stage, then {episodes} ANCE episodes") } else { String::new() };
+    let episodes_text = if episodes > 0 { format!(", then {episodes} ANCE episodes of {episode_steps} steps") } else { String::new() };
     progress.log(&format!(
         "train: {encoder_name} with {optim_name}, {max_steps} steps ({steps_per_epoch} per epoch){episodes_text}, tasks: {}",
         names.join(", ")
@@ -364,7 +370,8 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
         if episodes > 0 {
             progress.log(&format!("train: stage {episode} of {episodes} ({}) in {}", if episode == 0 { "BM25 negatives" } else { "ANCE negatives" }, stage.display()));
         }
-        let mut trainer = Trainer::new(config.clone(), encoder.as_mut(), optimizer.as_mut(), tasks.clone(), texts, stage)?;
+        let stage_config = TrainerConfig { max_steps: if episode == 0 { max_steps } else { episode_steps }, ..config.clone() };
+        let mut trainer = Trainer::new(stage_config, encoder.as_mut(), optimizer.as_mut(), tasks.clone(), texts, stage)?;
         trainer.set_episode(episode as u32);
         if let Some(ckpt) = &checkpoint {
             trainer.resume(ckpt)?;
