@@ -283,6 +283,7 @@ fn check(name: &str) {
         task_names: meta["task_names"].as_bool().unwrap(),
         layerwise_lr_decay: false,
         max_skipped_steps: 0,
+        score_scale: 1.0,
     };
     // The sampler needs examples (with negatives, as hard_negatives > 0); train_step does not
     // read them: it takes the groups as given.

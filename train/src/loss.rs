@@ -31,8 +31,10 @@ impl Exchange for Local {
 /// NCE with in-batch and hard negatives: `q` is `[B, d]`; `p` is `[B·n, d]`, query `i`'s group
 /// at rows `i·n .. (i+1)·n`, its positive first. Every passage in the (gathered) batch is a
 /// candidate for every query; the loss is the mean cross-entropy with the query's positive as
-/// target.
-pub fn nce_loss(q: &Tensor, p: &Tensor, group: usize, exchange: &dyn Exchange) -> Result<Tensor> {
+/// target, over the scores `scale · <q, p>` (1: REFERENCE §1's raw dot product; unit-length
+/// embeddings need a larger one, as sentence-transformers' 20, or cosines in [-1, 1] keep the
+/// softmax nearly flat).
+pub fn nce_loss(q: &Tensor, p: &Tensor, group: usize, scale: f64, exchange: &dyn Exchange) -> Result<Tensor> {
     let (b, d) = q.size2()?;
     let (rows, pd) = p.size2()?;
     if group == 0 || rows != b * group as i64 || pd != d {
@@ -41,6 +43,7 @@ pub fn nce_loss(q: &Tensor, p: &Tensor, group: usize, exchange: &dyn Exchange) -
     let all_q = exchange.gather(q)?;
     let all_p = exchange.gather(p)?;
     let scores = all_q.matmul(&all_p.tr());
+    let scores = if scale == 1.0 { scores } else { scores * scale };
     let targets = Tensor::arange(all_q.size()[0], (Kind::Int64, q.device())) * group as i64;
     Ok(scores.to_kind(Kind::Float).cross_entropy_for_logits(&targets))
 }
@@ -93,8 +96,9 @@ mod tests {
     fn nce_matches_the_formula() {
         let q = t(&[1.0, 0.0, 0.5, 0.5], 2);
         let p = t(&[1.0, 0.1, 0.0, 1.0, 0.3, 0.3, 0.2, 0.9], 4);
-        let loss = nce_loss(&q, &p, 2, &Local).unwrap().double_value(&[]);
-        let s = |a: [f64; 2], b: [f64; 2]| a[0] * b[0] + a[1] * b[1];
+        for scale in [1.0, 20.0] {
+        let loss = nce_loss(&q, &p, 2, scale, &Local).unwrap().double_value(&[]);
+        let s = |a: [f64; 2], b: [f64; 2]| scale * (a[0] * b[0] + a[1] * b[1]);
         let qs = [[1.0, 0.0], [0.5, 0.5]];
         let ps = [[1.0, 0.1], [0.0, 1.0], [0.3, 0.3], [0.2, 0.9]];
         let mut want = 0.0;
@@ -104,8 +108,9 @@ mod tests {
             want += lse - scores[i * 2];
         }
         want /= 2.0;
-        assert!((loss - want).abs() < 1e-6, "{loss} vs {want}");
-        assert!(nce_loss(&q, &p, 3, &Local).is_err());
+        assert!((loss - want).abs() < 1e-5, "scale {scale}: {loss} vs {want}");
+        }
+        assert!(nce_loss(&q, &p, 3, 1.0, &Local).is_err());
     }
 
     #[test]

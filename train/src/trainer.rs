@@ -57,6 +57,13 @@ pub struct TrainerConfig {
     pub layerwise_lr_decay: bool,
     /// Stop after this many steps skipped for a non-finite loss.
     pub max_skipped_steps: u64,
+    /// Factor on the query-passage scores in the loss (1: the raw dot product).
+    #[serde(default = "one")]
+    pub score_scale: f64,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 /// The sampler in use.
@@ -267,7 +274,7 @@ impl<'a> Trainer<'a> {
             let task = self.config.task_names.then_some(g.task.as_str());
             let q = self.encoder.encode(&queries, Role::Query, task, true)?;
             let p = self.encoder.encode(&passages, Role::Passage, None, true)?;
-            let loss = nce_loss(&q, &p, group_size, self.exchange.as_ref())?;
+            let loss = nce_loss(&q, &p, group_size, self.config.score_scale, self.exchange.as_ref())?;
             let value = loss.double_value(&[]);
             if !value.is_finite() {
                 zero_grads(params);

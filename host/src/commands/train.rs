@@ -127,6 +127,8 @@ pub struct TrainSection {
     /// BM25's constants for the negatives (Pyserini's defaults).
     pub bm25_k1: f32,
     pub bm25_b: f32,
+    /// Factor on the scores in the loss (1: REFERENCE §1's raw dot product).
+    pub score_scale: f64,
     /// ANCE episodes after the BM25 stage, and how deep in the model's ranking their
     /// negatives are drawn from.
     pub ance_episodes: u32,
@@ -161,6 +163,7 @@ impl Default for TrainSection {
             negative_depth: 100,
             bm25_k1: Bm25Params::default().k1,
             bm25_b: Bm25Params::default().b,
+            score_scale: 1.0,
             ance_episodes: 0,
             ance_depth: 200,
             ance_num_train_epochs: None,
@@ -310,6 +313,7 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
         task_names: t.task_names,
         layerwise_lr_decay: t.layerwise_lr_decay,
         max_skipped_steps: t.max_skipped_steps,
+        score_scale: t.score_scale,
     };
     let settings_for = |model: &Path| {
         let mut settings = Value::Object(recipe.model.settings.clone());
