@@ -4,16 +4,22 @@
 //! its median over all parameter elements; momentum `M_t ← β·M_t + (1−β)·S_t` (from zero, no
 //! bias correction, every step); weights `A = softmax_t(M / τ)` per element; combined gradient
 //! `g = Σ_t A_t ⊙ G_t / T` (the authors' code divides by T). During burn-in (the warm-up
-//! steps) and on a step where a task gradient holds a NaN, `g = Σ_t G_t` while `M` keeps
-//! accumulating. Then clipping and AdamW, as for plain training.
+//! steps) `g = Σ_t G_t` while `M` keeps accumulating. Then clipping and AdamW, as for plain
+//! training. A step where a task gradient holds a NaN takes no update (the authors fall back
+//! to the plain sum, which carries the NaN into the weights) and that task's `M` is left as is.
 //!
-//! Two forms:
-//! - `exact`: the weights come from this step's `M`. Each task's `M_t` is updated as its
-//!   gradient arrives (it depends on that task alone), but the combination has to wait for
-//!   every task, so the step holds every `G_t`: `T·P` floats beside `M`'s `T·P`.
-//! - `lean`: the weights come from the previous step's `M` (a one-step lag). A task's
-//!   contribution `A_t ⊙ G_t` is folded into a running sum as it arrives, with the softmax
-//!   denominator computed once per step, and its `M_t` updated right after; no `G_t` is kept.
+//! Nothing of size `T·P` is held besides `M`: each task is folded in as it arrives.
+//! - `exact`: the weights come from this step's `M`. `M_t` depends on task t alone, so it is
+//!   final when `G_t` arrives, and `Σ_t e^{M_t/τ} G_t / Σ_t e^{M_t/τ}` is accumulated online as
+//!   in a streaming softmax: a running log-denominator `L` and a running weighted mean `N`;
+//!   a task arriving rescales `N` by `e^{L_old − L_new}` and adds `e^{M_t/τ − L_new} G_t`.
+//! - `lean`: the weights come from the previous step's `M` (a one-step lag): `L` is that `M`'s
+//!   log-denominator, computed once at the start of the step, and each task adds
+//!   `e^{M_t/τ − L} G_t` before updating its `M_t`.
+//!
+//! Both hold `M` (`T·P`), `N` and `L` (`2·P`) and per-parameter temporaries; burn-in holds the
+//! plain sum instead. The median is found by two counting passes over the float bit patterns
+//! (non-negative floats order as their bits), never concatenating the `P` sensitivities.
 
 use super::{clip_grad_norm, AdamW, AdamWConfig};
 use crate::plugin::StepContext;
@@ -68,14 +74,15 @@ impl Default for TSageConfig {
 struct Step {
     params: Vec<(String, Tensor)>,
     ctx: StepContext,
-    /// Exact form: each task's gradients by parameter (copies).
-    grads: Vec<BTreeMap<String, Tensor>>,
-    /// Plain sum of the task gradients (burn-in and the NaN fallback) and, in the lean form,
-    /// the weighted sum.
+    burn_in: bool,
+    /// Which tasks handed over gradients.
+    arrived: Vec<bool>,
+    /// Burn-in: the plain sum of the task gradients.
     plain: BTreeMap<String, Tensor>,
+    /// After burn-in: `N`, the running softmax-weighted mean of the task gradients, and `L`,
+    /// the running (exact) or previous step's (lean) log-denominator, per parameter.
     weighted: BTreeMap<String, Tensor>,
-    /// Lean form: Σ_u exp(M_u/τ) from the previous step's M, per parameter.
-    denominators: BTreeMap<String, Tensor>,
+    log_denominator: BTreeMap<String, Tensor>,
     saw_nan: bool,
     /// Each task's sensitivity median this step (for the log: a median near 0, when most
     /// parameters get no gradient, makes the normalisation scale huge).
@@ -104,6 +111,85 @@ fn add_into(sum: &mut BTreeMap<String, Tensor>, name: &str, g: &Tensor) {
     }
 }
 
+/// One task into the running softmax-weighted mean of `name`: `w` is the task's `M_t / τ`,
+/// `g` its gradient (absent: it only enters the denominator).
+fn fold_online(weighted: &mut BTreeMap<String, Tensor>, log_den: &mut BTreeMap<String, Tensor>, name: &str, w: &Tensor, g: Option<&Tensor>) {
+    let new_den = match log_den.get(name) {
+        Some(old) => {
+            let new = old.logaddexp(w);
+            if let Some(n) = weighted.get_mut(name) {
+                let _ = n.g_mul_(&(old - &new).exp());
+            }
+            new
+        }
+        None => w.copy(),
+    };
+    if let Some(g) = g {
+        let term = (w - &new_den).exp() * g;
+        match weighted.get_mut(name) {
+            Some(n) => {
+                let _ = n.g_add_(&term);
+            }
+            None => {
+                weighted.insert(name.to_string(), term);
+            }
+        }
+    }
+    log_den.insert(name.to_string(), new_den);
+}
+
+/// The lower median (`torch.median`'s) of non-negative, finite values handed over chunk by
+/// chunk by `chunks`, plus `zeros` more zeros, without holding them together: non-negative
+/// floats order as their bit patterns, so one pass counts the high 16 bits, a second the low
+/// 16 bits inside the bin holding the median. With `skip_zeros`, zeros do not count.
+fn streaming_lower_median(chunks: &dyn Fn(&mut dyn FnMut(&Tensor)), zeros: i64, skip_zeros: bool) -> f64 {
+    const BINS: i64 = 1 << 16;
+    let bits = |x: &Tensor| x.to_kind(Kind::Float).contiguous().view_dtype(Kind::Int).flatten(0, -1);
+    let count = |select_high: Option<i64>| -> Vec<i64> {
+        let mut hist = vec![0i64; BINS as usize];
+        let mut zeros_seen = 0i64;
+        chunks(&mut |x: &Tensor| {
+            let b = bits(x);
+            zeros_seen += b.eq(0).sum(Kind::Int64).int64_value(&[]);
+            let keys = match select_high {
+                None => b.bitwise_right_shift_tensor_scalar(16),
+                Some(high) => b.masked_select(&b.bitwise_right_shift_tensor_scalar(16).eq(high)).bitwise_and(0xFFFF),
+            };
+            if keys.numel() == 0 {
+                return;
+            }
+            let c: Vec<i64> = Vec::try_from(keys.to_kind(Kind::Int64).bincount::<Tensor>(None, BINS)).unwrap_or_default();
+            for (h, v) in hist.iter_mut().zip(c) {
+                *h += v;
+            }
+        });
+        // Zeros have bit pattern 0: bin 0 of the first pass, and of the second inside bin 0.
+        if select_high.is_none_or(|h| h == 0) {
+            hist[0] += if skip_zeros { -zeros_seen } else { zeros };
+        }
+        hist
+    };
+    let nth = |hist: &[i64], rank: i64| -> (usize, i64) {
+        let mut seen = 0;
+        for (bin, &c) in hist.iter().enumerate() {
+            if seen + c > rank {
+                return (bin, rank - seen);
+            }
+            seen += c;
+        }
+        (hist.len() - 1, 0)
+    };
+    let high = count(None);
+    let n: i64 = high.iter().sum();
+    if n == 0 {
+        return 0.0;
+    }
+    let (hi, rank) = nth(&high, (n - 1) / 2);
+    let low = count(Some(hi as i64));
+    let (lo, _) = nth(&low, rank);
+    f32::from_bits(((hi as u32) << 16) | lo as u32) as f64
+}
+
 impl TSage {
     pub fn new(config: TSageConfig) -> Result<Self> {
         if !(0.0..1.0).contains(&config.beta) || config.tau <= 0.0 {
@@ -130,20 +216,19 @@ impl TSage {
                 Tensor::zeros(shape, (Kind::Float, p.device()))
             });
         }
-        let denominators = match self.config.form {
-            Form::Lean => params
-                .iter()
-                .map(|(n, _)| (n.clone(), (&self.momentum[n] / self.config.tau).exp().sum_dim_intlist(0, false, Kind::Float)))
-                .collect(),
-            Form::Exact => BTreeMap::new(),
+        let burn_in = ctx.step < ctx.warmup_steps;
+        let log_denominator = match self.config.form {
+            Form::Lean if !burn_in => params.iter().map(|(n, _)| (n.clone(), (&self.momentum[n] / self.config.tau).logsumexp([0i64].as_slice(), false))).collect(),
+            _ => BTreeMap::new(),
         };
         self.step = Some(Step {
             params,
             ctx,
-            grads: (0..self.tasks.len()).map(|_| BTreeMap::new()).collect(),
+            burn_in,
+            arrived: vec![false; self.tasks.len()],
             plain: BTreeMap::new(),
             weighted: BTreeMap::new(),
-            denominators,
+            log_denominator,
             saw_nan: false,
             medians: BTreeMap::new(),
         });
@@ -153,101 +238,94 @@ impl TSage {
     pub fn task_gradients(&mut self, task: &str, grads: Vec<(String, Tensor)>) -> Result<()> {
         let Some(step) = self.step.as_mut() else { bail!("tsage: task_gradients before begin_step") };
         let Some(t) = self.tasks.iter().position(|n| n == task) else { bail!("tsage: unknown task {task:?} (tasks: {:?})", self.tasks) };
-        let _guard = tch::no_grad_guard();
-        let grads: BTreeMap<String, Tensor> =
-            grads.into_iter().filter(|(_, g)| g.defined()).map(|(n, g)| (n, g.to_kind(Kind::Float))).collect();
-        let nan = grads.values().any(|g| g.isnan().any().int64_value(&[]) != 0);
-        step.saw_nan |= nan;
-        for (name, g) in &grads {
-            add_into(&mut step.plain, name, g);
+        if step.arrived[t] {
+            bail!("tsage: task {task:?} handed over twice in one step");
         }
-        if nan {
-            // A NaN would poison M for good; this step falls back to the plain sum anyway.
+        step.arrived[t] = true;
+        let _guard = tch::no_grad_guard();
+        // Lent: read now, fold in, keep nothing that shares their storage.
+        let grads: BTreeMap<String, Tensor> = grads.into_iter().filter(|(_, g)| g.defined()).collect();
+        if let Some(name) = grads.keys().find(|n| !step.params.iter().any(|(p, _)| p == *n)) {
+            bail!("tsage: gradient for unknown parameter {name:?}");
+        }
+        if grads.values().any(|g| g.isnan().any().int64_value(&[]) != 0) {
+            step.saw_nan = true;
             return Ok(());
         }
-        // S_t = |θ ⊙ G_t| over every parameter element (none for parameters without gradient).
-        let theta: BTreeMap<&str, &Tensor> = step.params.iter().map(|(n, p)| (n.as_str(), p)).collect();
-        let sens: BTreeMap<&str, Tensor> = grads
-            .iter()
-            .map(|(n, g)| Ok((n.as_str(), (theta.get(n.as_str()).ok_or_else(|| anyhow::anyhow!("tsage: gradient for unknown parameter {n:?}"))?.to_kind(Kind::Float) * g).abs())))
-            .collect::<Result<_>>()?;
+        let sensitivity = |name: &str, theta: &Tensor| grads.get(name).map(|g| (theta.to_kind(Kind::Float) * g.to_kind(Kind::Float)).abs());
         let scale = if self.config.median_normalise {
-            // One global median over all P elements; parameters without gradient count as 0.
-            let mut flat: Vec<Tensor> = sens.values().map(|s| s.flatten(0, -1)).collect();
-            let missing: i64 = step.params.iter().filter(|(n, _)| !sens.contains_key(n.as_str())).map(|(_, p)| p.numel() as i64).sum();
-            if missing > 0 {
-                flat.push(Tensor::zeros([missing], (Kind::Float, flat.first().map_or(tch::Device::Cpu, |f| f.device()))));
-            }
-            let all = Tensor::cat(&flat, 0);
-            let median = match self.config.median_of {
-                MedianOf::All => lower_median(&all),
-                MedianOf::Nonzero => lower_median(&all.masked_select(&all.gt(0.0))),
-            };
+            // One global median over all P elements; parameters without gradient count as 0
+            // (or, with `median_of = nonzero`, not at all).
+            let missing: i64 = step.params.iter().filter(|(n, _)| !grads.contains_key(n)).map(|(_, p)| p.numel() as i64).sum();
+            let median = streaming_lower_median(
+                &|visit: &mut dyn FnMut(&Tensor)| {
+                    for (name, theta) in &step.params {
+                        if let Some(s) = sensitivity(name, theta) {
+                            visit(&s);
+                        }
+                    }
+                },
+                missing,
+                self.config.median_of == MedianOf::Nonzero,
+            );
             step.medians.insert(task.to_string(), median);
             1.0 / (median + 1e-12)
         } else {
             1.0
         };
-        let beta = self.config.beta;
-        for (name, _) in &step.params {
+        let (beta, tau) = (self.config.beta, self.config.tau);
+        for (name, theta) in &step.params {
+            let g = grads.get(name).map(|g| g.to_kind(Kind::Float));
             let m = self.momentum.get_mut(name).expect("made in begin_step");
             let mut m_t = m.get(t as i64);
-            if self.config.form == Form::Lean {
-                if let Some(g) = grads.get(name) {
+            if step.burn_in {
+                if let Some(g) = &g {
+                    add_into(&mut step.plain, name, g);
+                }
+            } else if self.config.form == Form::Lean {
+                if let Some(g) = &g {
                     // Weights from the previous step's M (this task's row is not updated yet).
-                    let a_t = (&m_t / self.config.tau).exp() / &step.denominators[name];
+                    let a_t = (&m_t / tau - &step.log_denominator[name]).exp();
                     add_into(&mut step.weighted, name, &(a_t * g));
                 }
             }
             let _ = m_t.g_mul_scalar_(beta);
-            if let Some(s) = sens.get(name.as_str()) {
+            if let Some(s) = sensitivity(name, theta) {
                 let _ = m_t.g_add_(&(s * ((1.0 - beta) * scale)));
             }
-        }
-        if self.config.form == Form::Exact {
-            // Kept until finish_step: copy, since `to_kind` to the same kind shares the
-            // caller's storage, which the trainer zeroes for the next task.
-            step.grads[t] = grads.into_iter().map(|(n, g)| (n, g.copy())).collect();
+            if !step.burn_in && self.config.form == Form::Exact {
+                fold_online(&mut step.weighted, &mut step.log_denominator, name, &(&m_t / tau), g.as_ref());
+            }
         }
         Ok(())
     }
 
     pub fn finish_step(&mut self) -> Result<serde_json::Value> {
         let Some(mut step) = self.step.take() else { bail!("tsage: finish_step before begin_step") };
-        let burn_in = step.ctx.step < step.ctx.warmup_steps;
+        let burn_in = step.burn_in;
+        if step.saw_nan {
+            return Ok(serde_json::json!({"grad_norm": null, "burn_in": burn_in, "nan_skipped": true, "sensitivity_medians": step.medians}));
+        }
         let t = self.tasks.len() as f64;
         let div = if self.config.divide_by_tasks { t } else { 1.0 };
         let _guard = tch::no_grad_guard();
-        let mut combined = if burn_in || step.saw_nan {
+        let mut combined = if burn_in {
             std::mem::take(&mut step.plain)
         } else {
-            match self.config.form {
-                Form::Lean => step.weighted.into_iter().map(|(n, g)| (n, g / div)).collect(),
-                Form::Exact => {
-                    let mut out = BTreeMap::new();
+            if self.config.form == Form::Exact {
+                // Tasks absent from this step (one task per batch) still count in the softmax.
+                for (u, _) in step.arrived.iter().enumerate().filter(|(_, a)| !**a) {
                     for (name, _) in &step.params {
-                        let a = (&self.momentum[name] / self.config.tau).softmax(0, Kind::Float);
-                        let mut sum: Option<Tensor> = None;
-                        for (ti, g) in step.grads.iter().enumerate() {
-                            if let Some(g) = g.get(name) {
-                                let term = a.get(ti as i64) * g;
-                                sum = Some(match sum {
-                                    None => term,
-                                    Some(s) => s + term,
-                                });
-                            }
-                        }
-                        if let Some(s) = sum {
-                            out.insert(name.clone(), s / div);
-                        }
+                        let w = self.momentum[name].get(u as i64) / self.config.tau;
+                        fold_online(&mut step.weighted, &mut step.log_denominator, name, &w, None);
                     }
-                    out
                 }
             }
+            step.weighted.into_iter().map(|(n, g)| (n, g / div)).collect()
         };
         let norm = step.ctx.max_grad_norm.map(|max| clip_grad_norm(&mut combined, max));
         self.adam.step(&step.params, &combined, &step.ctx)?;
-        Ok(serde_json::json!({"grad_norm": norm, "burn_in": burn_in, "nan_fallback": step.saw_nan, "sensitivity_medians": step.medians}))
+        Ok(serde_json::json!({"grad_norm": norm, "burn_in": burn_in, "nan_skipped": false, "sensitivity_medians": step.medians}))
     }
 
     /// AdamW's state, then `momentum/NAME` (`[T, ..shape]`, rows in the step context's task
@@ -266,24 +344,31 @@ impl TSage {
     }
 }
 
-/// The median as `torch.median` defines it for an even count: the lower of the two middle
-/// values.
-fn lower_median(x: &Tensor) -> f64 {
-    let n = x.numel() as i64;
-    if n == 0 {
-        return 0.0;
-    }
-    x.kthvalue((n - 1) / 2 + 1, 0, false).0.double_value(&[])
-}
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// The median as `torch.median` defines it for an even count: the lower of the two middle
+    /// values.
+    fn lower_median(x: &Tensor) -> f64 {
+        let n = x.numel() as i64;
+        if n == 0 {
+            return 0.0;
+        }
+        x.kthvalue((n - 1) / 2 + 1, 0, false).0.double_value(&[])
+    }
+
     use crate::optim::testutil::*;
 
     /// The formulas of REFERENCE §4 on dense `[T, P]` tensors, then AdamW on the flat vector.
-    fn dense_reference(form: Form, median_of: MedianOf, steps: u64, warmup: u64, max_norm: Option<f64>) -> Tensor {
+    /// Tasks 0 and 1 alternate when `one` (MT-DPR's one task per step; they reach every
+    /// parameter, so AdamW's skipping of gradient-less parameters does not come in).
+    fn present(one: bool, step: u64, t: usize) -> bool {
+        !one || step as usize % 2 == t
+    }
+
+    fn dense_reference(form: Form, median_of: MedianOf, one: bool, steps: u64, warmup: u64, max_norm: Option<f64>) -> Tensor {
         let cfg = TSageConfig { form, median_of, ..Default::default() };
         let theta = flat(&params());
         let p = theta.size()[0];
@@ -303,6 +388,8 @@ mod tests {
                 0,
             );
             let s = (&theta.unsqueeze(0) * &g).abs();
+            let mask = Tensor::from_slice(&(0..TASKS).map(|t| present(one, step, t) as i64 as f32).collect::<Vec<_>>()).unsqueeze(1);
+            let g = g * &mask;
             let median = |row: Tensor| match median_of {
                 MedianOf::All => lower_median(&row),
                 MedianOf::Nonzero => lower_median(&row.masked_select(&row.gt(0.0))),
@@ -310,7 +397,8 @@ mod tests {
             let med = Tensor::stack(&(0..TASKS as i64).map(|t| Tensor::from(median(s.get(t)) as f32)).collect::<Vec<_>>(), 0);
             let s = &s / (med.unsqueeze(1) + 1e-12);
             let a_prev = (&m / cfg.tau).softmax(0, Kind::Float);
-            m = &m * cfg.beta + &s * (1.0 - cfg.beta);
+            // Absent tasks' rows are not touched.
+            m = (&m * cfg.beta + &s * (1.0 - cfg.beta)) * &mask + &m * (1.0 - &mask);
             let a = if form == Form::Lean { a_prev } else { (&m / cfg.tau).softmax(0, Kind::Float) };
             let combined = if step < warmup { g.sum_dim_intlist(0, false, Kind::Float) } else { (&a * &g).sum_dim_intlist(0, false, Kind::Float) / TASKS as f64 };
             let mut gm: BTreeMap<String, Tensor> = [("flat".to_string(), combined)].into();
@@ -323,14 +411,14 @@ mod tests {
         theta
     }
 
-    fn ours(form: Form, median_of: MedianOf, steps: u64, warmup: u64, max_norm: Option<f64>) -> Tensor {
+    fn ours(form: Form, median_of: MedianOf, one: bool, steps: u64, warmup: u64, max_norm: Option<f64>) -> Tensor {
         let mut opt = TSage::new(TSageConfig { form, median_of, ..Default::default() }).unwrap();
         let ps = params();
         let tasks: Vec<String> = (0..TASKS).map(|t| format!("task{t}")).collect();
         for step in 0..steps {
             let ctx = StepContext { step, total_steps: steps, warmup_steps: warmup, lr: 0.01, tasks: tasks.clone(), max_grad_norm: max_norm, ..Default::default() };
             opt.begin_step(ps.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), ctx).unwrap();
-            for (t, name) in tasks.iter().enumerate() {
+            for (t, name) in tasks.iter().enumerate().filter(|(t, _)| present(one, step, *t)) {
                 let lent = grads(step, t);
                 opt.task_gradients(name, lent.iter().map(|(n, g)| (n.clone(), g.shallow_clone())).collect()).unwrap();
                 // The trainer reuses the gradient storage for the next task.
@@ -346,17 +434,86 @@ mod tests {
     #[test]
     fn both_forms_equal_the_dense_formulas() {
         for form in [Form::Exact, Form::Lean] {
-            for (warmup, clip, median_of) in [(1, None, MedianOf::All), (0, Some(0.5), MedianOf::All), (3, None, MedianOf::All), (1, None, MedianOf::Nonzero)] {
-                let (a, b) = (ours(form, median_of, 6, warmup, clip), dense_reference(form, median_of, 6, warmup, clip));
+            for (warmup, clip, median_of, one) in [
+                (1, None, MedianOf::All, false),
+                (0, Some(0.5), MedianOf::All, false),
+                (3, None, MedianOf::All, false),
+                (1, None, MedianOf::Nonzero, false),
+                (1, None, MedianOf::All, true),
+            ] {
+                let (a, b) = (ours(form, median_of, one, 6, warmup, clip), dense_reference(form, median_of, one, 6, warmup, clip));
                 let diff = (&a - &b).abs().max().double_value(&[]);
-                assert!(diff < 1e-6, "{form:?} {median_of:?} warmup {warmup} clip {clip:?}: max diff {diff}");
+                assert!(diff < 1e-6, "{form:?} {median_of:?} one-at-a-time {one} warmup {warmup} clip {clip:?}: max diff {diff}");
             }
         }
         // The two forms differ once the weights matter (not during burn-in), and so do the medians.
-        let diff = (&ours(Form::Exact, MedianOf::All, 6, 1, None) - &ours(Form::Lean, MedianOf::All, 6, 1, None)).abs().max().double_value(&[]);
+        let diff = (&ours(Form::Exact, MedianOf::All, false, 6, 1, None) - &ours(Form::Lean, MedianOf::All, false, 6, 1, None)).abs().max().double_value(&[]);
         assert!(diff > 1e-7, "exact and lean should differ: {diff}");
-        let diff = (&ours(Form::Exact, MedianOf::All, 6, 1, None) - &ours(Form::Exact, MedianOf::Nonzero, 6, 1, None)).abs().max().double_value(&[]);
+        let diff = (&ours(Form::Exact, MedianOf::All, false, 6, 1, None) - &ours(Form::Exact, MedianOf::Nonzero, false, 6, 1, None)).abs().max().double_value(&[]);
         assert!(diff > 1e-7, "the two medians should differ here: {diff}");
+    }
+
+    #[test]
+    fn streaming_median_equals_torch_median() {
+        for (seed, n, zero_every) in [(1u64, 1001usize, 3usize), (2, 64, 1), (3, 4096, 2), (4, 7, 100)] {
+            let v: Vec<f32> = values(seed, n).iter().enumerate().map(|(i, x)| if i % zero_every == 0 { 0.0 } else { x.abs() * 10f32.powi((i % 7) as i32 - 3) }).collect();
+            let all = Tensor::from_slice(&v);
+            let chunks = |visit: &mut dyn FnMut(&Tensor)| {
+                for c in all.split(97, 0) {
+                    visit(&c);
+                }
+            };
+            for extra in [0i64, 5, 2000] {
+                let with_extra = Tensor::cat(&[all.shallow_clone(), Tensor::zeros([extra], (Kind::Float, tch::Device::Cpu))], 0);
+                assert_eq!(streaming_lower_median(&chunks, extra, false), lower_median(&with_extra), "seed {seed} extra {extra}");
+                let nonzero = all.masked_select(&all.gt(0.0));
+                assert_eq!(streaming_lower_median(&chunks, extra, true), lower_median(&nonzero), "seed {seed} nonzero");
+            }
+        }
+        assert_eq!(streaming_lower_median(&|_: &mut dyn FnMut(&Tensor)| {}, 0, false), 0.0);
+    }
+
+    /// Most elements without gradient: the median of all is 0 and the scale 1e12. Both forms
+    /// stay finite (the lean form's weights are a stable softmax too).
+    #[test]
+    fn a_zero_median_stays_finite() {
+        for form in [Form::Exact, Form::Lean] {
+            let mut opt = TSage::new(TSageConfig { form, ..Default::default() }).unwrap();
+            let p = vec![("w".to_string(), Tensor::from_slice(&values(5, 20)))];
+            let tasks = vec!["a".to_string(), "b".to_string()];
+            for step in 0..4 {
+                let ctx = StepContext { step, total_steps: 4, warmup_steps: 1, lr: 0.01, tasks: tasks.clone(), ..Default::default() };
+                opt.begin_step(p.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), ctx).unwrap();
+                for (i, task) in tasks.iter().enumerate() {
+                    let mut g = vec![0f32; 20];
+                    g[i * 3] = 0.5;
+                    g[i * 3 + 1] = -0.25;
+                    opt.task_gradients(task, vec![("w".to_string(), Tensor::from_slice(&g))]).unwrap();
+                }
+                let stats = opt.finish_step().unwrap();
+                assert_eq!(stats["sensitivity_medians"]["a"], 0.0);
+            }
+            assert!(p[0].1.isfinite().all().int64_value(&[]) == 1, "{form:?}: {}", p[0].1);
+        }
+    }
+
+    #[test]
+    fn a_nan_gradient_skips_the_step_and_leaves_that_task_s_momentum() {
+        let mut opt = TSage::new(TSageConfig::default()).unwrap();
+        let ps = params();
+        let before = flat(&ps);
+        let tasks: Vec<String> = (0..TASKS).map(|t| format!("task{t}")).collect();
+        let ctx = StepContext { step: 5, total_steps: 10, warmup_steps: 1, lr: 0.01, tasks: tasks.clone(), ..Default::default() };
+        opt.begin_step(ps.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), ctx).unwrap();
+        opt.task_gradients("task0", grads(0, 0)).unwrap();
+        let mut bad = grads(0, 1);
+        bad[0].1 = bad[0].1.fill_(f64::NAN);
+        opt.task_gradients("task1", bad).unwrap();
+        let stats = opt.finish_step().unwrap();
+        assert_eq!(stats["nan_skipped"], true);
+        assert!(flat(&ps).equal(&before), "no update");
+        assert_eq!(opt.momentum["p0"].get(1).abs().sum(Kind::Float).double_value(&[]), 0.0, "task1's momentum untouched");
+        assert!(opt.momentum["p0"].get(0).abs().sum(Kind::Float).double_value(&[]) > 0.0, "task0's momentum updated");
     }
 
     #[test]
