@@ -300,6 +300,25 @@ fn ance_episodes_mine_with_the_model_and_resume_exactly() {
     }
     // Starting over needs saying so.
     fails(&run(&mut train_cmd(&recipe, &killed, &[])), &["--overwrite-output-dir"]);
+
+    // Resuming from a checkpoint of a finished stage retrains what follows it (its negatives
+    // are mined again), to the same result.
+    let again = dir.path().join("again");
+    assert!(Command::new("cp").args(["-r", p(&whole), p(&again)]).status().unwrap().success());
+    let ckpt = again.join("episode-0/checkpoint-2");
+    let o = run(&mut train_cmd(&recipe, &again, &["--resume-from-checkpoint", p(&ckpt)]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("mining negatives"), "episode 1's negatives were stale: {}", stderr(&o));
+    for ((na, a), (_, b)) in weights(&whole).iter().zip(weights(&again).iter()) {
+        let diff = (a - b).abs().max().double_value(&[]);
+        assert!(diff <= 1e-6, "{na}: final weights differ by {diff}");
+    }
+    // A resume must keep the run's number of episodes.
+    fails(&run(&mut train_cmd(&recipe, &again, &["--resume-from-checkpoint", "latest", "--ance-episodes", "2"])), &["started with 1 ANCE episodes"]);
+    // Overwriting with fewer episodes leaves nothing of the earlier stages to be picked up.
+    let o = run(&mut train_cmd(&recipe, &again, &["--overwrite-output-dir", "--ance-episodes", "0", "--max-steps", "1"]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!again.join("episode-1/stage_done").exists() && !again.join("negatives-episode-1.json").exists());
 }
 
 /// `host analyze` on a small T-SAGE run: the JSON's task-specific and not-activated shares

@@ -5,17 +5,18 @@
 use anyhow::{anyhow, bail, Result};
 use plotters::prelude::*;
 use std::path::Path;
-use std::sync::Once;
+use std::sync::OnceLock;
 
 const SIZE: (u32, u32) = (960, 600);
 
 fn register_font() -> Result<()> {
-    static ONCE: Once = Once::new();
-    let mut result = Ok(());
-    ONCE.call_once(|| {
-        result = plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular()).map_err(|_| anyhow!("the embedded font is invalid"));
-    });
-    result
+    static REGISTERED: OnceLock<bool> = OnceLock::new();
+    let ok = *REGISTERED.get_or_init(|| plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular()).is_ok());
+    if ok {
+        Ok(())
+    } else {
+        bail!("the embedded font is invalid")
+    }
 }
 
 /// Draw on an RGB buffer, then write it as a PNG atomically (plotters' own encoder picks the

@@ -163,8 +163,8 @@ impl Connector for ConnectorProxy {
 }
 
 /// Settings the host's commands fill in for every encoder or reader (`--model`, `--device`,
-/// `--bf16`); a plugin may ignore them without declaring them.
-const HOST_SETTINGS: [&str; 3] = ["model", "device", "bf16"];
+/// `--bf16`, `--max-length`); a plugin may ignore them without declaring them.
+const HOST_SETTINGS: [&str; 5] = ["model", "device", "bf16", "max_length", "query_max_length"];
 
 /// Refuse settings the plugin does not declare, naming the ones it does, before the plugin
 /// sees them (so a typo is an error even in a plugin that ignores unknown keys).

@@ -6,8 +6,9 @@
 #
 #   scripts/experiments/minikilt.sh METHOD[:SEED] ...     e.g. naive:42 prefix:42 taco:43
 #
-# Outputs under $OUT (default runs/minikilt): METHOD-sSEED/ (the run), its corpus embeddings,
-# index, TREC runs and METHOD-sSEED.metrics.json. $HOST picks the binary (default
+# Outputs under $OUT (default runs/minikilt): METHOD-sSEED/ (the run; nothing else is written
+# inside it, so its checkpoint digest stays the same), METHOD-sSEED.eval/ (corpus embeddings,
+# index, TREC runs) and METHOD-sSEED.metrics.json. $HOST picks the binary (default
 # target/release/host), so a copy can run while the checkout is being rebuilt.
 # Then: .venv/bin/python scripts/experiments/table.py $OUT/*.metrics.json
 set -euo pipefail
@@ -37,17 +38,17 @@ for spec in "$@"; do
             --output-dir "$run" "${resume[@]}"
         echo "$(( $(date +%s) - start ))" > "$run/done"
     fi
-    [[ -f $run/eval/metrics.json ]] && continue
-    mkdir -p "$run/eval/runs"
-    $H encode --encoder "$enc" --model "$run" --input $D/corpus.jsonl --output "$run/eval/corpus"
-    [[ -f $run/eval/flat/index.json ]] || $H index build --kind flat --embeddings "$run/eval/corpus" --output "$run/eval/flat" >/dev/null
+    ev=$OUT/$name.eval
+    [[ -f $OUT/$name.metrics.json ]] && continue
+    mkdir -p "$ev/runs"
+    $H encode --encoder "$enc" --model "$run" --input $D/corpus.jsonl --output "$ev/corpus"
+    [[ -f $ev/flat/index.json ]] || $H index build --kind flat --embeddings "$ev/corpus" --output "$ev/flat" >/dev/null
     args=()
     for task in "${TASKS[@]}"; do
         q=$D/tasks/$task/queries.dev.jsonl
-        trec=$run/eval/runs/$task.dev.trec
-        [[ -f $trec ]] || $H search --index "$run/eval/flat" --encoder "$enc" --model "$run" --queries "$q" --task "$task" --k 100 --output "$trec"
+        trec=$ev/runs/$task.dev.trec
+        [[ -f $trec ]] || $H search --index "$ev/flat" --encoder "$enc" --model "$run" --queries "$q" --task "$task" --k 100 --output "$trec"
         args+=(--run "$trec" --qrels "$D/tasks/$task/qrels.dev.tsv" --queries "$q" --task "$task")
     done
-    $H eval --corpus $D/corpus.jsonl "${args[@]}" --output "$run/eval/metrics.json" >/dev/null
-    cp "$run/eval/metrics.json" "$OUT/$name.metrics.json"
+    $H eval --corpus $D/corpus.jsonl "${args[@]}" --output "$OUT/$name.metrics.json" >/dev/null
 done

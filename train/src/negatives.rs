@@ -16,17 +16,20 @@ use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::path::Path;
 
-/// For each example, the top `depth` BM25 passages that are not gold, best first.
+/// For each example, the top `depth` BM25 passages that are not gold, best first; queries are
+/// searched on every core.
 pub fn bm25_negatives(index: &Bm25Index, tasks: &mut [TaskData], depth: usize, progress: &dyn Progress) -> Result<()> {
+    use rayon::prelude::*;
     let total: usize = tasks.iter().map(|t| t.examples.len()).sum();
     progress.start("bm25 negatives", total as u64);
     for task in tasks.iter_mut() {
-        for ex in task.examples.iter_mut() {
+        task.examples.par_iter_mut().try_for_each(|ex| -> Result<()> {
             let gold: HashSet<&str> = ex.positives.iter().map(String::as_str).collect();
             let hits = index.search(&ex.query, depth + gold.len())?;
             ex.negatives = hits.into_iter().map(|(id, _)| id).filter(|id| !gold.contains(id.as_str())).take(depth).collect();
             progress.inc(1);
-        }
+            Ok(())
+        })?;
     }
     progress.finish();
     Ok(())

@@ -204,6 +204,10 @@ impl<'a> Trainer<'a> {
         self.state.episode = episode;
     }
 
+    pub fn episode(&self) -> u32 {
+        self.state.episode
+    }
+
     pub fn steps_per_epoch(&self) -> usize {
         self.sampler.steps_per_epoch()
     }

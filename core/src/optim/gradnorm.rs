@@ -10,7 +10,8 @@
 //! here: the norms come with the gradients). The weights are known before the step, so each
 //! task is folded in as it arrives. `L_t(0)` is the task's loss at its first step.
 //! The weights' own Adam learning rate `weight_lr` is not given by the paper; 0.025 is the
-//! common choice of public implementations.
+//! common choice of public implementations. Balancing needs two tasks in a step: with one task
+//! per batch (MT-DPR's sampler) the weights never move and this is plain training.
 
 use super::weighted::{tensor_vec, vec_tensor, StepView, Weighting};
 use crate::plugin::StepContext;

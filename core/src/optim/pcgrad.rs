@@ -2,8 +2,9 @@
 //! is projected, in a random order, onto the normal plane of every task gradient it conflicts
 //! with (negative inner product), then the projected gradients are summed (or averaged).
 //!
-//! As in the authors' reference code, each task draws its own order over all tasks (itself
-//! included), and projections are onto the *original* gradients. A projected gradient stays a
+//! As in the widely used PyTorch port, each task draws its own order over all tasks (itself
+//! included; the authors' TensorFlow code discards its shuffle and keeps one fixed order), and
+//! projections are onto the *original* gradients. A projected gradient stays a
 //! combination `Σ_k c_ik G_k` of the originals, so the whole method runs on the Gram matrix:
 //! `<Σ_k c_ik G_k, G_j> = Σ_k c_ik K_kj`. The orders come from (seed, step), so a resumed run
 //! draws the same ones without saved state.

@@ -61,13 +61,31 @@ pub struct AnalyzeArgs {
     pub device: String,
 }
 
-/// The optimizer state file of `dir`: its own, or its newest checkpoint's.
-fn optimizer_state(dir: &Path) -> Option<PathBuf> {
-    let own = dir.join(OPTIMIZER_FILE);
-    if own.exists() {
-        return Some(own);
+/// The checkpoint folder behind `dir`: itself, its newest checkpoint, or (an ANCE run's
+/// output) the newest checkpoint of its last episode.
+fn checkpoint_of(dir: &Path) -> Option<PathBuf> {
+    if dir.join(OPTIMIZER_FILE).exists() {
+        return Some(dir.to_path_buf());
     }
-    latest_checkpoint(dir).map(|c| c.join(OPTIMIZER_FILE)).filter(|p| p.exists())
+    if let Some(c) = latest_checkpoint(dir) {
+        return Some(c);
+    }
+    let last_episode = std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().strip_prefix("episode-")?.parse::<u32>().ok().map(|n| (n, e.path())))
+        .max_by_key(|(n, _)| *n)?;
+    latest_checkpoint(&last_episode.1)
+}
+
+/// (episode, step) of the checkpoint behind `dir`, from its trainer state.
+fn position(dir: &Path) -> Option<(u64, u64)> {
+    let state: Value = serde_json::from_str(&std::fs::read_to_string(checkpoint_of(dir)?.join(rak_train::trainer::STATE_FILE)).ok()?).ok()?;
+    Some((state["episode"].as_u64().unwrap_or(0), state["step"].as_u64()?))
+}
+
+fn optimizer_state(dir: &Path) -> Option<PathBuf> {
+    checkpoint_of(dir).map(|c| c.join(OPTIMIZER_FILE)).filter(|p| p.exists())
 }
 
 /// T-SAGE's momentum by parameter name, if the state has it.
@@ -156,6 +174,9 @@ fn gradient_sensitivities(registry: &Registry, recipe: &Recipe, dir: &Path, args
 
 pub fn run(registry: &Registry, args: &AnalyzeArgs) -> Result<Value> {
     let recipe = read_recipe(&args.config)?;
+    if recipe.data.tasks.len() < 2 {
+        bail!("{}: task specialisation needs at least two tasks", args.config.display());
+    }
     let progress = Bar::default();
     let config = AnalysisConfig { tau: args.tau, ..Default::default() };
     let (sens, source) = sensitivities(registry, &recipe, &args.checkpoint, args, &progress)?;
@@ -164,9 +185,16 @@ pub fn run(registry: &Registry, args: &AnalyzeArgs) -> Result<Value> {
     out["checkpoint"] = json!(args.checkpoint);
     out["source"] = json!(source);
     if let Some(other) = &args.compare {
-        let (later, later_source) = sensitivities(registry, &recipe, other, args, &progress)?;
-        let (rate, specific) = commitment_rate(&sens, &later, &config)?;
-        out["commitment"] = json!({"compare": other, "source": later_source, "rate": rate, "task_specific_parameters": specific});
+        let (other_sens, other_source) = sensitivities(registry, &recipe, other, args, &progress)?;
+        // The rate runs from the earlier checkpoint to the later, whichever was named first.
+        let swapped = matches!((position(&args.checkpoint), position(other)), (Some(a), Some(b)) if b < a);
+        let (before, after, before_dir, after_dir) =
+            if swapped { (&other_sens, &sens, other, &args.checkpoint) } else { (&sens, &other_sens, &args.checkpoint, other) };
+        let (rate, specific) = commitment_rate(before, after, &config)?;
+        out["commitment"] = json!({
+            "before": before_dir, "after": after_dir, "compare_source": other_source,
+            "rate": rate, "task_specific_parameters": specific,
+        });
     }
     let dir = args.output.clone().unwrap_or_else(|| args.checkpoint.join("analysis"));
     std::fs::create_dir_all(&dir).with_context(|| format!("{}: cannot create", dir.display()))?;

@@ -121,8 +121,9 @@ pub fn settings_identity(encoder: &str, settings: &Value) -> Value {
 /// derives from the checkpoint, and would change its digest on each run if an output were
 /// put inside the checkpoint's directory. A `host train` output folder is also its final
 /// model: its checkpoints, indexes and logs are not part of that model and are left out
-/// (subfolders holding `trainer_state.json` or `index.json`, `trainer_log.jsonl`,
-/// `negatives-*.json`), so encoding with `--model OUT` neither re-reads gigabytes of
+/// (subfolders holding `trainer_state.json`, `index.json` or `analysis.json`, the
+/// `episode-N` stages of an ANCE run, `trainer_log.jsonl`, `negatives-*.json`, `run.json` and
+/// the stage marks), so encoding with `--model OUT` neither re-reads gigabytes of
 /// checkpoints nor changes identity whenever training writes a log line.
 pub fn checkpoint_digest(path: &Path) -> Result<String> {
     use sha2::{Digest, Sha256};
@@ -133,7 +134,7 @@ pub fn checkpoint_digest(path: &Path) -> Result<String> {
             if depth > 32 {
                 bail!("{}: checkpoint directories nest too deep (a symbolic link loop?)", path.display());
             }
-            if depth > 0 && [".encode.lock", "trainer_state.json", "index.json"].iter().any(|f| path.join(f).exists()) {
+            if depth > 0 && [".encode.lock", "trainer_state.json", "index.json", "analysis.json"].iter().any(|f| path.join(f).exists()) {
                 return Ok(());
             }
             let mut names: Vec<String> = std::fs::read_dir(path)
@@ -141,7 +142,13 @@ pub fn checkpoint_digest(path: &Path) -> Result<String> {
                 .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
                 .collect::<std::io::Result<_>>()
                 .with_context(|| format!("{}: cannot list the checkpoint", path.display()))?;
-            names.retain(|n| !n.starts_with('.') && n != "trainer_log.jsonl" && !(n.starts_with("negatives-") && n.ends_with(".json")));
+            names.retain(|n| {
+                !n.starts_with('.')
+                    && !["trainer_log.jsonl", "run.json", "stage_done", "final_model_done"].contains(&n.as_str())
+                    && !(n.starts_with("negatives-") && n.ends_with(".json"))
+                    // An ANCE run's stages: each its own model, not part of the final one.
+                    && !(depth == 0 && n.strip_prefix("episode-").is_some_and(|e| e.parse::<u32>().is_ok()))
+            });
             names.sort();
             for name in names {
                 let child_rel = if rel.is_empty() { name.clone() } else { format!("{rel}/{name}") };

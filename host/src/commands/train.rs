@@ -134,7 +134,7 @@ pub struct TrainSection {
     pub ance_episodes: u32,
     pub ance_depth: usize,
     /// Length of each ANCE stage in epochs (TACO: 20 warm-up epochs, then 3 per episode);
-    /// default: the same as the BM25 stage. `max_steps`, when set, caps every stage.
+    /// default: the same length as the BM25 stage (`max_steps` or `num_train_epochs`).
     pub ance_num_train_epochs: Option<f64>,
     /// Encode queries with their task's name (the encoder makes it a prefix, a marker or a
     /// `?`, or ignores it).
@@ -231,25 +231,30 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
             Resume::At(stage, dir)
         }
     };
-    if matches!(resume, Resume::No) {
-        let earlier: Vec<PathBuf> = stages.iter().flat_map(|s| rak_train::trainer::checkpoints(s)).collect();
-        let finished = stages.iter().any(|s| s.join(STAGE_DONE).exists());
-        if (!earlier.is_empty() || finished) && !args.overwrite_output_dir {
-            bail!(
-                "{} holds checkpoints of an earlier run; continue it with --resume-from-checkpoint latest, or start over with --overwrite-output-dir",
-                out.display()
-            );
+    let layout = RunLayout { out: out.clone() };
+    match &resume {
+        Resume::No => {
+            if layout.has_earlier_run() && !args.overwrite_output_dir {
+                bail!(
+                    "{} holds checkpoints of an earlier run; continue it with --resume-from-checkpoint latest, or start over with --overwrite-output-dir",
+                    out.display()
+                );
+            }
+            layout.clear_from(0)?;
         }
-        for dir in earlier {
-            std::fs::remove_dir_all(&dir).with_context(|| format!("{}: cannot remove", dir.display()))?;
-        }
-        for (e, stage) in stages.iter().enumerate() {
-            let _ = std::fs::remove_file(stage.join(STAGE_DONE));
-            if e > 0 {
-                let _ = std::fs::remove_file(out.join(format!("negatives-episode-{e}.json")));
+        Resume::Latest | Resume::At(..) => {
+            if let Some(earlier) = layout.recorded_episodes()? {
+                if earlier != episodes {
+                    bail!("{} was started with {earlier} ANCE episodes, this run asks for {episodes}; resume with --ance-episodes {earlier}", out.display());
+                }
+            }
+            // Resuming inside a stage makes everything after it stale.
+            if let Resume::At(stage, _) = &resume {
+                layout.clear_after(*stage, episodes)?;
             }
         }
     }
+    layout.record_episodes(episodes)?;
     let base_model = args.model.clone().or(recipe.model.path.clone()).context("no model: give --model or model.path")?;
 
     // Data: every task's examples, then hard negatives, then the texts they name.
@@ -286,7 +291,15 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
                     dir
                 }
             };
-            let mut index = Bm25Index::open(&index_dir)?;
+            let mut index = match Bm25Index::open(&index_dir) {
+                // The run's own cached index, written by an older version: rebuild it.
+                Err(e) if d.bm25_index.is_none() => {
+                    progress.log(&format!("train: rebuilding {} ({e:#})", index_dir.display()));
+                    build_index(&IndexSpec::Bm25 { corpus: d.corpus.clone(), params: bm25 }, &index_dir, &progress)?;
+                    Bm25Index::open(&index_dir)?
+                }
+                other => other?,
+            };
             index.set_params(bm25)?;
             negatives::bm25_negatives(&index, &mut tasks, t.negative_depth, &progress)?;
             report_filled(negatives::fill_empty(&mut tasks, t.hard_negatives, t.seed), "BM25", &progress);
@@ -298,7 +311,10 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
     let steps_per_epoch = Sampler::new(kind, &counts, t.per_device_train_batch_size, t.seed)?.steps_per_epoch() as u64;
     let steps_for = |epochs: f64| t.max_steps.unwrap_or(((epochs * steps_per_epoch as f64).ceil() as u64).max(1));
     let max_steps = steps_for(t.num_train_epochs);
-    let episode_steps = steps_for(t.ance_num_train_epochs.unwrap_or(t.num_train_epochs));
+    let episode_steps = match t.ance_num_train_epochs {
+        Some(epochs) => ((epochs * steps_per_epoch as f64).ceil() as u64).max(1),
+        None => max_steps,
+    };
     let config = TrainerConfig {
         learning_rate: t.learning_rate,
         batch_size: t.per_device_train_batch_size,
@@ -337,16 +353,23 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
             model = stage.clone();
             continue;
         }
+        if episode > 0 && t.hard_negatives == 0 {
+            progress.log("warning: ANCE episodes with hard_negatives = 0 only repeat training: no negatives are drawn");
+        }
         if episode > 0 && t.hard_negatives > 0 {
             // ANCE: negatives from the previous stage's model over the whole corpus.
             let saved = out.join(format!("negatives-episode-{episode}.json"));
-            let source = format!("ance episode {episode}, model {}", model.display());
-            if !negatives::load(&saved, &mut tasks, t.ance_depth, &source)? {
+            // Keyed on the stage, not on the path: a stage retrained removes the later negatives.
+            let source = format!("ance episode {episode}, mined with the model of episode-{}", episode - 1);
+            let work = stage.join("ance");
+            if negatives::load(&saved, &mut tasks, t.ance_depth, &source)? {
+                // A run killed between saving the negatives and removing the work folder.
+                let _ = std::fs::remove_dir_all(&work);
+            } else {
                 let settings = settings_for(&model);
                 let mut miner = registry.encoder(&encoder_name, &settings)?;
                 let identity = super::encode::encoder_identity(&encoder_name, &settings)?;
                 progress.log(&format!("train: episode {episode}: mining negatives with {}", model.display()));
-                let work = stage.join("ance");
                 negatives::ance_negatives(miner.as_mut(), identity, &d.corpus, &work, &mut tasks, t.ance_depth, t.task_names, &progress)?;
                 report_filled(negatives::fill_empty(&mut tasks, t.hard_negatives, t.seed), "the model", &progress);
                 negatives::save(&saved, &tasks, t.ance_depth, &source)?;
@@ -374,24 +397,41 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
         if episodes > 0 {
             progress.log(&format!("train: stage {episode} of {episodes} ({}) in {}", if episode == 0 { "BM25 negatives" } else { "ANCE negatives" }, stage.display()));
         }
-        let stage_config = TrainerConfig { max_steps: if episode == 0 { max_steps } else { episode_steps }, ..config.clone() };
+        // Each stage draws its own batch order and dropout (a stage is a new run, as in ANCE).
+        let stage_config = TrainerConfig {
+            max_steps: if episode == 0 { max_steps } else { episode_steps },
+            seed: config.seed.wrapping_add(episode as u64),
+            ..config.clone()
+        };
         let mut trainer = Trainer::new(stage_config, encoder.as_mut(), optimizer.as_mut(), tasks.clone(), texts, stage)?;
         trainer.set_episode(episode as u32);
         if let Some(ckpt) = &checkpoint {
             trainer.resume(ckpt)?;
+            if trainer.episode() != episode as u32 {
+                bail!("{} is a checkpoint of episode {}, not of episode {episode}", ckpt.display(), trainer.episode());
+            }
             progress.log(&format!("train: resumed from {} at step {}", ckpt.display(), trainer.step()));
         }
         trainer.train(&progress)?;
         drop(trainer);
         if episodes > 0 {
-            rak_core::fsutil::write_bytes(&stage.join(STAGE_DONE), b"")?;
             if episode == episodes as usize {
+                // Before the stage is marked done, so a kill in between redoes the copy.
                 encoder.save(out)?;
             }
+            rak_core::fsutil::write_bytes(&stage.join(STAGE_DONE), b"")?;
         }
         model = stage.clone();
     }
-    Ok(json!({"output_dir": out, "steps": max_steps, "episodes": episodes, "log": stages.last().map(|s| s.join(rak_train::trainer::LOG_FILE))}))
+    if episodes > 0 && !out.join(FINAL_MARK).exists() {
+        // Every stage was done already but the copy never finished: make it from the last stage.
+        registry.encoder(&encoder_name, &settings_for(&model))?.save(out)?;
+    }
+    if episodes > 0 {
+        rak_core::fsutil::write_bytes(&out.join(FINAL_MARK), b"")?;
+    }
+    let total_steps = max_steps + episodes as u64 * episode_steps;
+    Ok(json!({"output_dir": out, "steps": total_steps, "episodes": episodes, "log": stages.last().map(|s| s.join(rak_train::trainer::LOG_FILE))}))
 }
 
 fn report_filled(filled: usize, retriever: &str, progress: &dyn Progress) {
@@ -402,6 +442,92 @@ fn report_filled(filled: usize, retriever: &str, progress: &dyn Progress) {
 
 /// Marks a finished stage of an ANCE run (its model is complete in its folder).
 const STAGE_DONE: &str = "stage_done";
+/// Marks an ANCE run's final model as copied to the output folder.
+const FINAL_MARK: &str = "final_model_done";
+/// Records how many ANCE episodes a run was started with.
+const RUN_FILE: &str = "run.json";
+
+/// The files of a `host train` output folder, whichever number of episodes made them.
+struct RunLayout {
+    out: PathBuf,
+}
+
+impl RunLayout {
+    /// `episode-E` folders present, by episode.
+    fn episode_dirs(&self) -> Vec<(u32, PathBuf)> {
+        let Ok(entries) = std::fs::read_dir(&self.out) else { return Vec::new() };
+        let mut dirs: Vec<(u32, PathBuf)> = entries
+            .flatten()
+            .filter_map(|e| e.file_name().to_string_lossy().strip_prefix("episode-")?.parse().ok().map(|n| (n, e.path())))
+            .filter(|(_, p): &(u32, PathBuf)| p.is_dir())
+            .collect();
+        dirs.sort();
+        dirs
+    }
+
+    fn has_earlier_run(&self) -> bool {
+        !rak_train::trainer::checkpoints(&self.out).is_empty()
+            || self.episode_dirs().iter().any(|(_, d)| d.join(STAGE_DONE).exists() || !rak_train::trainer::checkpoints(d).is_empty())
+    }
+
+    /// Remove what stages `from..` left (checkpoints, marks, mined negatives); with 0, every
+    /// trace of an earlier run, whatever its number of episodes.
+    fn clear_from(&self, from: u32) -> Result<()> {
+        let remove_dir = |d: &Path| std::fs::remove_dir_all(d).with_context(|| format!("{}: cannot remove", d.display()));
+        if from == 0 {
+            for ckpt in rak_train::trainer::checkpoints(&self.out) {
+                remove_dir(&ckpt)?;
+            }
+            let _ = std::fs::remove_file(self.out.join(RUN_FILE));
+        }
+        let _ = std::fs::remove_file(self.out.join(FINAL_MARK));
+        for (e, dir) in self.episode_dirs() {
+            if e >= from {
+                let _ = std::fs::remove_file(dir.join(STAGE_DONE));
+                for ckpt in rak_train::trainer::checkpoints(&dir) {
+                    remove_dir(&ckpt)?;
+                }
+            }
+        }
+        if let Ok(entries) = std::fs::read_dir(&self.out) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let mined = name.strip_prefix("negatives-episode-").and_then(|n| n.strip_suffix(".json")).and_then(|n| n.parse::<u32>().ok());
+                // Episode 0's negatives are BM25's: they do not depend on any stage.
+                if mined.is_some_and(|n| n > 0 && n >= from.max(1)) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Resuming in `stage`: it is not done, and later stages and their negatives are stale.
+    fn clear_after(&self, stage: usize, episodes: u32) -> Result<()> {
+        if episodes == 0 {
+            return Ok(());
+        }
+        let _ = std::fs::remove_file(self.out.join(format!("episode-{stage}")).join(STAGE_DONE));
+        self.clear_from(stage as u32 + 1)
+    }
+
+    fn recorded_episodes(&self) -> Result<Option<u32>> {
+        let path = self.out.join(RUN_FILE);
+        match std::fs::read_to_string(&path) {
+            Ok(text) => {
+                let v: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+                Ok(v["ance_episodes"].as_u64().map(|n| n as u32))
+            }
+            Err(_) if rak_train::trainer::checkpoints(&self.out).is_empty() && self.episode_dirs().is_empty() => Ok(None),
+            // Written before run.json existed: a run without episodes, or unknown.
+            Err(_) => Ok(self.episode_dirs().is_empty().then_some(0)),
+        }
+    }
+
+    fn record_episodes(&self, episodes: u32) -> Result<()> {
+        rak_core::fsutil::write_bytes(&self.out.join(RUN_FILE), json!({"ance_episodes": episodes}).to_string().as_bytes())
+    }
+}
 
 enum Resume {
     No,

@@ -4,8 +4,8 @@
 //! k1 = 0.9, b = 0.4): a query term `t` adds `idf(t) · tf / (tf + k1 · (1 − b + b · dl / avgdl))`
 //! with `idf(t) = ln(1 + (N − df + 0.5) / (df + 0.5))`, once per occurrence in the query (Lucene
 //! sums repeated clauses). tantivy's own BM25 fixes k1 = 1.2, b = 0.75 (private constants), so
-//! the scorer reads tantivy's postings and length norms itself, term at a time into a dense
-//! accumulator per segment (4 bytes per passage per query). Lengths are tantivy's quantised
+//! the scorer reads tantivy's postings and length norms itself, term at a time into an
+//! accumulator per thread that only the query's postings touch. Lengths are tantivy's quantised
 //! field norms, which follow Lucene's one-byte encoding, so `dl` is what Lucene would use too.
 //!
 //! Each passage is one field, `title + " " + text` (as Pyserini's `contents`), analysed like
@@ -111,6 +111,42 @@ impl QueueBound {
     }
 }
 
+/// Scores of one segment's documents for one query, reused across queries on a thread: only
+/// the documents a query term reaches are touched and reset, so a query costs its postings,
+/// not the size of the corpus.
+#[derive(Default)]
+struct Accumulator {
+    scores: Vec<f32>,
+    touched: Vec<u32>,
+}
+
+impl Accumulator {
+    fn reset(&mut self, docs: usize) {
+        for &d in &self.touched {
+            self.scores[d as usize] = 0.0;
+        }
+        self.touched.clear();
+        if self.scores.len() < docs {
+            self.scores.resize(docs, 0.0);
+        }
+    }
+
+    fn add(&mut self, doc: u32, score: f32) {
+        if score == 0.0 {
+            return;
+        }
+        let slot = &mut self.scores[doc as usize];
+        if *slot == 0.0 {
+            self.touched.push(doc);
+        }
+        *slot += score;
+    }
+}
+
+thread_local! {
+    static ACCUMULATOR: std::cell::RefCell<Accumulator> = std::cell::RefCell::new(Accumulator::default());
+}
+
 pub struct Bm25Index {
     index: Index,
     reader: IndexReader,
@@ -202,7 +238,7 @@ impl Bm25Index {
         let meta = IndexMeta::read(dir)?;
         meta.expect_kind(dir, "bm25")?;
         let params: Bm25Params = serde_json::from_value(serde_json::json!({"k1": meta.params.get("k1"), "b": meta.params.get("b")}))
-            .with_context(|| format!("{}: index.json has no valid k1 and b", dir.display()))?;
+            .with_context(|| format!("{}: index.json has no valid k1 and b (built by an older version? rebuild it with host index build --kind bm25)", dir.display()))?;
         let index = Index::open_in_dir(dir).with_context(|| format!("{}: cannot open the tantivy index", dir.display()))?;
         index.tokenizers().register(ANALYZER, analyzer());
         let schema = index.schema();
@@ -287,25 +323,28 @@ impl Bm25Index {
         const TIE_MARGIN: usize = 16;
         let keep = k + TIE_MARGIN;
         let mut best: Vec<(f32, u32, u32)> = Vec::new();
-        for (ord, segment) in searcher.segment_readers().iter().enumerate() {
-            let inverted = segment.inverted_index(self.contents)?;
-            let norms = segment.get_fieldnorms_reader(self.contents)?;
-            let mut acc = vec![0f32; segment.max_doc() as usize];
-            for (term, weight) in &weighted {
-                let Some(mut postings) = inverted.read_postings(term, IndexRecordOption::WithFreqs)? else { continue };
-                let mut doc = postings.doc();
-                while doc != TERMINATED {
-                    let tf = postings.term_freq() as f32;
-                    acc[doc as usize] += weight * tf / (tf + norm[norms.fieldnorm_id(doc) as usize]);
-                    doc = postings.advance();
+        ACCUMULATOR.with_borrow_mut(|acc| -> Result<()> {
+            for (ord, segment) in searcher.segment_readers().iter().enumerate() {
+                let inverted = segment.inverted_index(self.contents)?;
+                let norms = segment.get_fieldnorms_reader(self.contents)?;
+                acc.reset(segment.max_doc() as usize);
+                for (term, weight) in &weighted {
+                    let Some(mut postings) = inverted.read_postings(term, IndexRecordOption::WithFreqs)? else { continue };
+                    let mut doc = postings.doc();
+                    while doc != TERMINATED {
+                        let tf = postings.term_freq() as f32;
+                        acc.add(doc, weight * tf / (tf + norm[norms.fieldnorm_id(doc) as usize]));
+                        doc = postings.advance();
+                    }
+                }
+                best.extend(acc.touched.iter().map(|&d| (acc.scores[d as usize], ord as u32, d)));
+                if best.len() > keep {
+                    best.select_nth_unstable_by(keep - 1, |x, y| y.0.total_cmp(&x.0));
+                    best.truncate(keep);
                 }
             }
-            best.extend(acc.iter().enumerate().filter(|(_, s)| **s > 0.0).map(|(d, s)| (*s, ord as u32, d as u32)));
-            if best.len() > keep {
-                best.select_nth_unstable_by(keep - 1, |x, y| y.0.total_cmp(&x.0));
-                best.truncate(keep);
-            }
-        }
+            Ok(())
+        })?;
         let mut hits: Vec<(String, f32)> = best
             .into_iter()
             .map(|(score, ord, doc)| {
