@@ -25,6 +25,7 @@ pub use rak_abi as abi;
 pub use abi_stable;
 #[doc(hidden)]
 pub use anyhow;
+pub use serde_json;
 pub use tch;
 
 pub use rak_abi::{LIBTORCH_VERSION, TARGET, TCH_VERSION};

@@ -111,6 +111,24 @@ fn add_into(sum: &mut BTreeMap<String, Tensor>, name: &str, g: &Tensor) {
     }
 }
 
+impl crate::plugin::Optimizer for TSage {
+    fn begin_step(&mut self, params: Vec<(String, Tensor)>, ctx: StepContext) -> Result<()> {
+        TSage::begin_step(self, params, ctx)
+    }
+    fn task_gradients(&mut self, task: &str, _loss: f64, grads: Vec<(String, Tensor)>) -> Result<()> {
+        TSage::task_gradients(self, task, grads)
+    }
+    fn finish_step(&mut self) -> Result<serde_json::Value> {
+        TSage::finish_step(self)
+    }
+    fn state(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(TSage::state(self))
+    }
+    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
+        TSage::load_state(self, state)
+    }
+}
+
 /// One task into the running softmax-weighted mean of `name`: `w` is the task's `M_t / τ`,
 /// `g` its gradient (absent: it only enters the denominator).
 fn fold_online(weighted: &mut BTreeMap<String, Tensor>, log_den: &mut BTreeMap<String, Tensor>, name: &str, w: &Tensor, g: Option<&Tensor>) {

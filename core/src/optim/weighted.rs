@@ -186,6 +186,24 @@ impl<W: Weighting> Weighted<W> {
     }
 }
 
+impl<W: Weighting> crate::plugin::Optimizer for Weighted<W> {
+    fn begin_step(&mut self, params: Vec<(String, Tensor)>, ctx: StepContext) -> Result<()> {
+        Weighted::begin_step(self, params, ctx)
+    }
+    fn task_gradients(&mut self, task: &str, loss: f64, grads: Vec<(String, Tensor)>) -> Result<()> {
+        Weighted::task_gradients(self, task, loss, grads)
+    }
+    fn finish_step(&mut self) -> Result<serde_json::Value> {
+        Weighted::finish_step(self)
+    }
+    fn state(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(Weighted::state(self))
+    }
+    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
+        Weighted::load_state(self, state)
+    }
+}
+
 /// A per-task f64 vector as a tensor (for checkpoints).
 pub(crate) fn vec_tensor(v: &[f64]) -> Tensor {
     Tensor::from_slice(v)

@@ -67,7 +67,7 @@ macro_rules! delegate_encoder {
             fn parameters(&self) -> $crate::anyhow::Result<Vec<(String, $crate::tch::Tensor)>> {
                 self.0.parameters()
             }
-            fn info(&self) -> $crate::anyhow::Result<serde_json::Value> {
+            fn info(&self) -> $crate::anyhow::Result<$crate::serde_json::Value> {
                 self.0.info()
             }
             fn save(&self, dir: &std::path::Path) -> $crate::anyhow::Result<()> {
@@ -141,6 +141,32 @@ pub fn optimizer_step(
         opt.task_gradients(&task, loss, grads)?;
     }
     opt.finish_step()
+}
+
+/// `impl Optimizer for $wrapper` by forwarding every method to its field `.0`, itself an
+/// [`Optimizer`]: a plugin crate wraps an optimizer of this crate in a newtype (to implement
+/// [`PluginInfo`] for it) and forwards the rest.
+#[macro_export]
+macro_rules! forward_optimizer {
+    ($wrapper:ty) => {
+        impl $crate::plugin::Optimizer for $wrapper {
+            fn begin_step(&mut self, params: Vec<(String, $crate::tch::Tensor)>, ctx: $crate::plugin::StepContext) -> $crate::anyhow::Result<()> {
+                $crate::plugin::Optimizer::begin_step(&mut self.0, params, ctx)
+            }
+            fn task_gradients(&mut self, task: &str, loss: f64, grads: Vec<(String, $crate::tch::Tensor)>) -> $crate::anyhow::Result<()> {
+                $crate::plugin::Optimizer::task_gradients(&mut self.0, task, loss, grads)
+            }
+            fn finish_step(&mut self) -> $crate::anyhow::Result<$crate::serde_json::Value> {
+                $crate::plugin::Optimizer::finish_step(&mut self.0)
+            }
+            fn state(&self) -> $crate::anyhow::Result<Vec<(String, $crate::tch::Tensor)>> {
+                $crate::plugin::Optimizer::state(&self.0)
+            }
+            fn load_state(&mut self, state: Vec<(String, $crate::tch::Tensor)>) -> $crate::anyhow::Result<()> {
+                $crate::plugin::Optimizer::load_state(&mut self.0, state)
+            }
+        }
+    };
 }
 
 /// A local LM that reads passages (FiD). JSON requests so the protocol can grow.

@@ -5,9 +5,8 @@ use anyhow::{Context, Result};
 use rak_core::optim::pcgrad::{PcGrad, PcGradConfig};
 use rak_core::optim::weighted::Weighted;
 use rak_core::optim::AdamWConfig;
-use rak_core::plugin::{Optimizer, PluginInfo, StepContext};
+use rak_core::plugin::PluginInfo;
 use serde_json::{json, Value};
-use tch::Tensor;
 
 pub struct PcGradPlugin(Weighted<PcGrad>);
 
@@ -29,22 +28,5 @@ impl PluginInfo for PcGradPlugin {
     }
 }
 
-impl Optimizer for PcGradPlugin {
-    fn begin_step(&mut self, params: Vec<(String, Tensor)>, ctx: StepContext) -> Result<()> {
-        self.0.begin_step(params, ctx)
-    }
-    fn task_gradients(&mut self, task: &str, loss: f64, grads: Vec<(String, Tensor)>) -> Result<()> {
-        self.0.task_gradients(task, loss, grads)
-    }
-    fn finish_step(&mut self) -> Result<Value> {
-        self.0.finish_step()
-    }
-    fn state(&self) -> Result<Vec<(String, Tensor)>> {
-        Ok(self.0.state())
-    }
-    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
-        self.0.load_state(state)
-    }
-}
-
+rak_core::forward_optimizer!(PcGradPlugin);
 rak_core::export_optimizer!(PcGradPlugin);

@@ -4,9 +4,8 @@
 
 use anyhow::{Context, Result};
 use rak_core::optim::tsage::{TSage, TSageConfig};
-use rak_core::plugin::{Optimizer, PluginInfo, StepContext};
+use rak_core::plugin::PluginInfo;
 use serde_json::{json, Value};
-use tch::Tensor;
 
 pub struct TSagePlugin(TSage);
 
@@ -22,7 +21,7 @@ impl PluginInfo for TSagePlugin {
             "median_normalise": {"type": "bool", "default": d.median_normalise, "help": "divide each task's sensitivities by their median"},
             "median_of": {"type": "string", "default": d.median_of, "help": "all (the authors') or nonzero: the elements the median is taken over"},
             "divide_by_tasks": {"type": "bool", "default": d.divide_by_tasks, "help": "divide the combined gradient by the number of tasks (the authors' code)"},
-            "form": {"type": "string", "default": "exact", "help": "exact (this step's weights; holds every task gradient) or lean (previous step's weights; folds each task in)"},
+            "form": {"type": "string", "default": "exact", "help": "exact (this step's weights) or lean (the previous step's: a one-step lag); both fold each task in as it arrives"},
         }).as_object().cloned().unwrap_or_default());
         Value::Object(schema)
     }
@@ -33,22 +32,5 @@ impl PluginInfo for TSagePlugin {
     }
 }
 
-impl Optimizer for TSagePlugin {
-    fn begin_step(&mut self, params: Vec<(String, Tensor)>, ctx: StepContext) -> Result<()> {
-        self.0.begin_step(params, ctx)
-    }
-    fn task_gradients(&mut self, task: &str, _loss: f64, grads: Vec<(String, Tensor)>) -> Result<()> {
-        self.0.task_gradients(task, grads)
-    }
-    fn finish_step(&mut self) -> Result<Value> {
-        self.0.finish_step()
-    }
-    fn state(&self) -> Result<Vec<(String, Tensor)>> {
-        Ok(self.0.state())
-    }
-    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
-        self.0.load_state(state)
-    }
-}
-
+rak_core::forward_optimizer!(TSagePlugin);
 rak_core::export_optimizer!(TSagePlugin);
