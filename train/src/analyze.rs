@@ -146,7 +146,7 @@ pub struct TaskSummary {
     /// Share of parameters with sensitivity exactly 0.
     pub zero: f64,
     /// Density of log10 sensitivity of the nonzero ones over
-    /// [`AnalysisConfig::log_sensitivity_range`] (values outside it counted at its ends).
+    /// [`AnalysisConfig::log_sensitivity_range`] (it integrates to the share inside the range).
     pub log_sensitivity_density: Vec<f64>,
 }
 
@@ -194,7 +194,10 @@ pub fn analyze(s: &Sensitivities, config: &AnalysisConfig) -> Result<Analysis> {
         // axis they would pile up at the left edge.
         let nonzero = row.masked_select(&row.gt(0.0));
         let zero = 1.0 - nonzero.numel() as f64 / p;
-        let counts = histogram(&nonzero.log10(), config.sensitivity_bins, lo, hi);
+        // Values outside the plotted range are left out (clamped in, they pile up at an edge).
+        let logs = nonzero.log10();
+        let inside = logs.masked_select(&logs.ge(lo).logical_and(&logs.lt(hi)));
+        let counts = histogram(&inside, config.sensitivity_bins, lo, hi);
         let nz = nonzero.numel().max(1) as f64;
         per_task.insert(
             name.clone(),
