@@ -309,8 +309,7 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
     let kind = sampler_kind(t)?;
     let counts: Vec<usize> = tasks.iter().map(|t| t.examples.len()).collect();
     let steps_per_epoch = Sampler::new(kind, &counts, t.per_device_train_batch_size, t.seed)?.steps_per_epoch() as u64;
-    let steps_for = |epochs: f64| t.max_steps.unwrap_or(((epochs * steps_per_epoch as f64).ceil() as u64).max(1));
-    let max_steps = steps_for(t.num_train_epochs);
+    let max_steps = t.max_steps.unwrap_or(((t.num_train_epochs * steps_per_epoch as f64).ceil() as u64).max(1));
     let episode_steps = match t.ance_num_train_epochs {
         Some(epochs) => ((epochs * steps_per_epoch as f64).ceil() as u64).max(1),
         None => max_steps,
