@@ -1,6 +1,9 @@
 //! Helpers shared by the end-to-end tests: where things are, how to run `host`, and how to
 //! build the out-of-tree plugin.
 
+#[path = "fake_openai.rs"]
+pub mod fake_openai;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;

@@ -1,6 +1,7 @@
 //! `rak-host`: plugin discovery, loading and the host-side plugin wrappers, shared by the
 //! `host` binary and the end-to-end tests.
 
+pub mod augment;
 pub mod commands;
 pub mod elf;
 pub mod host_api;

@@ -37,6 +37,8 @@ enum Cmd {
     Train(commands::train::TrainArgs),
     /// Task-specialisation analysis of a trained model: sensitivities, task entropy, commitment (JSON + PNG plots).
     Analyze(commands::analyze::AnalyzeArgs),
+    /// Answer questions with a target LM (HTTP connector or local reader), passages retrieved into its prompt; measure accuracy.
+    Augment(commands::augment::AugmentArgs),
     /// Evaluate TREC runs against qrels: R-precision (page, passage), recall, MRR, nDCG, answer accuracy.
     Eval(commands::eval::EvalArgs),
     /// A subcommand provided by a command plugin.
@@ -96,6 +98,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let out = commands::analyze::run(&Registry::discover(&sources)?, &args)?;
             println!("{}", serde_json::to_string_pretty(&out)?);
             Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Augment(args) => {
+            let (summary, failed) = commands::augment::run(&Registry::discover(&sources)?, &args)?;
+            println!("{}", serde_json::to_string_pretty(&summary)?);
+            Ok(if failed { ExitCode::from(commands::augment::SOME_FAILED) } else { ExitCode::SUCCESS })
         }
         Cmd::Eval(args) => {
             let out = commands::eval::run(&args)?;

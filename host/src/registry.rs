@@ -111,6 +111,11 @@ impl Registry {
         Ok(p)
     }
 
+    /// The kind of the plugin `name` (`encoder`, `connector`, ...), if one is loaded.
+    pub fn kind_of(&self, name: &str) -> Option<&str> {
+        self.plugins.get(name).map(|p| p.header.kind.as_str())
+    }
+
     /// A new encoder instance from the plugin `name`.
     pub fn encoder(&self, name: &str, settings: &serde_json::Value) -> Result<Box<dyn Encoder>> {
         let p = self.get(name, "encoder")?;

@@ -6,6 +6,9 @@
 #
 #   scripts/experiments/minikilt.sh METHOD[:SEED] ...     e.g. naive:42 prefix:42 taco:43
 #
+# METHOD single-TASK (e.g. single-fever) trains naive.toml on that one task alone and is
+# evaluated on it alone: the "one model per task" row (table.py merges the four).
+#
 # Outputs under $OUT (default runs/minikilt): METHOD-sSEED/ (the run; nothing else is written
 # inside it, so its checkpoint digest stays the same), METHOD-sSEED.eval/ (corpus embeddings,
 # index, TREC runs) and METHOD-sSEED.metrics.json. $HOST picks the binary (default
@@ -20,7 +23,17 @@ OUT=${OUT:-runs/minikilt}
 TASKS=(fever squad vitaminc wikidata)
 mkdir -p "$OUT"
 
-encoder_of() { sed -n 's/^encoder = "\(.*\)"/\1/p' "configs/minikilt/$1.toml" | head -1; }
+# The recipe file of a method; single-TASK gets naive.toml with its task list cut to TASK.
+recipe_of() {
+    if [[ $1 == single-* ]]; then
+        local f=$OUT/$1.toml
+        sed "s/^tasks = .*/tasks = [\"${1#single-}\"]/" configs/minikilt/naive.toml > "$f"
+        echo "$f"
+    else
+        echo "configs/minikilt/$1.toml"
+    fi
+}
+encoder_of() { sed -n 's/^encoder = "\(.*\)"/\1/p' "$1" | head -1; }
 
 for spec in "$@"; do
     method=${spec%%:*}
@@ -28,13 +41,16 @@ for spec in "$@"; do
     [[ $spec == *:* ]] && seed=${spec##*:}
     name=$method-s$seed
     run=$OUT/$name
-    enc=$(encoder_of "$method")
+    recipe=$(recipe_of "$method")
+    enc=$(encoder_of "$recipe")
+    tasks=("${TASKS[@]}")
+    [[ $method == single-* ]] && tasks=("${method#single-}")
     echo "== $name ($enc) $(date -u +%H:%M:%S)"
     if [[ ! -f $run/done ]]; then
         resume=()
         compgen -G "$run/checkpoint-*" >/dev/null && resume=(--resume-from-checkpoint latest)
         start=$(date +%s)
-        $H train --encoder "$enc" --model $M --config "configs/minikilt/$method.toml" --seed "$seed" \
+        $H train --encoder "$enc" --model $M --config "$recipe" --seed "$seed" \
             --output-dir "$run" "${resume[@]}"
         echo "$(( $(date +%s) - start ))" > "$run/done"
     fi
@@ -44,7 +60,7 @@ for spec in "$@"; do
     $H encode --encoder "$enc" --model "$run" --input $D/corpus.jsonl --output "$ev/corpus"
     [[ -f $ev/flat/index.json ]] || $H index build --kind flat --embeddings "$ev/corpus" --output "$ev/flat" >/dev/null
     args=()
-    for task in "${TASKS[@]}"; do
+    for task in "${tasks[@]}"; do
         q=$D/tasks/$task/queries.dev.jsonl
         trec=$ev/runs/$task.dev.trec
         [[ -f $trec ]] || $H search --index "$ev/flat" --encoder "$enc" --model "$run" --queries "$q" --task "$task" --k 100 --output "$trec"

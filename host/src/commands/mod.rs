@@ -2,6 +2,7 @@
 //! functions of `rak_retrieval::pipeline`.
 
 pub mod analyze;
+pub mod augment;
 pub mod encode;
 pub mod eval;
 pub mod index;

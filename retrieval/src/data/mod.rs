@@ -19,6 +19,7 @@ pub mod kilt;
 mod lines;
 pub mod minikilt;
 pub mod msmarco;
+pub mod probes;
 pub mod trec;
 
 pub use lines::Records;

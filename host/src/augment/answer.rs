@@ -1,0 +1,66 @@
+//! Reading answers out of what a target returned, and judging them.
+
+/// The answer letters of `n` choices: A, B, ...
+pub fn letters(n: usize) -> Vec<String> {
+    (b'A'..=b'Z').take(n).map(|c| (c as char).to_string()).collect()
+}
+
+/// The choice a free-text answer names: the first standalone letter among `letters`
+/// ("B", " B.", "(B)", "Answer: B"); failing that, the one choice whose text it contains.
+pub fn parse_choice(text: &str, letters: &[String], choices: &[String]) -> Option<usize> {
+    let chars: Vec<char> = text.chars().collect();
+    for (i, c) in chars.iter().enumerate() {
+        let standalone = |j: Option<&char>| j.is_none_or(|c| !c.is_alphanumeric());
+        if c.is_ascii_uppercase() && standalone(i.checked_sub(1).and_then(|j| chars.get(j))) && standalone(chars.get(i + 1)) {
+            if let Some(k) = letters.iter().position(|l| l.starts_with(*c)) {
+                return Some(k);
+            }
+        }
+    }
+    let lower = text.to_lowercase();
+    let named: Vec<usize> = (0..choices.len()).filter(|&k| !choices[k].trim().is_empty() && lower.contains(&choices[k].to_lowercase())).collect();
+    (named.len() == 1).then(|| named[0])
+}
+
+/// A short answer as PopQA reads it: the first non-empty line, trimmed.
+pub fn first_line(text: &str) -> String {
+    text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("").to_string()
+}
+
+/// PopQA's judgement: some alias is contained in the answer, ignoring case.
+pub fn contains_alias(answer: &str, aliases: &[String]) -> bool {
+    let answer = answer.to_lowercase();
+    aliases.iter().map(|a| a.trim().to_lowercase()).any(|a| !a.is_empty() && answer.contains(&a))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn letters_run_past_d() {
+        assert_eq!(letters(13).last().unwrap(), "M");
+    }
+
+    #[test]
+    fn parses_free_text_choices() {
+        let l = letters(4);
+        let c: Vec<String> = ["red", "green", "blue", "black"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(parse_choice(" B", &l, &c), Some(1));
+        assert_eq!(parse_choice("(C) blue", &l, &c), Some(2));
+        assert_eq!(parse_choice("Answer: D.", &l, &c), Some(3));
+        assert_eq!(parse_choice("A", &l, &c), Some(0));
+        assert_eq!(parse_choice("It is green", &l, &c), Some(1), "no letter: the one choice named");
+        assert_eq!(parse_choice("Every colour", &l, &c), None);
+        assert_eq!(parse_choice("E", &l, &c), None, "E is not among 4 choices");
+    }
+
+    #[test]
+    fn short_answers() {
+        assert_eq!(first_line("\n Portugal\nSpain"), "Portugal");
+        let aliases = vec!["Portugal".to_string(), "Portuguese Republic".to_string()];
+        assert!(contains_alias("portugal, of course", &aliases));
+        assert!(!contains_alias("Spain", &aliases));
+        assert!(!contains_alias("", &["".to_string()]));
+    }
+}

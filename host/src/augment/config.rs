@@ -1,0 +1,215 @@
+//! The `host augment` recipe (TOML): the target and its settings, where passages come from,
+//! and the prompt templates of each task. Flags override it. See `configs/augment/openai.toml`.
+
+use super::prompt::Template;
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AugmentConfig {
+    #[serde(default)]
+    pub target: TargetConfig,
+    #[serde(default)]
+    pub retrieval: RetrievalConfig,
+    #[serde(default)]
+    pub passages: PassageConfig,
+    #[serde(default)]
+    pub mc: TaskConfig,
+    #[serde(default)]
+    pub shortqa: TaskConfig,
+    #[serde(default)]
+    pub run: RunConfig,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TargetConfig {
+    /// The connector or reader plugin.
+    pub name: Option<String>,
+    /// The plugin's settings (a JSON object).
+    #[serde(default)]
+    pub settings: toml::Table,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetrievalConfig {
+    /// `none`, `bm25:INDEX_DIR` or `dense:INDEX_DIR`.
+    pub retriever: Option<String>,
+    /// Passages per question.
+    pub k: Option<usize>,
+    /// Where passage texts are looked up by id.
+    pub corpus: Option<PathBuf>,
+    /// Encoder plugin and checkpoint for dense retrieval.
+    pub encoder: Option<String>,
+    pub encoder_model: Option<PathBuf>,
+    /// Task name for the encoder's query prefix (if it uses one).
+    pub task: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PassageConfig {
+    /// How one passage reads: placeholders `{title}`, `{text}`.
+    pub template: String,
+    /// Between passages, and after the last one.
+    pub separator: String,
+    /// Characters of each passage's text kept (0 = all).
+    pub max_chars: usize,
+}
+
+impl Default for PassageConfig {
+    fn default() -> Self {
+        PassageConfig { template: "{title}\n{text}".into(), separator: "\n\n".into(), max_chars: 0 }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskConfig {
+    /// The prompt for API targets.
+    pub template: Option<String>,
+    /// The prompt for local readers, which get the passages apart (FiD).
+    pub reader_template: Option<String>,
+    /// Multiple choice: how one option reads (`{letter}`, `{choice}`).
+    pub choice: Option<String>,
+    /// Multiple choice: `logprobs` (the answer letter with the highest log-probability; the
+    /// text is parsed when a server gives none) or `text`.
+    pub answer_by: Option<String>,
+    /// Tokens generated (short answers; multiple choice answered from text).
+    pub max_tokens: Option<u64>,
+    pub stop: Option<Vec<String>>,
+    /// Few-shot demonstrations: the first `demonstrations` items of `demonstrations_file` (same
+    /// format as the input; an item is never its own demonstration).
+    pub demonstrations: Option<usize>,
+    pub demonstrations_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    /// Items asked at once (the connector's own `concurrency` caps requests on the wire).
+    pub workers: Option<usize>,
+}
+
+impl AugmentConfig {
+    pub fn read(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("{}: not a valid augment recipe", path.display()))
+    }
+
+    pub fn target_settings(&self) -> Result<Value> {
+        serde_json::to_value(&self.target.settings).context("target.settings")
+    }
+}
+
+/// The task being run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Task {
+    Mc,
+    ShortQa,
+}
+
+impl Task {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "mc" => Ok(Task::Mc),
+            "shortqa" => Ok(Task::ShortQa),
+            other => bail!("--task {other:?}: expected mc or shortqa"),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Task::Mc => "mc",
+            Task::ShortQa => "shortqa",
+        }
+    }
+}
+
+/// AAR's API prompt for MMLU (REFERENCE §6), with the passages before it.
+pub const MC_TEMPLATE: &str = "{passages}Here's a problem to solve: {question}\n\nAmong the {n_choices} following options, which is the correct answer?\n{choices}\n\nAnswer:";
+pub const MC_READER_TEMPLATE: &str =
+    "Here's a problem to solve: {question}\n\nAmong the {n_choices} following options, which is the correct answer?\n{choices}";
+pub const MC_CHOICE: &str = "- {letter}: {choice}";
+/// PopQA's prompt.
+pub const SHORTQA_TEMPLATE: &str = "{passages}Q: {question} A:";
+pub const SHORTQA_READER_TEMPLATE: &str = "Q: {question} A:";
+
+const PROMPT_VARS: [&str; 5] = ["passages", "question", "choices", "n_choices", "letters"];
+
+/// A task's templates and answering settings, checked.
+#[derive(Debug, Clone)]
+pub struct TaskPrompts {
+    pub template: Template,
+    pub reader_template: Template,
+    pub choice: Template,
+    pub passage: Template,
+    pub separator: String,
+    pub passage_chars: usize,
+    pub by_logprobs: bool,
+    pub max_tokens: u64,
+    pub stop: Vec<String>,
+    pub demonstrations: usize,
+    pub demonstrations_file: Option<PathBuf>,
+}
+
+impl TaskPrompts {
+    pub fn new(cfg: &AugmentConfig, task: Task) -> Result<Self> {
+        let (t, default, reader_default, tokens, stop) = match task {
+            Task::Mc => (&cfg.mc, MC_TEMPLATE, MC_READER_TEMPLATE, 8, vec!["\n".to_string()]),
+            Task::ShortQa => (&cfg.shortqa, SHORTQA_TEMPLATE, SHORTQA_READER_TEMPLATE, 32, vec!["\n".to_string()]),
+        };
+        let name = task.name();
+        let by_logprobs = match t.answer_by.as_deref().unwrap_or("logprobs") {
+            "logprobs" => true,
+            "text" => false,
+            other => bail!("{name}.answer_by {other:?}: expected logprobs or text"),
+        };
+        let demonstrations = t.demonstrations.unwrap_or(0);
+        if demonstrations > 0 && t.demonstrations_file.is_none() {
+            bail!("{name}.demonstrations is {demonstrations} but {name}.demonstrations_file is not set");
+        }
+        Ok(TaskPrompts {
+            template: Template::parse(t.template.as_deref().unwrap_or(default), &PROMPT_VARS, &format!("{name}.template"))?,
+            reader_template: Template::parse(
+                t.reader_template.as_deref().unwrap_or(reader_default),
+                &PROMPT_VARS[1..],
+                &format!("{name}.reader_template"),
+            )?,
+            choice: Template::parse(t.choice.as_deref().unwrap_or(MC_CHOICE), &["letter", "choice"], &format!("{name}.choice"))?,
+            passage: Template::parse(&cfg.passages.template, &["title", "text"], "passages.template")?,
+            separator: cfg.passages.separator.clone(),
+            passage_chars: cfg.passages.max_chars,
+            by_logprobs,
+            max_tokens: t.max_tokens.unwrap_or(tokens),
+            stop: t.stop.clone().unwrap_or(stop),
+            demonstrations,
+            demonstrations_file: t.demonstrations_file.clone(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_recipe_parses() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let cfg = AugmentConfig::read(&root.join("configs/augment/openai.toml")).unwrap();
+        for task in [Task::Mc, Task::ShortQa] {
+            TaskPrompts::new(&cfg, task).unwrap();
+        }
+        assert_eq!(cfg.target.name.as_deref(), Some("openai"));
+    }
+
+    #[test]
+    fn unknown_keys_are_refused() {
+        let e = toml::from_str::<AugmentConfig>("[mc]\ntemplat = \"x\"\n").unwrap_err().to_string();
+        assert!(e.contains("templat"), "{e}");
+    }
+}

@@ -1,0 +1,343 @@
+//! Retrieval-augmented answering with target LMs (`host augment`): prompts from templates,
+//! one record per item from a connector (HTTP, many items at once) or a local reader (FiD,
+//! batches), and the resumable results file.
+
+pub mod answer;
+pub mod config;
+pub mod prompt;
+pub mod results;
+
+use anyhow::Result;
+use config::{Task, TaskPrompts};
+use prompt::cut_chars;
+use rak_core::plugin::{Connector, Reader};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+/// One question of either task.
+#[derive(Debug, Clone)]
+pub struct Probe {
+    pub id: String,
+    pub subject: String,
+    pub question: String,
+    /// Multiple choice: the options and the right one.
+    pub choices: Vec<String>,
+    pub answer: usize,
+    /// Short answers: the accepted aliases.
+    pub aliases: Vec<String>,
+}
+
+/// A retrieved passage.
+#[derive(Debug, Clone)]
+pub struct Passage {
+    pub id: String,
+    pub title: String,
+    pub text: String,
+}
+
+/// An item ready to ask: its prompt pieces and the prompt's digest.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub probe: Probe,
+    pub passages: Vec<Passage>,
+    /// Few-shot demonstrations, already rendered (with their trailing separator).
+    pub demos: String,
+    /// The passages as the prompt shows them, without the trailing separator.
+    pub passage_block: String,
+    /// SHA-256 of what the target is given in full (before any cut for the context).
+    pub prompt_sha256: String,
+}
+
+impl Prepared {
+    pub fn new(p: &TaskPrompts, probe: Probe, passages: Vec<Passage>, demos: String, reader: bool) -> Self {
+        let passage_block = passages
+            .iter()
+            .map(|d| {
+                let text = if p.passage_chars > 0 { cut_chars(&d.text, p.passage_chars) } else { &d.text };
+                p.passage.render(&[("title", &d.title), ("text", text)])
+            })
+            .collect::<Vec<_>>()
+            .join(&p.separator);
+        let mut prep = Prepared { probe, passages, demos, passage_block, prompt_sha256: String::new() };
+        let full = if reader {
+            let mut s = prep.reader_prompt(p);
+            for d in &prep.passages {
+                s.push('\0');
+                s.push_str(&d.title);
+                s.push('\0');
+                s.push_str(&d.text);
+            }
+            s
+        } else {
+            prep.prompt(p, None)
+        };
+        prep.prompt_sha256 = sha256(&full);
+        prep
+    }
+
+    fn vars(&self, p: &TaskPrompts) -> (String, String, String) {
+        let letters = answer::letters(self.probe.choices.len());
+        let choices = letters
+            .iter()
+            .zip(&self.probe.choices)
+            .map(|(l, c)| p.choice.render(&[("letter", l), ("choice", c)]))
+            .collect::<Vec<_>>()
+            .join("\n");
+        (choices, self.probe.choices.len().to_string(), letters.join(", "))
+    }
+
+    /// The prompt for an API target, its passages cut to `passage_chars` characters if given.
+    pub fn prompt(&self, p: &TaskPrompts, passage_chars: Option<usize>) -> String {
+        let (choices, n, letters) = self.vars(p);
+        let block = match passage_chars {
+            Some(n) => cut_chars(&self.passage_block, n),
+            None => &self.passage_block,
+        };
+        let passages = if block.is_empty() { String::new() } else { format!("{block}{}", p.separator) };
+        let body = p.template.render(&[
+            ("passages", &passages),
+            ("question", &self.probe.question),
+            ("choices", &choices),
+            ("n_choices", &n),
+            ("letters", &letters),
+        ]);
+        format!("{}{body}", self.demos)
+    }
+
+    /// The prompt for a local reader (the passages go to it apart).
+    pub fn reader_prompt(&self, p: &TaskPrompts) -> String {
+        let (choices, n, letters) = self.vars(p);
+        let body = p.reader_template.render(&[("question", &self.probe.question), ("choices", &choices), ("n_choices", &n), ("letters", &letters)]);
+        format!("{}{body}", self.demos)
+    }
+}
+
+/// Few-shot demonstrations: each demo item's prompt without passages, then its answer.
+pub fn render_demos(task: Task, p: &TaskPrompts, demos: &[Probe], exclude: &str, reader: bool) -> String {
+    let mut out = String::new();
+    for d in demos.iter().filter(|d| d.id != exclude).take(p.demonstrations) {
+        let prep = Prepared::new(p, d.clone(), Vec::new(), String::new(), reader);
+        let q = if reader { prep.reader_prompt(p) } else { prep.prompt(p, None) };
+        let a = match task {
+            Task::Mc => answer::letters(d.choices.len())[d.answer].clone(),
+            Task::ShortQa => d.aliases[0].clone(),
+        };
+        out.push_str(&format!("{q} {a}{}", p.separator));
+    }
+    out
+}
+
+pub fn sha256(s: &str) -> String {
+    Sha256::digest(s.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The record of one item (the `results.jsonl` line); `error` set means not answered.
+pub fn record(item: &Prepared, raw: Value, answer: Value, method: &str, correct: bool, error: Option<String>, extra: Value) -> Value {
+    let mut r = json!({
+        "_id": item.probe.id,
+        "subject": item.probe.subject,
+        "prompt_sha256": item.prompt_sha256,
+        "passages": item.passages.iter().map(|d| d.id.as_str()).collect::<Vec<_>>(),
+        "raw": raw,
+        "answer": answer,
+        "method": method,
+        "correct": correct,
+        "error": error,
+    });
+    if let (Some(r), Some(extra)) = (r.as_object_mut(), extra.as_object()) {
+        for (k, v) in extra {
+            r.insert(k.clone(), v.clone());
+        }
+    }
+    r
+}
+
+fn error_record(item: &Prepared, method: &str, message: String, extra: Value) -> Value {
+    record(item, Value::Null, Value::Null, method, false, Some(message), extra)
+}
+
+/// The message of a connector's error reply, if it is one.
+fn reply_error(reply: &Value) -> Option<(String, String)> {
+    let e = reply.get("error").filter(|e| !e.is_null())?;
+    Some((e["kind"].as_str().unwrap_or("error").to_string(), e["message"].as_str().map(str::to_string).unwrap_or_else(|| e.to_string())))
+}
+
+/// Ask a connector for one item. Never fails: errors become error records. A prompt over the
+/// model's context has its passages cut from the end (with a warning) and is asked again.
+pub fn ask_connector(conn: &dyn Connector, task: Task, p: &TaskPrompts, item: &Prepared) -> Value {
+    let mut limit: Option<usize> = None;
+    let mut warnings: Vec<String> = Vec::new();
+    let full_chars = item.passage_block.chars().count();
+    for _ in 0..8 {
+        let prompt = item.prompt(p, limit);
+        let (reply, method) = match task {
+            Task::Mc if p.by_logprobs => {
+                let letters = answer::letters(item.probe.choices.len());
+                (conn.complete(json!({"op": "choice_logprobs", "prompt": prompt, "choices": letters})), "letter_logprobs")
+            }
+            _ => (conn.complete(json!({"op": "complete", "prompt": prompt, "max_tokens": p.max_tokens, "stop": p.stop, "temperature": 0.0})), "text"),
+        };
+        let reply = match reply {
+            Ok(r) => r,
+            Err(e) => return error_record(item, method, format!("{e:#}"), json!({})),
+        };
+        if let Some((kind, message)) = reply_error(&reply) {
+            if kind == "context_length" {
+                let now = limit.unwrap_or(full_chars);
+                if now == 0 {
+                    return error_record(item, method, format!("the prompt does not fit the model's context even without passages: {message}"), json!({}));
+                }
+                let next = shrink(now, prompt.chars().count(), &reply["error"]);
+                warnings.push(format!("prompt over the model's context; passages cut from {now} to {next} characters"));
+                eprintln!("augment: {}: {}", item.probe.id, warnings.last().map(String::as_str).unwrap_or(""));
+                limit = Some(next);
+                continue;
+            }
+            return error_record(item, method, format!("{kind}: {message}"), json!({}));
+        }
+        let extra = if warnings.is_empty() { json!({}) } else { json!({"warning": warnings.join("; ")}) };
+        return match task {
+            Task::Mc => mc_record(conn, p, item, &reply, method, limit, extra),
+            Task::ShortQa => {
+                let text = reply["text"].as_str().unwrap_or("").to_string();
+                let ans = answer::first_line(&text);
+                let ok = answer::contains_alias(&ans, &item.probe.aliases);
+                record(item, json!(text), json!(ans), method, ok, None, extra)
+            }
+        };
+    }
+    error_record(item, "text", "the prompt still did not fit the model's context after 8 cuts".into(), json!({}))
+}
+
+/// A multiple-choice record from a `choice_logprobs` or `complete` reply; a server without
+/// log-probabilities is asked again for text.
+fn mc_record(conn: &dyn Connector, p: &TaskPrompts, item: &Prepared, reply: &Value, method: &str, limit: Option<usize>, mut extra: Value) -> Value {
+    let letters = answer::letters(item.probe.choices.len());
+    let text = reply["text"].as_str().unwrap_or("").to_string();
+    let gold = item.probe.answer;
+    if method == "letter_logprobs" {
+        if reply["logprobs"].is_array() {
+            let best = reply["best"].as_u64().map(|b| b as usize).filter(|&b| b < letters.len()).unwrap_or(0);
+            extra["logprobs"] = reply["logprobs"].clone();
+            extra["floored"] = reply["floored"].clone();
+            return record(item, json!(text), json!(letters[best]), method, best == gold, None, extra);
+        }
+        // No log-probabilities from this server: ask for text instead.
+        let prompt = item.prompt(p, limit);
+        return match conn.complete(json!({"op": "complete", "prompt": prompt, "max_tokens": p.max_tokens, "stop": p.stop, "temperature": 0.0})) {
+            Ok(r) if reply_error(&r).is_none() => mc_from_text(item, &letters, r["text"].as_str().unwrap_or(""), extra),
+            Ok(r) => error_record(item, "text", reply_error(&r).map(|(k, m)| format!("{k}: {m}")).unwrap_or_default(), json!({})),
+            Err(e) => error_record(item, "text", format!("{e:#}"), json!({})),
+        };
+    }
+    mc_from_text(item, &letters, &text, extra)
+}
+
+fn mc_from_text(item: &Prepared, letters: &[String], text: &str, extra: Value) -> Value {
+    match answer::parse_choice(text, letters, &item.probe.choices) {
+        Some(k) => record(item, json!(text), json!(letters[k]), "text", k == item.probe.answer, None, extra),
+        // Answered, but with no recognisable choice: wrong, not failed.
+        None => record(item, json!(text), Value::Null, "text", false, None, extra),
+    }
+}
+
+/// The next passage length after a context overflow: scaled by what the server said fits
+/// when it said so (with 10% to spare), else halved.
+fn shrink(passage_chars: usize, prompt_chars: usize, err: &Value) -> usize {
+    let (Some(have), Some(ctx)) = (err["prompt_tokens"].as_u64(), err["context_tokens"].as_u64()) else { return passage_chars / 2 };
+    if have == 0 || ctx >= have {
+        return passage_chars / 2;
+    }
+    let over_chars = (prompt_chars as f64 * (1.0 - ctx as f64 / have as f64) * 1.1).ceil() as usize + 64;
+    passage_chars.saturating_sub(over_chars).min(passage_chars / 2 + passage_chars / 4)
+}
+
+/// Ask a local reader for a batch of items (FiD: the passages go to the encoder, one each).
+/// Multiple choice is rank classification over the answer letters, short answers greedy
+/// generation. A failed call fails its batch's items as error records, not the run.
+pub fn ask_reader(reader: &mut dyn Reader, task: Task, p: &TaskPrompts, items: &[&Prepared]) -> Vec<Value> {
+    let passages = |it: &Prepared| -> Vec<Value> {
+        it.passages
+            .iter()
+            .map(|d| {
+                let text = if p.passage_chars > 0 { cut_chars(&d.text, p.passage_chars) } else { &d.text };
+                json!({"title": d.title, "text": text})
+            })
+            .collect()
+    };
+    let reply: Result<Value> = match task {
+        Task::Mc => reader.score_options(json!({"items": items.iter().map(|it| json!({
+            "prompt": it.reader_prompt(p), "passages": passages(it), "options": answer::letters(it.probe.choices.len())
+        })).collect::<Vec<_>>()})),
+        Task::ShortQa => reader.generate(json!({"max_new_tokens": p.max_tokens, "items": items.iter().map(|it| json!({
+            "prompt": it.reader_prompt(p), "passages": passages(it)
+        })).collect::<Vec<_>>()})),
+    };
+    let (key, method) = match task {
+        Task::Mc => ("items", "rank_classification"),
+        Task::ShortQa => ("outputs", "generate"),
+    };
+    let outs = match reply.and_then(|r| r[key].as_array().cloned().filter(|a| a.len() == items.len()).ok_or_else(|| anyhow::anyhow!("the reader returned {r}"))) {
+        Ok(o) => o,
+        Err(e) => return items.iter().map(|it| error_record(it, method, format!("{e:#}"), json!({}))).collect(),
+    };
+    items
+        .iter()
+        .zip(outs)
+        .map(|(it, out)| match task {
+            Task::Mc => {
+                let best = out["best"].as_u64().unwrap_or(0) as usize;
+                let letters = answer::letters(it.probe.choices.len());
+                record(it, out["losses"].clone(), json!(letters.get(best)), method, best == it.probe.answer, None, json!({}))
+            }
+            Task::ShortQa => {
+                let text = out["text"].as_str().unwrap_or("").to_string();
+                let ans = answer::first_line(&text);
+                let ok = answer::contains_alias(&ans, &it.probe.aliases);
+                record(it, json!(text), json!(ans), method, ok, None, json!({}))
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::config::{AugmentConfig, TaskPrompts};
+    use super::*;
+
+    fn probe() -> Probe {
+        Probe {
+            id: "q1".into(),
+            subject: "s".into(),
+            question: "Which colour?".into(),
+            choices: vec!["red".into(), "blue".into()],
+            answer: 1,
+            aliases: vec![],
+        }
+    }
+
+    #[test]
+    fn mc_prompt_is_aars_with_passages_first() {
+        let cfg = AugmentConfig::default();
+        let p = TaskPrompts::new(&cfg, Task::Mc).unwrap();
+        let d = vec![Passage { id: "p1".into(), title: "Sky".into(), text: "The sky is blue.".into() }];
+        let item = Prepared::new(&p, probe(), d, String::new(), false);
+        assert_eq!(
+            item.prompt(&p, None),
+            "Sky\nThe sky is blue.\n\nHere's a problem to solve: Which colour?\n\nAmong the 2 following options, which is the correct answer?\n- A: red\n- B: blue\n\nAnswer:"
+        );
+        assert!(item.prompt(&p, Some(3)).starts_with("Sky\n\nHere's"));
+        assert!(item.prompt(&p, Some(0)).starts_with("Here's"));
+        let closed = Prepared::new(&p, probe(), vec![], String::new(), false);
+        assert_ne!(closed.prompt_sha256, item.prompt_sha256);
+    }
+
+    #[test]
+    fn shrinking_always_makes_progress() {
+        let e = json!({"prompt_tokens": 3000, "context_tokens": 2048});
+        let n = shrink(6000, 9000, &e);
+        assert!(n < 6000 && n > 0, "{n}");
+        assert_eq!(shrink(100, 200, &json!({})), 50);
+        assert!(shrink(10, 10_000, &e) < 10);
+    }
+}

@@ -1,0 +1,135 @@
+//! `results.jsonl`: one line per answered item, appended as each finishes, so a killed run
+//! loses at most the items in flight.
+//!
+//! On a rerun the file is read back: answered lines whose prompt matches the one the item
+//! would get now are kept and their items skipped; error records are dropped (those items are
+//! asked again); a torn last line (a kill mid-write) is dropped. A line whose prompt differs
+//! means the file was made with another recipe: that is refused unless `--overwrite`, so two
+//! settings never mix in one file. The kept lines are rewritten atomically before appending.
+
+use anyhow::{bail, Context, Result};
+use rak_core::fsutil;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+pub struct Results {
+    path: PathBuf,
+    file: File,
+}
+
+/// Finished records of an earlier run, by item id.
+pub type Done = HashMap<String, Value>;
+
+impl Results {
+    /// Open `path` for appending. `expected` maps each item id to the SHA-256 of its prompt;
+    /// returns the records already answered with that prompt.
+    pub fn open(path: &Path, expected: &HashMap<String, String>, overwrite: bool) -> Result<(Self, Done)> {
+        let mut done = Done::new();
+        let mut dropped_errors = 0;
+        if path.exists() && !overwrite {
+            let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+            for (n, line) in text.lines().enumerate() {
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let Ok(rec) = serde_json::from_str::<Value>(line) else {
+                    if n + 1 == text.lines().count() {
+                        continue; // torn by a kill mid-write
+                    }
+                    bail!("{}:{}: not a JSON record; use --overwrite to start this file afresh", path.display(), n + 1);
+                };
+                let id = rec["_id"].as_str().with_context(|| format!("{}:{}: a record without \"_id\"", path.display(), n + 1))?;
+                let Some(want) = expected.get(id) else {
+                    bail!("{}:{}: item {id:?} is not in the input; this file belongs to another run (use another --output, or --overwrite)", path.display(), n + 1);
+                };
+                if rec["prompt_sha256"].as_str() != Some(want.as_str()) {
+                    bail!(
+                        "{}:{}: item {id:?} was asked with another prompt (different recipe, retriever or k); use another --output, or --overwrite",
+                        path.display(),
+                        n + 1
+                    );
+                }
+                if rec["error"].is_null() {
+                    done.insert(id.to_string(), rec);
+                } else {
+                    dropped_errors += 1;
+                    done.remove(id);
+                }
+            }
+        }
+        let mut kept: Vec<&Value> = done.values().collect();
+        kept.sort_by_key(|r| r["_id"].as_str().unwrap_or("").to_string());
+        let mut body = String::new();
+        for r in kept {
+            body.push_str(&r.to_string());
+            body.push('\n');
+        }
+        fsutil::write_bytes(path, body.as_bytes())?;
+        if dropped_errors > 0 {
+            eprintln!("augment: asking again {dropped_errors} items that failed last time");
+        }
+        let file = OpenOptions::new().append(true).open(path).with_context(|| format!("{}: cannot open for appending", path.display()))?;
+        Ok((Results { path: path.to_path_buf(), file }, done))
+    }
+
+    /// Append one record as a single write, flushed to the OS at once.
+    pub fn append(&mut self, record: &Value) -> Result<()> {
+        let mut line = record.to_string();
+        line.push('\n');
+        self.file.write_all(line.as_bytes()).with_context(|| format!("{}: cannot append", self.path.display()))
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.file.sync_all().with_context(|| format!("{}: cannot sync", self.path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn tmp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("rak-results-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d.join("results.jsonl")
+    }
+
+    #[test]
+    fn resumes_keeping_answers_and_dropping_errors_and_torn_lines() {
+        let p = tmp("resume");
+        let expected: HashMap<String, String> = [("a", "h1"), ("b", "h2"), ("c", "h3")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        std::fs::write(
+            &p,
+            format!(
+                "{}\n{}\n{{\"_id\": \"c\", \"prompt_sh",
+                json!({"_id": "a", "prompt_sha256": "h1", "error": null}),
+                json!({"_id": "b", "prompt_sha256": "h2", "error": "HTTP 500"})
+            ),
+        )
+        .unwrap();
+        let (mut r, done) = Results::open(&p, &expected, false).unwrap();
+        assert_eq!(done.keys().collect::<Vec<_>>(), vec!["a"]);
+        r.append(&json!({"_id": "b", "prompt_sha256": "h2", "error": null})).unwrap();
+        drop(r);
+        let (_, done) = Results::open(&p, &expected, false).unwrap();
+        assert_eq!(done.len(), 2);
+        let lines = std::fs::read_to_string(&p).unwrap();
+        assert_eq!(lines.lines().count(), 2);
+    }
+
+    #[test]
+    fn another_prompt_is_refused_unless_overwriting() {
+        let p = tmp("mismatch");
+        let expected: HashMap<String, String> = [("a".to_string(), "new".to_string())].into();
+        std::fs::write(&p, format!("{}\n", json!({"_id": "a", "prompt_sha256": "old", "error": null}))).unwrap();
+        let e = Results::open(&p, &expected, false).err().unwrap().to_string();
+        assert!(e.contains("another prompt"), "{e}");
+        let (_, done) = Results::open(&p, &expected, true).unwrap();
+        assert!(done.is_empty());
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), "");
+    }
+}

@@ -1,0 +1,332 @@
+//! `host augment`: retrieve passages for each question, put them in a prompt, ask a target LM
+//! (a connector plugin over HTTP, or a local reader plugin), and measure accuracy.
+//!
+//! Results stream to `--output` (JSONL, one line per item as it finishes, see
+//! `crate::augment::results`); a rerun asks only for what is missing. The summary on stdout is
+//! JSON; the exit code is 0 when every item was answered and 3 when some failed (their error
+//! records say why; rerunning asks them again).
+
+use super::encode::{encoder_settings, ModelArgs};
+use crate::augment::config::{AugmentConfig, Task, TaskPrompts};
+use crate::augment::results::Results;
+use crate::augment::{ask_connector, ask_reader, render_demos, Passage, Prepared, Probe};
+use crate::registry::Registry;
+use anyhow::{bail, Context, Result};
+use rak_core::plugin::Connector;
+use rak_retrieval::data::{beir, probes, Query};
+use rak_retrieval::index::{self, Index};
+use rak_retrieval::pipeline::search::{search_queries, SearchOptions};
+use rak_retrieval::pipeline::Quiet;
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+
+/// The exit code of a run that finished with some items unanswered.
+pub const SOME_FAILED: u8 = 3;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct AugmentArgs {
+    /// The target LM: a connector plugin (`openai`) or a local reader plugin (`fid`).
+    #[arg(long)]
+    pub target: Option<String>,
+    /// The recipe (TOML): target settings, retrieval, prompt templates.
+    #[arg(long)]
+    pub config: PathBuf,
+    /// `mc` (multiple choice) or `shortqa` (short answers).
+    #[arg(long)]
+    pub task: String,
+    /// The questions (mini-KILT `mc/*.jsonl` or `shortqa/*.jsonl`).
+    #[arg(long)]
+    pub input: PathBuf,
+    /// Where the records go (JSONL); an existing file is resumed.
+    #[arg(long)]
+    pub output: PathBuf,
+    /// The server's base URL (connector targets).
+    #[arg(long)]
+    pub base_url: Option<String>,
+    /// The model: a name for connectors, a checkpoint directory for readers.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Passages per question.
+    #[arg(long)]
+    pub k: Option<usize>,
+    /// `none` (closed book), `bm25:INDEX_DIR` or `dense:INDEX_DIR`.
+    #[arg(long)]
+    pub retriever: Option<String>,
+    /// Encoder plugin for a dense retriever.
+    #[arg(long)]
+    pub encoder: Option<String>,
+    /// Encoder checkpoint for a dense retriever.
+    #[arg(long)]
+    pub encoder_model: Option<PathBuf>,
+    /// The corpus passages are read from.
+    #[arg(long)]
+    pub corpus: Option<PathBuf>,
+    /// Items asked at once (connector targets).
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Only the first N questions.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Start the output afresh instead of resuming it.
+    #[arg(long)]
+    pub overwrite: bool,
+    /// `cpu`, `cuda` or `cuda:N`, for the encoder and a local reader.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+enum Target {
+    Connector(Box<dyn Connector>),
+    Reader(Box<dyn rak_core::plugin::Reader>),
+}
+
+pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
+    let cfg = AugmentConfig::read(&args.config)?;
+    let task = Task::parse(&args.task)?;
+    let prompts = TaskPrompts::new(&cfg, task)?;
+    let name = args.target.clone().or(cfg.target.name.clone()).context("no target: give --target or target.name in the recipe")?;
+    let mut settings = cfg.target_settings()?;
+    let kind = registry.kind_of(&name).with_context(|| format!("no plugin named {name:?} (see `host plugins list`)"))?;
+    let reader = match kind {
+        "connector" => false,
+        "reader" => true,
+        other => bail!("--target {name}: a {other} plugin; a target is a connector or a reader"),
+    };
+    if let Some(url) = &args.base_url {
+        if reader {
+            bail!("--base-url is for connector targets; {name} is a local reader");
+        }
+        settings["base_url"] = json!(url);
+    }
+    if let Some(model) = &args.model {
+        settings["model"] = json!(model);
+    }
+    if reader {
+        settings["device"] = json!(args.device);
+    }
+
+    let mut items = load_probes(task, &args.input)?;
+    if let Some(n) = args.limit {
+        items.truncate(n);
+    }
+    let demos = match (&prompts.demonstrations_file, prompts.demonstrations) {
+        (Some(path), n) if n > 0 => load_probes(task, path)?,
+        _ => Vec::new(),
+    };
+    let retriever = args.retriever.clone().or(cfg.retrieval.retriever.clone()).unwrap_or_else(|| "none".into());
+    let k = args.k.or(cfg.retrieval.k).unwrap_or(3);
+    let passages = retrieve(registry, args, &cfg, &retriever, k, &items)?;
+
+    let prepared: Vec<Prepared> = items
+        .into_iter()
+        .zip(passages)
+        .map(|(probe, ps)| {
+            let d = render_demos(task, &prompts, &demos, &probe.id, reader);
+            Prepared::new(&prompts, probe, ps, d, reader)
+        })
+        .collect();
+    let expected: HashMap<String, String> = prepared.iter().map(|p| (p.probe.id.clone(), p.prompt_sha256.clone())).collect();
+    let (mut out, done) = Results::open(&args.output, &expected, args.overwrite)?;
+    let pending: Vec<&Prepared> = prepared.iter().filter(|p| !done.contains_key(&p.probe.id)).collect();
+    eprintln!(
+        "augment: {} {} questions, {} answered before, {} to ask; target {name}, passages {retriever}{}",
+        prepared.len(),
+        task.name(),
+        done.len(),
+        pending.len(),
+        if retriever == "none" { String::new() } else { format!(" (k = {k})") }
+    );
+
+    let target = if reader {
+        Target::Reader(registry.reader(&name, &settings)?)
+    } else {
+        Target::Connector(registry.connector(&name, &settings)?)
+    };
+    let mut records: Vec<Value> = done.into_values().collect();
+    let bar = super::progress(pending.len() as u64, "augment");
+    let mut tally = Tally::default();
+    let mut write = |rec: Value, in_flight: Option<u64>| -> Result<()> {
+        out.append(&rec)?;
+        tally.add(&rec);
+        bar.inc(1);
+        bar.set_message(match in_flight {
+            Some(n) => format!("acc {:.3} · failed {} · in flight {n}", tally.accuracy(), tally.failed),
+            None => format!("acc {:.3} · failed {}", tally.accuracy(), tally.failed),
+        });
+        records.push(rec);
+        Ok(())
+    };
+    let stats = match target {
+        Target::Connector(conn) => {
+            let workers = args.workers.or(cfg.run.workers).unwrap_or(8).max(1);
+            let conn: &dyn Connector = conn.as_ref();
+            let next = AtomicUsize::new(0);
+            let (tx, rx) = mpsc::channel::<Value>();
+            std::thread::scope(|s| -> Result<()> {
+                for _ in 0..workers.min(pending.len()) {
+                    let (tx, next, pending, prompts) = (tx.clone(), &next, &pending, &prompts);
+                    s.spawn(move || loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(item) = pending.get(i) else { break };
+                        if tx.send(ask_connector(conn, task, prompts, item)).is_err() {
+                            break;
+                        }
+                    });
+                }
+                drop(tx);
+                for rec in rx {
+                    let in_flight = conn.complete(json!({"op": "stats"})).ok().and_then(|s| s["in_flight"].as_u64());
+                    if let Err(e) = write(rec, in_flight) {
+                        // Stop handing out work; the workers finish what they hold.
+                        next.store(usize::MAX / 2, Ordering::Relaxed);
+                        return Err(e);
+                    }
+                }
+                Ok(())
+            })?;
+            conn.complete(json!({"op": "stats"})).unwrap_or(Value::Null)
+        }
+        Target::Reader(mut reader) => {
+            for batch in pending.chunks(8) {
+                for rec in ask_reader(reader.as_mut(), task, &prompts, batch) {
+                    write(rec, None)?;
+                }
+            }
+            Value::Null
+        }
+    };
+    bar.finish_and_clear();
+    out.sync()?;
+    let summary = summarize(&records, task, &name, &retriever, k, &args.output, stats);
+    let failed = summary["failed"].as_u64().unwrap_or(0) > 0;
+    Ok((summary, failed))
+}
+
+fn load_probes(task: Task, path: &Path) -> Result<Vec<Probe>> {
+    Ok(match task {
+        Task::Mc => probes::load_mc(path)?
+            .into_iter()
+            .map(|m| Probe { id: m.id, subject: m.subject, question: m.question, choices: m.choices, answer: m.answer, aliases: Vec::new() })
+            .collect(),
+        Task::ShortQa => probes::load_shortqa(path)?
+            .into_iter()
+            .map(|s| Probe { id: s.id, subject: "shortqa".into(), question: s.question, choices: Vec::new(), answer: 0, aliases: s.answers })
+            .collect(),
+    })
+}
+
+/// The top-k passages of every question (none for a closed book), texts read from the corpus.
+fn retrieve(registry: &Registry, args: &AugmentArgs, cfg: &AugmentConfig, spec: &str, k: usize, items: &[Probe]) -> Result<Vec<Vec<Passage>>> {
+    if spec == "none" {
+        return Ok(vec![Vec::new(); items.len()]);
+    }
+    if k == 0 {
+        bail!("--k must be positive with a retriever (or use --retriever none)");
+    }
+    let (kind, dir) = spec.split_once(':').with_context(|| format!("--retriever {spec:?}: expected none, bm25:INDEX_DIR or dense:INDEX_DIR"))?;
+    let index = index::open(Path::new(dir))?;
+    let queries: Vec<Query> = items
+        .iter()
+        .map(|p| Query { id: p.id.clone(), text: p.question.clone(), answers: Vec::new(), pages: Vec::new(), page_sets: Vec::new() })
+        .collect();
+    let opts = SearchOptions { k, task: cfg.retrieval.task.clone(), batch_size: 64 };
+    let run = match (kind, &index) {
+        ("bm25", Index::Bm25(_)) => search_queries(&index, None, &queries, &opts, &Quiet)?,
+        ("dense", Index::Bm25(_)) | ("bm25", _) => bail!("--retriever {spec}: the index at {dir} is a {} index", index.meta().kind),
+        ("dense", _) => {
+            let enc = args.encoder.clone().or(cfg.retrieval.encoder.clone()).context("a dense retriever needs --encoder (or retrieval.encoder)")?;
+            let model = args
+                .encoder_model
+                .clone()
+                .or(cfg.retrieval.encoder_model.clone())
+                .context("a dense retriever needs --encoder-model (or retrieval.encoder_model)")?;
+            let margs = ModelArgs { batch_size: 64, max_length: None, device: args.device.clone(), bf16: false, encoder_settings: None };
+            let mut encoder = registry.encoder(&enc, &encoder_settings(&model, &margs)?)?;
+            search_queries(&index, Some(encoder.as_mut()), &queries, &opts, &Quiet)?
+        }
+        (other, _) => bail!("--retriever {other}:...: expected bm25 or dense"),
+    };
+    let corpus = args.corpus.clone().or(cfg.retrieval.corpus.clone()).context("retrieved passages need --corpus (or retrieval.corpus) for their texts")?;
+    let ids: Vec<Vec<String>> = items.iter().map(|p| run.get(&p.id).unwrap_or(&[]).iter().take(k).map(|(id, _)| id.clone()).collect()).collect();
+    let wanted: HashSet<&str> = ids.iter().flatten().map(String::as_str).collect();
+    let mut texts: HashMap<String, (String, String)> = HashMap::new();
+    for p in beir::read_corpus(&corpus)? {
+        let p = p?;
+        if wanted.contains(p.id.as_str()) {
+            texts.insert(p.id, (p.title, p.text));
+        }
+    }
+    ids.into_iter()
+        .map(|row| {
+            row.into_iter()
+                .map(|id| {
+                    let (title, text) = texts.get(&id).cloned().with_context(|| {
+                        format!("passage {id:?} of the index is not in {}; is it the corpus the index was built from?", corpus.display())
+                    })?;
+                    Ok(Passage { id, title, text })
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[derive(Default)]
+struct Tally {
+    answered: usize,
+    correct: usize,
+    failed: usize,
+}
+
+impl Tally {
+    fn add(&mut self, rec: &Value) {
+        if rec["error"].is_null() {
+            self.answered += 1;
+            self.correct += rec["correct"].as_bool().unwrap_or(false) as usize;
+        } else {
+            self.failed += 1;
+        }
+    }
+
+    fn accuracy(&self) -> f64 {
+        if self.answered == 0 {
+            0.0
+        } else {
+            self.correct as f64 / self.answered as f64
+        }
+    }
+}
+
+/// Accuracy per subject over the answered items, their macro average, and the target's
+/// request and token totals.
+fn summarize(records: &[Value], task: Task, target: &str, retriever: &str, k: usize, output: &Path, stats: Value) -> Value {
+    let mut by_subject: BTreeMap<String, Tally> = BTreeMap::new();
+    let mut all = Tally::default();
+    let mut methods: BTreeMap<String, usize> = BTreeMap::new();
+    for r in records {
+        by_subject.entry(r["subject"].as_str().unwrap_or("").to_string()).or_default().add(r);
+        all.add(r);
+        if r["error"].is_null() {
+            *methods.entry(r["method"].as_str().unwrap_or("").to_string()).or_default() += 1;
+        }
+    }
+    let per_subject: BTreeMap<&String, Value> =
+        by_subject.iter().map(|(s, t)| (s, json!({"accuracy": t.accuracy(), "answered": t.answered, "failed": t.failed}))).collect();
+    let answered: Vec<f64> = by_subject.values().filter(|t| t.answered > 0).map(Tally::accuracy).collect();
+    let macro_avg = if answered.is_empty() { 0.0 } else { answered.iter().sum::<f64>() / answered.len() as f64 };
+    json!({
+        "task": task.name(),
+        "target": target,
+        "retriever": retriever,
+        "k": if retriever == "none" { json!(0) } else { json!(k) },
+        "items": records.len(),
+        "answered": all.answered,
+        "failed": all.failed,
+        "accuracy": {"macro": macro_avg, "micro": all.accuracy(), "per_subject": per_subject},
+        "methods": methods,
+        "target_stats": stats,
+        "output": output,
+    })
+}

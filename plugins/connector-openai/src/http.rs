@@ -1,0 +1,457 @@
+//! POSTs of JSON to the server: a concurrency gate, bounded retries with backoff and jitter
+//! that honour `Retry-After`, an on-disk response cache and usage totals.
+//!
+//! What is retried: 429, 408 and 5xx answers, timeouts, refused or dropped connections, and
+//! 200 answers whose body is not JSON (a proxy's error page, a truncated body). Other 4xx
+//! answers are the request's fault and come back at once, classified (a context overflow is
+//! its own kind, so the caller can shorten the prompt). Retries stop at `max_retries` or when
+//! the next wait would pass `retry_budget` since the first attempt, whichever comes first.
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+/// An API key: its `Debug` never shows it, and it only ever goes into a sensitive header.
+pub struct ApiKey(String);
+
+impl ApiKey {
+    pub fn new(key: String) -> Self {
+        ApiKey(key)
+    }
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(<hidden>)")
+    }
+}
+
+/// Why a request failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The prompt does not fit the model's context (the caller may shorten it).
+    ContextLength,
+    /// A 4xx answer other than 408/429: the request itself is wrong.
+    Rejected,
+    /// Retryable failures that did not clear within the retry bounds.
+    RetriesExhausted,
+    /// The server answered, but not in a shape this connector understands.
+    BadReply,
+}
+
+impl ErrorKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorKind::ContextLength => "context_length",
+            ErrorKind::Rejected => "rejected",
+            ErrorKind::RetriesExhausted => "retries_exhausted",
+            ErrorKind::BadReply => "bad_reply",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub kind: ErrorKind,
+    pub message: String,
+    /// Token counts a context-overflow answer reported, when it did.
+    pub prompt_tokens: Option<u64>,
+    pub context_tokens: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        ApiError { kind, message: message.into(), prompt_tokens: None, context_tokens: None }
+    }
+
+    pub fn to_json(&self) -> Value {
+        let mut v = json!({"kind": self.kind.name(), "message": self.message});
+        if let Some(n) = self.prompt_tokens {
+            v["prompt_tokens"] = json!(n);
+        }
+        if let Some(n) = self.context_tokens {
+            v["context_tokens"] = json!(n);
+        }
+        v
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RetryPolicy {
+    pub max_retries: u32,
+    pub budget: Duration,
+    pub backoff_base: Duration,
+    pub backoff_max: Duration,
+}
+
+/// Counters over the connector's life. Usage from cached replies is counted apart.
+#[derive(Default)]
+pub struct Stats {
+    pub requests: AtomicU64,
+    pub in_flight: AtomicU64,
+    pub retries: AtomicU64,
+    pub failures: AtomicU64,
+    pub cache_hits: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
+    pub cached_prompt_tokens: AtomicU64,
+    pub cached_completion_tokens: AtomicU64,
+}
+
+impl Stats {
+    pub fn to_json(&self) -> Value {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        json!({
+            "requests": g(&self.requests),
+            "in_flight": g(&self.in_flight),
+            "retries": g(&self.retries),
+            "failed_requests": g(&self.failures),
+            "cache_hits": g(&self.cache_hits),
+            "prompt_tokens": g(&self.prompt_tokens),
+            "completion_tokens": g(&self.completion_tokens),
+            "cached_prompt_tokens": g(&self.cached_prompt_tokens),
+            "cached_completion_tokens": g(&self.cached_completion_tokens),
+        })
+    }
+
+    fn add_usage(&self, reply: &Value, cached: bool) {
+        let usage = &reply["usage"];
+        let (p, c) = (usage["prompt_tokens"].as_u64().unwrap_or(0), usage["completion_tokens"].as_u64().unwrap_or(0));
+        // llama.cpp's native /completion reports `timings` instead of `usage`.
+        let (p, c) = if usage.is_null() {
+            (reply["tokens_evaluated"].as_u64().unwrap_or(0), reply["tokens_predicted"].as_u64().unwrap_or(0))
+        } else {
+            (p, c)
+        };
+        let (pc, cc) = if cached {
+            (&self.cached_prompt_tokens, &self.cached_completion_tokens)
+        } else {
+            (&self.prompt_tokens, &self.completion_tokens)
+        };
+        pc.fetch_add(p, Ordering::Relaxed);
+        cc.fetch_add(c, Ordering::Relaxed);
+    }
+}
+
+/// At most `limit` requests on the wire at once; waiting callers queue here, not at the server.
+struct Gate {
+    free: Mutex<usize>,
+    freed: Condvar,
+}
+
+impl Gate {
+    fn enter(&self) -> GatePass<'_> {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        while *free == 0 {
+            free = self.freed.wait(free).unwrap_or_else(|e| e.into_inner());
+        }
+        *free -= 1;
+        GatePass(self)
+    }
+}
+
+struct GatePass<'a>(&'a Gate);
+
+impl Drop for GatePass<'_> {
+    fn drop(&mut self) {
+        *self.0.free.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.0.freed.notify_one();
+    }
+}
+
+/// Replies on disk, one JSON file per request, named by the SHA-256 of (base URL, path,
+/// body): the body holds the model and every sampling setting; the key is never part of it.
+struct Cache {
+    dir: PathBuf,
+    writes: AtomicU64,
+}
+
+impl Cache {
+    fn path(&self, key: &str) -> PathBuf {
+        self.dir.join(&key[..2]).join(format!("{key}.json"))
+    }
+
+    /// A cached reply; an unreadable or torn file is a miss (it is rewritten on success).
+    fn get(&self, key: &str) -> Option<Value> {
+        let bytes = std::fs::read(self.path(key)).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
+    /// Written under a unique temporary name and renamed, so readers never see half a file.
+    /// A cache that cannot be written is not an error: the reply is still good.
+    fn put(&self, key: &str, reply: &Value) {
+        let path = self.path(key);
+        let Some(dir) = path.parent() else { return };
+        if std::fs::create_dir_all(dir).is_err() {
+            return;
+        }
+        let n = self.writes.fetch_add(1, Ordering::Relaxed);
+        let tmp = dir.join(format!(".{key}.{}-{n}.tmp", std::process::id()));
+        if std::fs::write(&tmp, reply.to_string()).is_ok() && std::fs::rename(&tmp, &path).is_ok() {
+            return;
+        }
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+pub struct Http {
+    client: reqwest::blocking::Client,
+    /// Server root, without a trailing `/` or `/v1`.
+    pub base: String,
+    key: Option<ApiKey>,
+    retry: RetryPolicy,
+    cache: Option<Cache>,
+    gate: Gate,
+    pub stats: Stats,
+}
+
+pub struct HttpConfig {
+    pub base: String,
+    pub key: Option<ApiKey>,
+    pub timeout: Duration,
+    pub connect_timeout: Duration,
+    pub concurrency: usize,
+    pub retry: RetryPolicy,
+    pub cache_dir: Option<PathBuf>,
+}
+
+enum Attempt {
+    Done(Value),
+    Retry { why: String, after: Option<Duration> },
+    Fail(ApiError),
+}
+
+impl Http {
+    pub fn new(cfg: HttpConfig) -> anyhow::Result<Self> {
+        let client = reqwest::blocking::Client::builder()
+            .timeout(cfg.timeout)
+            .connect_timeout(cfg.connect_timeout)
+            .pool_max_idle_per_host(cfg.concurrency.max(1))
+            .build()
+            .map_err(|e| anyhow::anyhow!("cannot create the HTTP client: {e}"))?;
+        if let Some(dir) = &cfg.cache_dir {
+            std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("{}: cannot create the response cache: {e}", dir.display()))?;
+        }
+        Ok(Http {
+            client,
+            base: cfg.base,
+            key: cfg.key,
+            retry: cfg.retry,
+            cache: cfg.cache_dir.map(|dir| Cache { dir, writes: AtomicU64::new(0) }),
+            gate: Gate { free: Mutex::new(cfg.concurrency.max(1)), freed: Condvar::new() },
+            stats: Stats::default(),
+        })
+    }
+
+    /// POST `body` to `path` (e.g. `/v1/completions`): the reply's JSON and whether it came
+    /// from the cache.
+    pub fn post(&self, path: &str, body: &Value) -> Result<(Value, bool), ApiError> {
+        let body_text = body.to_string();
+        let key = cache_key(&self.base, path, &body_text);
+        if let Some(reply) = self.cache.as_ref().and_then(|c| c.get(&key)) {
+            self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
+            self.stats.add_usage(&reply, true);
+            return Ok((reply, true));
+        }
+        let start = Instant::now();
+        let mut attempt = 0u32;
+        loop {
+            match self.attempt(path, &body_text) {
+                Attempt::Done(reply) => {
+                    self.stats.add_usage(&reply, false);
+                    if let Some(cache) = &self.cache {
+                        cache.put(&key, &reply);
+                    }
+                    return Ok((reply, false));
+                }
+                Attempt::Fail(e) => {
+                    self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                    return Err(e);
+                }
+                Attempt::Retry { why, after } => {
+                    let wait = after.unwrap_or_else(|| self.backoff(attempt));
+                    if attempt >= self.retry.max_retries || start.elapsed() + wait > self.retry.budget {
+                        self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                        return Err(ApiError::new(
+                            ErrorKind::RetriesExhausted,
+                            format!("{path}: gave up after {} attempts in {:.1} s; last: {why}", attempt + 1, start.elapsed().as_secs_f64()),
+                        ));
+                    }
+                    self.stats.retries.fetch_add(1, Ordering::Relaxed);
+                    std::thread::sleep(wait);
+                    attempt += 1;
+                }
+            }
+        }
+    }
+
+    /// Exponential backoff with "equal jitter": half the step fixed, half random, so clients
+    /// that failed together do not come back together.
+    fn backoff(&self, attempt: u32) -> Duration {
+        let step = self.retry.backoff_base.saturating_mul(1u32 << attempt.min(20)).min(self.retry.backoff_max);
+        step / 2 + step.mul_f64(rand::random::<f64>() / 2.0)
+    }
+
+    fn attempt(&self, path: &str, body: &str) -> Attempt {
+        let _pass = self.gate.enter();
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        let out = self.send(path, body);
+        self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+        out
+    }
+
+    fn send(&self, path: &str, body: &str) -> Attempt {
+        let mut req = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body.to_string());
+        if let Some(ApiKey(key)) = &self.key {
+            if let Ok(mut v) = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}")) {
+                v.set_sensitive(true);
+                req = req.header(reqwest::header::AUTHORIZATION, v);
+            }
+        }
+        let resp = match req.send() {
+            Ok(r) => r,
+            Err(e) => return Attempt::Retry { why: describe(&e), after: None },
+        };
+        let status = resp.status();
+        let after = retry_after(resp.headers());
+        let text = match resp.text() {
+            Ok(t) => t,
+            Err(e) => return Attempt::Retry { why: format!("HTTP {status}, body lost: {}", describe(&e)), after: None },
+        };
+        if status.is_success() {
+            return match serde_json::from_str::<Value>(&text) {
+                Ok(v) if v.get("error").is_some_and(|e| !e.is_null()) => Attempt::Fail(classify(status.as_u16(), &v, &text)),
+                Ok(v) => Attempt::Done(v),
+                Err(e) => Attempt::Retry { why: format!("HTTP {status} with a body that is not JSON ({e}): {}", snippet(&text)), after },
+            };
+        }
+        let code = status.as_u16();
+        if code == 429 || code == 408 || status.is_server_error() {
+            return Attempt::Retry { why: format!("HTTP {status}: {}", snippet(&text)), after };
+        }
+        let v = serde_json::from_str::<Value>(&text).unwrap_or(Value::Null);
+        Attempt::Fail(classify(code, &v, &text))
+    }
+}
+
+/// SHA-256 of what identifies a reply. The model and every setting are inside the body.
+pub fn cache_key(base: &str, path: &str, body: &str) -> String {
+    let mut h = Sha256::new();
+    for part in [base, path, body] {
+        h.update(part.as_bytes());
+        h.update([0u8]);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `Retry-After` as seconds or as an HTTP date (RFC 9110 §10.2.3).
+pub fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    let v = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(secs) = v.parse::<f64>() {
+        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+    }
+    let at = httpdate::parse_http_date(v).ok()?;
+    Some(at.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO))
+}
+
+/// A 4xx (or an error object in a 200) as an [`ApiError`]; context overflows are told apart
+/// by the shapes OpenAI, vLLM and llama.cpp use.
+fn classify(status: u16, v: &Value, text: &str) -> ApiError {
+    let err = if v["error"].is_object() { &v["error"] } else { v };
+    let message = err["message"].as_str().or_else(|| v["error"].as_str()).map(str::to_string).unwrap_or_else(|| snippet(text));
+    let kind_text = format!("{} {} {}", err["type"].as_str().unwrap_or(""), err["code"].as_str().unwrap_or(""), message).to_lowercase();
+    let overflow = kind_text.contains("context_length_exceeded")
+        || kind_text.contains("exceed_context_size")
+        || kind_text.contains("maximum context length")
+        || (kind_text.contains("context") && (kind_text.contains("exceed") || kind_text.contains("too long")));
+    let mut e = ApiError::new(
+        if overflow { ErrorKind::ContextLength } else { ErrorKind::Rejected },
+        format!("HTTP {status}: {message}"),
+    );
+    if overflow {
+        e.prompt_tokens = err["n_prompt_tokens"].as_u64();
+        e.context_tokens = err["n_ctx"].as_u64();
+    }
+    e
+}
+
+fn describe(e: &reqwest::Error) -> String {
+    let what = if e.is_timeout() {
+        "timed out"
+    } else if e.is_connect() {
+        "cannot connect"
+    } else {
+        "connection failed"
+    };
+    // The URL is the base URL the user gave; reqwest's messages never include headers.
+    let mut msg = format!("{what}: {e}");
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        msg.push_str(&format!(": {s}"));
+        src = s.source();
+    }
+    msg
+}
+
+fn snippet(text: &str) -> String {
+    let t: String = text.chars().take(200).collect();
+    if t.len() < text.len() {
+        format!("{t}...")
+    } else {
+        t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_reads_seconds_and_dates() {
+        let mut h = reqwest::header::HeaderMap::new();
+        h.insert(reqwest::header::RETRY_AFTER, "2".parse().unwrap());
+        assert_eq!(retry_after(&h), Some(Duration::from_secs(2)));
+        let later = SystemTime::now() + Duration::from_secs(30);
+        h.insert(reqwest::header::RETRY_AFTER, httpdate::fmt_http_date(later).parse().unwrap());
+        let d = retry_after(&h).unwrap();
+        assert!(d > Duration::from_secs(27) && d <= Duration::from_secs(30), "{d:?}");
+        h.insert(reqwest::header::RETRY_AFTER, "soon".parse().unwrap());
+        assert_eq!(retry_after(&h), None);
+    }
+
+    #[test]
+    fn context_overflows_are_told_apart() {
+        let llama = json!({"error": {"code": 400, "message": "the request exceeds the available context size, try increasing it",
+            "type": "exceed_context_size_error", "n_prompt_tokens": 3000, "n_ctx": 2048}});
+        let e = classify(400, &llama, "");
+        assert_eq!(e.kind, ErrorKind::ContextLength);
+        assert_eq!((e.prompt_tokens, e.context_tokens), (Some(3000), Some(2048)));
+        let openai = json!({"error": {"message": "This model's maximum context length is 4097 tokens. However, you requested 5000 tokens.",
+            "type": "invalid_request_error", "code": "context_length_exceeded"}});
+        assert_eq!(classify(400, &openai, "").kind, ErrorKind::ContextLength);
+        let other = json!({"error": {"message": "model not found", "type": "invalid_request_error"}});
+        assert_eq!(classify(404, &other, "").kind, ErrorKind::Rejected);
+    }
+
+    #[test]
+    fn cache_keys_differ_by_server_path_and_body() {
+        let a = cache_key("http://a", "/v1/completions", "{}");
+        assert_ne!(a, cache_key("http://b", "/v1/completions", "{}"));
+        assert_ne!(a, cache_key("http://a", "/v1/chat/completions", "{}"));
+        assert_ne!(a, cache_key("http://a", "/v1/completions", "{ }"));
+        assert_eq!(a.len(), 64);
+    }
+
+    #[test]
+    fn key_is_hidden_from_debug() {
+        assert!(!format!("{:?}", ApiKey::new("sk-secret".into())).contains("sk-secret"));
+    }
+}

@@ -1,0 +1,368 @@
+//! The `openai` connector plugin: a black-box target LM behind any OpenAI-compatible server
+//! (OpenAI, vLLM, llama.cpp's `llama-server`, Ollama).
+//!
+//! `complete` takes one JSON request and answers it; the host calls it from several threads
+//! at once (at most `concurrency` requests are on the wire). Operations (`"op"`):
+//! - `complete` `{prompt, max_tokens?, stop?, temperature?, top_logprobs?}` →
+//!   `{text, finish_reason, positions?: [{token, logprob, top: [[token, logprob]]}], cached}`
+//! - `choice_logprobs` `{prompt, choices: ["A", ...]}` → `{logprobs: [..] | null, floored:
+//!   [bool], floor, best, text, method, cached}`: the log-probabilities of candidate next tokens
+//!   (answer letters) from the first generated position's top list; `A` and ` A` are one
+//!   answer; a candidate missing from the top list gets the floor and is marked (and wins only
+//!   when every candidate is missing); `best` indexes the most likely. `logprobs`
+//!   is null when the server returns none (the caller then parses `text`).
+//! - `continuation_logprob` `{prompt, continuation}` → `{logprob, tokens, method}`: log
+//!   P(continuation | prompt), from the echoed prompt where the server echoes
+//!   (`method: "echo"`, OpenAI legacy and vLLM), otherwise by forcing each continuation
+//!   token with a logit bias on llama.cpp's native `/completion` (`"forced_logit_bias"`).
+//! - `stats` → request, retry, cache-hit and token totals.
+//!
+//! Failures of one request come back as `{"error": {"kind", "message", ...}}`, never as a
+//! failed call, so one bad item never fails a batch. The API key is read from the environment
+//! variable `api_key_env` names and is never returned, logged or cached.
+
+mod http;
+mod logprobs;
+
+use anyhow::{bail, Context, Result};
+use http::{ApiError, ApiKey, ErrorKind, Http, HttpConfig, RetryPolicy};
+use rak_core::plugin::{Connector, PluginInfo};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
+
+const DEFAULT_KEY_ENV: &str = "OPENAI_API_KEY";
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Settings {
+    base_url: String,
+    #[serde(default)]
+    model: String,
+    endpoint: Option<String>,
+    api_key_env: Option<String>,
+    timeout_s: Option<f64>,
+    connect_timeout_s: Option<f64>,
+    concurrency: Option<usize>,
+    max_retries: Option<u32>,
+    retry_budget_s: Option<f64>,
+    backoff_base_s: Option<f64>,
+    backoff_max_s: Option<f64>,
+    cache: Option<bool>,
+    cache_dir: Option<PathBuf>,
+    top_logprobs: Option<u32>,
+    logprob_floor: Option<f64>,
+    continuation_method: Option<String>,
+}
+
+fn schema() -> Value {
+    json!({
+        "base_url": {"type": "string", "required": true, "help": "server root, e.g. http://127.0.0.1:8080 or https://api.openai.com (a trailing /v1 is accepted)"},
+        "model": {"type": "string", "default": "", "help": "model name sent with every request"},
+        "endpoint": {"type": "string", "default": "completions", "help": "completions (/v1/completions, raw prompt) or chat (/v1/chat/completions, the prompt as one user message)"},
+        "api_key_env": {"type": "string", "default": DEFAULT_KEY_ENV, "help": "environment variable holding the API key (sent as a Bearer token; never printed); unset = no key"},
+        "timeout_s": {"type": "float", "default": 60.0, "help": "seconds one request may take"},
+        "connect_timeout_s": {"type": "float", "default": 10.0, "help": "seconds to connect"},
+        "concurrency": {"type": "int", "default": 4, "help": "requests on the wire at once"},
+        "max_retries": {"type": "int", "default": 6, "help": "retries of one request (429, 408, 5xx, timeouts, dropped connections, bodies that are not JSON)"},
+        "retry_budget_s": {"type": "float", "default": 120.0, "help": "no retry starts later than this many seconds after the first attempt"},
+        "backoff_base_s": {"type": "float", "default": 0.5, "help": "first backoff step; doubles per retry, with jitter (Retry-After wins when given)"},
+        "backoff_max_s": {"type": "float", "default": 30.0, "help": "largest backoff step"},
+        "cache": {"type": "bool", "default": true, "help": "keep replies on disk, keyed by (base URL, path, request body), so a rerun asks nothing twice"},
+        "cache_dir": {"type": "path", "default": "$RAK_CACHE/openai (~/.cache/rak/openai)", "help": "where replies are cached"},
+        "top_logprobs": {"type": "int", "default": 20, "help": "alternatives asked for per position when choosing among answer letters (OpenAI allows 20)"},
+        "logprob_floor": {"type": "float", "default": null, "help": "value for an answer letter missing from the top list (default: the list's lowest value)"},
+        "continuation_method": {"type": "string", "default": "auto", "help": "auto, echo (prompt log-probabilities echoed by /v1/completions: OpenAI legacy, vLLM) or forced (llama.cpp: /tokenize + /completion with a logit bias per token)"},
+    })
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Endpoint {
+    Completions,
+    Chat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum ContinuationMethod {
+    Echo,
+    Forced,
+}
+
+impl ContinuationMethod {
+    fn name(self) -> &'static str {
+        match self {
+            ContinuationMethod::Echo => "echo",
+            ContinuationMethod::Forced => "forced_logit_bias",
+        }
+    }
+}
+
+pub struct OpenAi {
+    http: Http,
+    model: String,
+    endpoint: Endpoint,
+    top_logprobs: u32,
+    floor: Option<f64>,
+    /// Fixed by the settings, or found on first use (`auto`).
+    continuation: Mutex<Option<ContinuationMethod>>,
+}
+
+impl PluginInfo for OpenAi {
+    const NAME: &'static str = "openai";
+
+    fn settings_schema() -> Value {
+        schema()
+    }
+
+    fn create(settings: Value) -> Result<Self> {
+        let s: Settings = serde_json::from_value(settings).context("openai connector settings")?;
+        let base = s.base_url.trim_end_matches('/').trim_end_matches("/v1").trim_end_matches('/').to_string();
+        if !(base.starts_with("http://") || base.starts_with("https://")) {
+            bail!("base_url {:?} must start with http:// or https://", s.base_url);
+        }
+        let endpoint = match s.endpoint.as_deref().unwrap_or("completions") {
+            "completions" => Endpoint::Completions,
+            "chat" => Endpoint::Chat,
+            other => bail!("endpoint {other:?}: expected completions or chat"),
+        };
+        let continuation = match s.continuation_method.as_deref().unwrap_or("auto") {
+            "auto" => None,
+            "echo" => Some(ContinuationMethod::Echo),
+            "forced" => Some(ContinuationMethod::Forced),
+            other => bail!("continuation_method {other:?}: expected auto, echo or forced"),
+        };
+        let key = match &s.api_key_env {
+            Some(var) => Some(ApiKey::new(std::env::var(var).map_err(|_| {
+                anyhow::anyhow!("api_key_env names {var}, which is not set in the environment (or not valid UTF-8)")
+            })?)),
+            None => std::env::var(DEFAULT_KEY_ENV).ok().filter(|k| !k.is_empty()).map(ApiKey::new),
+        };
+        let secs = |v: Option<f64>, d: f64, what: &str| -> Result<Duration> {
+            let v = v.unwrap_or(d);
+            if !(v.is_finite() && v >= 0.0) {
+                bail!("{what} must be a non-negative number of seconds, not {v}");
+            }
+            Ok(Duration::from_secs_f64(v))
+        };
+        let cache_dir = match (s.cache.unwrap_or(true), s.cache_dir) {
+            (false, _) => None,
+            (true, Some(dir)) => Some(dir),
+            (true, None) => Some(default_cache_dir()?),
+        };
+        let http = Http::new(HttpConfig {
+            base,
+            key,
+            timeout: secs(s.timeout_s, 60.0, "timeout_s")?,
+            connect_timeout: secs(s.connect_timeout_s, 10.0, "connect_timeout_s")?,
+            concurrency: s.concurrency.unwrap_or(4).max(1),
+            retry: RetryPolicy {
+                max_retries: s.max_retries.unwrap_or(6),
+                budget: secs(s.retry_budget_s, 120.0, "retry_budget_s")?,
+                backoff_base: secs(s.backoff_base_s, 0.5, "backoff_base_s")?,
+                backoff_max: secs(s.backoff_max_s, 30.0, "backoff_max_s")?,
+            },
+            cache_dir,
+        })?;
+        Ok(OpenAi {
+            http,
+            model: s.model,
+            endpoint,
+            top_logprobs: s.top_logprobs.unwrap_or(20),
+            floor: s.logprob_floor,
+            continuation: Mutex::new(continuation),
+        })
+    }
+}
+
+fn default_cache_dir() -> Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("RAK_CACHE") {
+        return Ok(PathBuf::from(dir).join("openai"));
+    }
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
+        return Ok(PathBuf::from(dir).join("rak/openai"));
+    }
+    let home = std::env::var_os("HOME").context("no HOME to put the response cache in; set cache_dir or cache = false")?;
+    Ok(PathBuf::from(home).join(".cache/rak/openai"))
+}
+
+impl Connector for OpenAi {
+    fn complete(&self, request: Value) -> Result<Value> {
+        let op = request["op"].as_str().unwrap_or("complete");
+        let out = match op {
+            "complete" => self.complete_op(&request),
+            "choice_logprobs" => self.choice_logprobs(&request),
+            "continuation_logprob" => self.continuation_logprob(&request),
+            "stats" => return Ok(self.http.stats.to_json()),
+            other => bail!("unknown op {other:?} (known: complete, choice_logprobs, continuation_logprob, stats)"),
+        };
+        Ok(out.unwrap_or_else(|e| json!({"error": e.to_json()})))
+    }
+}
+
+/// A request field, or a clear refusal (the caller's bug, not the server's).
+fn field<'a>(req: &'a Value, name: &str) -> Result<&'a str, ApiError> {
+    req[name].as_str().ok_or_else(|| ApiError::new(ErrorKind::Rejected, format!("the request needs a string {name:?}")))
+}
+
+impl OpenAi {
+    /// One generation request on the configured endpoint.
+    fn generate(&self, prompt: &str, max_tokens: u64, stop: &Value, temperature: f64, top: Option<u32>) -> Result<(Value, bool), ApiError> {
+        let mut body = json!({"model": self.model, "max_tokens": max_tokens, "temperature": temperature});
+        if !stop.is_null() {
+            body["stop"] = stop.clone();
+        }
+        let path = match self.endpoint {
+            Endpoint::Completions => {
+                body["prompt"] = json!(prompt);
+                if let Some(k) = top {
+                    body["logprobs"] = json!(k);
+                }
+                "/v1/completions"
+            }
+            Endpoint::Chat => {
+                body["messages"] = json!([{"role": "user", "content": prompt}]);
+                if let Some(k) = top {
+                    body["logprobs"] = json!(true);
+                    body["top_logprobs"] = json!(k);
+                }
+                "/v1/chat/completions"
+            }
+        };
+        self.http.post(path, &body)
+    }
+
+    fn complete_op(&self, req: &Value) -> Result<Value, ApiError> {
+        let prompt = field(req, "prompt")?;
+        let top = req["top_logprobs"].as_u64().map(|k| k as u32);
+        let (reply, cached) =
+            self.generate(prompt, req["max_tokens"].as_u64().unwrap_or(16), &req["stop"], req["temperature"].as_f64().unwrap_or(0.0), top)?;
+        let text = logprobs::generated_text(&reply)
+            .ok_or_else(|| ApiError::new(ErrorKind::BadReply, format!("no choices[0].text or message.content in {}", short(&reply))))?;
+        let mut out = json!({"text": text, "finish_reason": reply["choices"][0]["finish_reason"], "cached": cached});
+        if top.is_some() {
+            out["positions"] = match logprobs::generated_positions(&reply) {
+                Some(ps) => ps.iter().map(|p| json!({"token": p.token, "logprob": p.logprob, "top": p.top})).collect(),
+                None => Value::Null,
+            };
+        }
+        Ok(out)
+    }
+
+    fn choice_logprobs(&self, req: &Value) -> Result<Value, ApiError> {
+        let prompt = field(req, "prompt")?;
+        let choices: Vec<String> = req["choices"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|c| c.as_str().map(str::to_string)).collect())
+            .filter(|c: &Vec<String>| !c.is_empty())
+            .ok_or_else(|| ApiError::new(ErrorKind::Rejected, "the request needs a non-empty string array \"choices\""))?;
+        let (reply, cached) = self.generate(prompt, 1, &Value::Null, 0.0, Some(self.top_logprobs))?;
+        let text = logprobs::generated_text(&reply).unwrap_or_default();
+        let first = logprobs::generated_positions(&reply).and_then(|ps| ps.into_iter().next());
+        Ok(match first {
+            Some(p) => {
+                let (values, floored, floor) = logprobs::candidate_logprobs(&p.top, &choices, self.floor);
+                let best = logprobs::best_candidate(&values, &floored);
+                json!({"logprobs": values, "floored": floored, "floor": floor, "best": best, "text": text, "method": "top_logprobs", "cached": cached})
+            }
+            None => json!({"logprobs": null, "text": text, "method": "none", "cached": cached}),
+        })
+    }
+
+    fn continuation_logprob(&self, req: &Value) -> Result<Value, ApiError> {
+        let prompt = field(req, "prompt")?;
+        let continuation = field(req, "continuation")?;
+        if continuation.is_empty() {
+            return Err(ApiError::new(ErrorKind::Rejected, "the continuation is empty"));
+        }
+        let known = *self.continuation.lock().unwrap_or_else(|e| e.into_inner());
+        let result = match known {
+            Some(ContinuationMethod::Echo) => self.by_echo(prompt, continuation)?.ok_or_else(|| {
+                ApiError::new(ErrorKind::BadReply, "continuation_method is echo, but the server did not echo the prompt's log-probabilities")
+            })?,
+            Some(ContinuationMethod::Forced) => self.by_forcing(prompt, continuation)?,
+            None => match self.by_echo(prompt, continuation)? {
+                Some(r) => {
+                    self.remember(ContinuationMethod::Echo);
+                    r
+                }
+                None => {
+                    let r = self.by_forcing(prompt, continuation).map_err(|mut e| {
+                        e.message = format!("the server echoes no prompt log-probabilities, and forcing tokens failed too: {}", e.message);
+                        e
+                    })?;
+                    self.remember(ContinuationMethod::Forced);
+                    r
+                }
+            },
+        };
+        Ok(result)
+    }
+
+    fn remember(&self, m: ContinuationMethod) {
+        *self.continuation.lock().unwrap_or_else(|e| e.into_inner()) = Some(m);
+    }
+
+    /// `/v1/completions` with `echo`: `None` when the server ignored the flag.
+    fn by_echo(&self, prompt: &str, continuation: &str) -> Result<Option<Value>, ApiError> {
+        let body = json!({"model": self.model, "prompt": format!("{prompt}{continuation}"), "max_tokens": 1,
+            "temperature": 0.0, "echo": true, "logprobs": 1});
+        let (reply, cached) = self.http.post("/v1/completions", &body)?;
+        let Some(tokens) = logprobs::echoed_tokens(&reply) else { return Ok(None) };
+        let prompt_chars = prompt.chars().count();
+        let end = prompt_chars + continuation.chars().count();
+        // A real echo starts at the prompt's first character; a server that ignored `echo`
+        // lists only the generated token (which starts at or after the end).
+        if tokens.first().map(|t| t.2) != Some(0) {
+            return Ok(None);
+        }
+        let (logprob, n) = logprobs::continuation_from_echo(&tokens, prompt_chars, end).map_err(|m| ApiError::new(ErrorKind::BadReply, m))?;
+        Ok(Some(json!({"logprob": logprob, "tokens": n, "method": ContinuationMethod::Echo.name(), "cached": cached})))
+    }
+
+    /// llama.cpp: tokenize, then one `/completion` per continuation token with that token
+    /// forced by a logit bias; the reported log-probability is the unbiased one (checked on
+    /// this server: it equals the top-k value, and tokens outside the top-k get theirs).
+    fn by_forcing(&self, prompt: &str, continuation: &str) -> Result<Value, ApiError> {
+        let ids = |content: &str, special: bool| -> Result<Vec<i64>, ApiError> {
+            let (reply, _) = self.http.post("/tokenize", &json!({"content": content, "add_special": special}))?;
+            reply["tokens"]
+                .as_array()
+                .and_then(|a| a.iter().map(Value::as_i64).collect::<Option<Vec<_>>>())
+                .ok_or_else(|| ApiError::new(ErrorKind::BadReply, format!("/tokenize answered without token ids: {}", short(&reply))))
+        };
+        let mut context = ids(prompt, true)?;
+        let target = ids(continuation, false)?;
+        let mut sum = 0.0;
+        let mut all_cached = true;
+        for &tok in &target {
+            let body = json!({"prompt": context, "n_predict": 1, "n_probs": 1, "post_sampling_probs": false,
+                "logit_bias": [[tok, 100.0]], "cache_prompt": true, "temperature": 0.0});
+            let (reply, cached) = self.http.post("/completion", &body)?;
+            all_cached &= cached;
+            let p = &reply["completion_probabilities"][0];
+            if p["id"].as_i64() != Some(tok) {
+                return Err(ApiError::new(
+                    ErrorKind::BadReply,
+                    format!("/completion did not take the forced token {tok} (got {}); the server may not honour logit_bias", p["id"]),
+                ));
+            }
+            sum += p["logprob"].as_f64().ok_or_else(|| ApiError::new(ErrorKind::BadReply, format!("no logprob in {}", short(&reply))))?;
+            context.push(tok);
+        }
+        Ok(json!({"logprob": sum, "tokens": target.len(), "method": ContinuationMethod::Forced.name(), "cached": all_cached}))
+    }
+}
+
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    let cut: String = s.chars().take(300).collect();
+    if cut.len() < s.len() {
+        format!("{cut}...")
+    } else {
+        s
+    }
+}
+
+rak_core::export_connector!(OpenAi);

@@ -1,0 +1,277 @@
+//! `host augment --target openai` against a fault-injecting server: 429 with `Retry-After`
+//! (seconds and HTTP date), 500, bodies that are not JSON, stalls past the timeout and dropped
+//! connections are retried within bounds; every item ends answered or with an error record;
+//! a killed run resumes asking only for what is missing; prompts over the context are cut;
+//! the API key never shows.
+
+use rak_e2e::fake_openai::{FakeServer, Fault, Options};
+use rak_e2e::*;
+use serde_json::Value;
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const KEY: &str = "sk-test-3f9c1d7e-NEVER-PRINT-ME";
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+/// A recipe pointing at the fake server, with short timeouts and backoffs.
+fn recipe(dir: &Path, url: &str, extra: &str) -> std::path::PathBuf {
+    recipe_with_corpus(dir, url, extra, &minikilt().join("corpus.jsonl"))
+}
+
+fn recipe_with_corpus(dir: &Path, url: &str, extra: &str, corpus: &Path) -> std::path::PathBuf {
+    let cfg = dir.join("recipe.toml");
+    let cache = dir.join("cache");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[target]\nname = \"openai\"\nsettings = {{ base_url = \"{url}/v1\", model = \"fake\", api_key_env = \"RAK_TEST_KEY\", timeout_s = 1.0, \
+             concurrency = 4, max_retries = 4, retry_budget_s = 30, backoff_base_s = 0.05, backoff_max_s = 0.2, cache_dir = \"{}\"{extra} }}\n\
+             [retrieval]\ncorpus = \"{}\"\n",
+            p(&cache),
+            p(corpus)
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
+fn augment(cfg: &Path, task: &str, n: usize, out: &Path, more: &[&str]) -> Output {
+    let input = minikilt().join(format!("{task}/dev.jsonl"));
+    let limit = n.to_string();
+    let mut args = vec!["augment", "--config", p(cfg), "--task", task, "--input", p(&input), "--output", p(out), "--limit", &limit];
+    args.extend_from_slice(more);
+    Command::new(host_bin()).args(&args).env_remove("RAK_PLUGIN_PATH").env("RAK_TEST_KEY", KEY).output().unwrap()
+}
+
+fn records(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// Every file under `dir`, as text.
+fn all_text_under(dir: &Path) -> String {
+    let mut s = String::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let path = e.path();
+            if path.is_dir() {
+                s.push_str(&all_text_under(&path));
+            } else {
+                s.push_str(&String::from_utf8_lossy(&std::fs::read(&path).unwrap_or_default()));
+            }
+        }
+    }
+    s
+}
+
+#[test]
+fn every_fault_is_retried_and_every_item_answered_once() {
+    let dir = TempDir::new("augment-faults");
+    let faults = |i: usize| match i % 6 {
+        0 => Fault::TooMany("1".into()),
+        1 => Fault::TooMany(httpdate_in(Duration::from_secs(2))),
+        2 => Fault::ServerError,
+        3 => Fault::Garbage,
+        4 => Fault::Stall(Duration::from_millis(1600)),
+        _ => Fault::Close,
+    };
+    // Each prompt fails once with a fault chosen by its length, then succeeds.
+    let server = FakeServer::start(Options {
+        plan: Box::new(move |prompt, attempt| (attempt == 0).then(|| faults(prompt.len()))),
+        ..Options::default()
+    });
+    let cfg = recipe(dir.path(), &server.url, "");
+    let out_path = dir.path().join("results.jsonl");
+    let out = augment(&cfg, "mc", 18, &out_path, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let recs = records(&out_path);
+    assert_eq!(recs.len(), 18);
+    let ids: HashSet<&str> = recs.iter().map(|r| r["_id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), 18, "each item once");
+    for r in &recs {
+        assert!(r["error"].is_null(), "{r}");
+        assert_eq!(r["method"], "letter_logprobs");
+        for key in ["prompt_sha256", "passages", "raw", "answer", "correct"] {
+            assert!(r.get(key).is_some(), "{key} missing in {r}");
+        }
+    }
+    let answered = server.answered();
+    assert_eq!(answered.len(), 18);
+    assert!(answered.values().all(|&n| n == 1), "one successful answer per prompt: {answered:?}");
+    let log = server.log();
+    let kinds: HashSet<&str> = log.iter().map(|l| l.outcome.as_str()).collect();
+    for k in ["429", "500", "garbage", "stall", "close", "ok"] {
+        assert!(kinds.contains(k), "no {k} was injected: {kinds:?}");
+    }
+    // Retry-After is honoured: the retry of a 429 comes no sooner than it asked.
+    for (i, l) in log.iter().enumerate().filter(|(_, l)| l.outcome == "429") {
+        let next = log[i + 1..].iter().find(|m| m.prompt == l.prompt).expect("a retry");
+        // Both forms ask for at least a second (the HTTP date, 2 s ahead, has 1 s resolution).
+        assert!(next.at.duration_since(l.at) >= Duration::from_millis(950), "retried after {:?}", next.at.duration_since(l.at));
+    }
+    // The key went to the server, and nowhere else.
+    assert!(log.iter().all(|l| l.auth.as_deref() == Some(&format!("Bearer {KEY}"))));
+    let summary: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(summary["answered"], 18);
+    assert_eq!(summary["failed"], 0);
+    assert_eq!(summary["target_stats"]["retries"], 18);
+    for text in [stdout(&out), stderr(&out), std::fs::read_to_string(&out_path).unwrap(), all_text_under(dir.path())] {
+        assert!(!text.contains(KEY), "the API key leaked");
+    }
+
+    // A rerun asks nothing: every item is in the results file.
+    let before = server.log().len();
+    let again = augment(&cfg, "mc", 18, &out_path, &[]);
+    assert!(again.status.success(), "{}", stderr(&again));
+    assert_eq!(server.log().len(), before);
+    assert_eq!(records(&out_path).len(), 18);
+    // A fresh output asks nothing either: every reply is in the cache.
+    let fresh = dir.path().join("fresh.jsonl");
+    let third = augment(&cfg, "mc", 18, &fresh, &[]);
+    assert!(third.status.success(), "{}", stderr(&third));
+    assert_eq!(server.log().len(), before);
+    let s: Value = serde_json::from_str(&stdout(&third)).unwrap();
+    assert_eq!(s["target_stats"]["cache_hits"], 18);
+    assert_eq!(s["target_stats"]["requests"], 0);
+    assert_eq!(s["accuracy"], serde_json::from_str::<Value>(&stdout(&out)).unwrap()["accuracy"]);
+}
+
+fn httpdate_in(d: Duration) -> String {
+    httpdate::fmt_http_date(std::time::SystemTime::now() + d)
+}
+
+#[test]
+fn retries_are_bounded_and_failed_items_are_asked_again() {
+    let dir = TempDir::new("augment-bounded");
+    let out_path = dir.path().join("results.jsonl");
+    // The first shortqa question always gets a 500 from this server.
+    let first = std::fs::read_to_string(minikilt().join("shortqa/dev.jsonl")).unwrap();
+    let first: Value = serde_json::from_str(first.lines().next().unwrap()).unwrap();
+    let needle = first["question"].as_str().unwrap().to_string();
+    let n2 = needle.clone();
+    let bad = FakeServer::start(Options { plan: Box::new(move |prompt, _| prompt.contains(&n2).then_some(Fault::ServerError)), ..Options::default() });
+    let cfg = recipe(dir.path(), &bad.url, ", cache = false");
+    let out = augment(&cfg, "shortqa", 6, &out_path, &[]);
+    assert_eq!(out.status.code(), Some(3), "some item failed: {}", stderr(&out));
+    let recs = records(&out_path);
+    assert_eq!(recs.len(), 6);
+    let failed: Vec<&Value> = recs.iter().filter(|r| !r["error"].is_null()).collect();
+    assert_eq!(failed.len(), 1);
+    let msg = failed[0]["error"].as_str().unwrap();
+    assert!(msg.contains("gave up after 5 attempts") && msg.contains("500"), "{msg}");
+    let attempts = bad.log().iter().filter(|l| l.prompt.contains(&needle)).count();
+    assert_eq!(attempts, 5, "max_retries = 4: five attempts in all");
+    let summary: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!((summary["answered"].as_u64(), summary["failed"].as_u64()), (Some(5), Some(1)));
+
+    // Against a healthy server, only the failed item is asked again.
+    let good = FakeServer::start(Options::default());
+    let cfg = recipe(dir.path(), &good.url, ", cache = false");
+    let out = augment(&cfg, "shortqa", 6, &out_path, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let log = good.log();
+    assert_eq!(log.len(), 1, "only the failed item: {log:?}");
+    assert!(log[0].prompt.contains(&needle));
+    let recs = records(&out_path);
+    assert_eq!(recs.len(), 6);
+    assert!(recs.iter().all(|r| r["error"].is_null()));
+    assert_eq!(recs.iter().map(|r| r["_id"].as_str().unwrap()).collect::<HashSet<_>>().len(), 6);
+}
+
+#[test]
+fn a_killed_run_resumes_with_each_item_exactly_once() {
+    let dir = TempDir::new("augment-kill");
+    let server = FakeServer::start(Options { delay: Duration::from_millis(120), ..Options::default() });
+    let cfg = recipe(dir.path(), &server.url, "");
+    let out_path = dir.path().join("results.jsonl");
+    let input = minikilt().join("mc/dev.jsonl");
+    let mut child = Command::new(host_bin())
+        .args(["augment", "--config", p(&cfg), "--task", "mc", "--input", p(&input), "--output", p(&out_path), "--limit", "40", "--workers", "2"])
+        .env_remove("RAK_PLUGIN_PATH")
+        .env("RAK_TEST_KEY", KEY)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&out_path).map(|s| s.lines().count()).unwrap_or(0) < 6 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no progress");
+        assert!(child.try_wait().unwrap().is_none(), "host augment ended before it was killed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let before: Vec<Value> = std::fs::read_to_string(&out_path).unwrap().lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    assert!(before.len() < 40, "killed before the end");
+    let done_prompts: HashSet<String> = before.iter().map(|r| r["prompt_sha256"].as_str().unwrap().to_string()).collect();
+    let asked_before = server.log().len();
+
+    let out = augment(&cfg, "mc", 40, &out_path, &["--workers", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let recs = records(&out_path);
+    let mut count: HashMap<&str, usize> = HashMap::new();
+    for r in &recs {
+        *count.entry(r["_id"].as_str().unwrap()).or_default() += 1;
+    }
+    assert_eq!(count.len(), 40);
+    assert!(count.values().all(|&n| n == 1), "each item exactly once");
+    // Nothing answered before the kill was asked again.
+    let sha = |prompt: &str| rak_host::augment::sha256(prompt);
+    for l in &server.log()[asked_before..] {
+        assert!(!done_prompts.contains(&sha(&l.prompt)), "an answered item was asked again");
+    }
+    // And nothing answered was lost: the old records are still there, unchanged.
+    for r in &before {
+        assert!(recs.contains(r));
+    }
+}
+
+#[test]
+fn prompts_over_the_context_are_cut_from_the_passages_end() {
+    let dir = TempDir::new("augment-context");
+    let s = slice();
+    let bm25 = dir.path().join("bm25");
+    let out = host(&["index", "build", "--kind", "bm25", "--corpus", p(&s.corpus), "--output", p(&bm25)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Answers without log-probabilities too: multiple choice falls back to parsing the text.
+    let server = FakeServer::start(Options { context_chars: Some(900), logprobs: false, ..Options::default() });
+    let cfg = recipe_with_corpus(dir.path(), &server.url, "", &s.corpus);
+    let out_path = dir.path().join("results.jsonl");
+    let retriever = format!("bm25:{}", p(&bm25));
+    let out = augment(&cfg, "mc", 8, &out_path, &["--retriever", &retriever, "--k", "5"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let recs = records(&out_path);
+    assert_eq!(recs.len(), 8);
+    let cut = recs.iter().filter(|r| r["warning"].as_str().is_some_and(|w| w.contains("passages cut"))).count();
+    assert!(cut > 0, "some prompt was over 900 characters and was cut");
+    for r in &recs {
+        assert!(r["error"].is_null(), "{r}");
+        assert_eq!(r["method"], "text", "no log-probabilities: the answer is parsed from text");
+        assert_eq!(r["passages"].as_array().unwrap().len(), 5);
+        assert!(r["answer"].is_string());
+    }
+    assert!(server.log().iter().filter(|l| l.outcome == "ok").all(|l| l.prompt.chars().count() <= 900));
+    assert!(stderr(&out).contains("passages cut"), "a warning on stderr");
+}
+
+#[test]
+fn a_missing_key_variable_is_a_clear_error_that_names_it() {
+    let dir = TempDir::new("augment-nokey");
+    let server = FakeServer::start(Options::default());
+    let cfg = recipe(dir.path(), &server.url, "");
+    let out_path = dir.path().join("results.jsonl");
+    let input = minikilt().join("mc/dev.jsonl");
+    let out = Command::new(host_bin())
+        .args(["augment", "--config", p(&cfg), "--task", "mc", "--input", p(&input), "--output", p(&out_path), "--limit", "2"])
+        .env_remove("RAK_PLUGIN_PATH")
+        .env_remove("RAK_TEST_KEY")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("RAK_TEST_KEY"), "{}", stderr(&out));
+    assert!(server.log().is_empty());
+}
