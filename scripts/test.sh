@@ -17,6 +17,10 @@ fi
 if [[ ! -f .cache/fixtures/bm25/reference.json ]]; then
     python scripts/fixtures/bm25_reference.py --data data/minikilt --out .cache/fixtures/bm25
 fi
+# The real black-box LM the augment tests talk to (built once per machine, cached outside
+# the checkout: about 10 minutes on 2 cores the first time).
+scripts/llama-server.sh build >/dev/null
+scripts/llama-server.sh model >/dev/null
 cargo build --release --workspace
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
