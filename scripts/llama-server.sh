@@ -14,7 +14,8 @@
 # $RAK_CACHE (default ~/.cache/rak), so a machine builds them once for every clone.
 # The running server's pid, URL and log live in $LLAMA_STATE_DIR (default .cache/llama-server
 # in the checkout); tests use their own so they never meet a user's server.
-# Settings: LLAMA_THREADS (2), LLAMA_CTX (2048), LLAMA_PARALLEL (4 slots).
+# Settings: LLAMA_THREADS (2), LLAMA_PARALLEL (4 slots), LLAMA_CTX (8192 tokens, shared by
+# the slots: 2048 each, SmolLM2's training context).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LLAMA_VERSION=11434.0.0
@@ -104,7 +105,7 @@ cmd_start() {
     port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     url=http://127.0.0.1:$port
     setsid "$bin" -m "$model" --host 127.0.0.1 --port "$port" -t "${LLAMA_THREADS:-2}" \
-        -c "${LLAMA_CTX:-2048}" -np "${LLAMA_PARALLEL:-4}" --no-webui >"$STATE/log" 2>&1 &
+        -c "${LLAMA_CTX:-8192}" -np "${LLAMA_PARALLEL:-4}" --no-webui >"$STATE/log" 2>&1 &
     pid=$!
     echo "$pid" >"$STATE/pid"
     for _ in $(seq 1 600); do

@@ -148,6 +148,7 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
     let mut records: Vec<Value> = done.into_values().collect();
     let bar = super::progress(pending.len() as u64, "augment");
     let mut tally = Tally::default();
+    let started = std::time::Instant::now();
     let mut write = |rec: Value, in_flight: Option<u64>| -> Result<()> {
         out.append(&rec)?;
         tally.add(&rec);
@@ -199,8 +200,10 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
         }
     };
     bar.finish_and_clear();
+    let asked = (pending.len(), started.elapsed().as_secs_f64());
     out.sync()?;
-    let summary = summarize(&records, task, &name, &retriever, k, &args.output, stats);
+    let mut summary = summarize(&records, task, &name, &retriever, k, &args.output, stats);
+    summary["timing"] = json!({"asked": asked.0, "seconds": asked.1, "items_per_second": if asked.1 > 0.0 { asked.0 as f64 / asked.1 } else { 0.0 }});
     let failed = summary["failed"].as_u64().unwrap_or(0) > 0;
     Ok((summary, failed))
 }

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Retrieval-augmented answering on mini-KILT dev with a real black-box LM (docs/RESULTS.md):
+# llama.cpp's llama-server serving SmolLM2-135M-Instruct (scripts/llama-server.sh), asked
+# through the `openai` connector with the prompts of configs/augment/openai.toml, for
+# `mc` (multiple choice) and `shortqa` (short answers), each closed book, with 3 BM25
+# passages and with 3 passages from zero-shot all-MiniLM-L6-v2 (exact inner product).
+#
+#   scripts/experiments/augment_minikilt.sh            # every question (about an hour on 2 cores)
+#   LIMIT=100 scripts/experiments/augment_minikilt.sh  # the first 100 of each file
+#
+# Resumable: indexes are built once, `host augment` resumes its results files, and replies
+# are cached. Outputs under $OUT (default runs/augment): TASK-RETRIEVER.jsonl (one record per
+# question), TASK-RETRIEVER.summary.json, and table.md. BASE_URL uses a server of your own
+# instead of starting one (any OpenAI-compatible server; set MODEL for its model name).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+H=${HOST:-target/release/host}
+D=data/minikilt
+M=.cache/models/all-MiniLM-L6-v2
+OUT=${OUT:-runs/augment}
+mkdir -p "$OUT"
+URL=${BASE_URL:-$(scripts/llama-server.sh start)}
+limit=()
+[[ -n ${LIMIT:-} ]] && limit=(--limit "$LIMIT")
+
+[[ -f $OUT/bm25/index.json ]] || $H index build --kind bm25 --corpus $D/corpus.jsonl --output "$OUT/bm25" >/dev/null
+if [[ ! -f $OUT/minilm-flat/index.json ]]; then
+    $H encode --encoder dpr --model $M --input $D/corpus.jsonl --output "$OUT/minilm-corpus"
+    $H index build --kind flat --embeddings "$OUT/minilm-corpus" --output "$OUT/minilm-flat" >/dev/null
+fi
+
+for task in mc shortqa; do
+    for r in none bm25 minilm; do
+        case $r in
+            none) spec=none ;;
+            bm25) spec=bm25:$OUT/bm25 ;;
+            minilm) spec=dense:$OUT/minilm-flat ;;
+        esac
+        echo "== $task, passages: $r $(date -u +%H:%M:%S)"
+        status=0
+        $H augment --target openai --config configs/augment/openai.toml --task $task \
+            --input $D/$task/dev.jsonl --output "$OUT/$task-$r.jsonl" --base-url "$URL" \
+            ${MODEL:+--model "$MODEL"} --retriever "$spec" --k 3 --encoder dpr --encoder-model $M \
+            "${limit[@]}" > "$OUT/$task-$r.summary.json" || status=$?
+        # Exit 3: some questions failed (their records say why); a rerun asks them again.
+        [[ $status == 0 || $status == 3 ]] || exit $status
+    done
+done
+
+python3 - "$OUT" <<'PY' | tee "$OUT/table.md"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+names = {"none": "closed book", "bm25": "BM25, k = 3", "minilm": "MiniLM, k = 3"}
+for task in ["mc", "shortqa"]:
+    rows = [(r, json.loads((out / f"{task}-{r}.summary.json").read_text())) for r in names if (out / f"{task}-{r}.summary.json").exists()]
+    if not rows:
+        continue
+    subjects = sorted(rows[0][1]["accuracy"]["per_subject"])
+    print(f"\n**{task}** (mini-KILT dev, SmolLM2-135M-Instruct Q4_1 on llama-server)\n")
+    cols = subjects + (["macro"] if len(subjects) > 1 else [])
+    print("| passages | items | failed | " + " | ".join(cols) + " |")
+    print("|---|---:|---:|" + "---:|" * len(cols))
+    for r, s in rows:
+        acc = s["accuracy"]
+        cells = [f'{acc["per_subject"][x]["accuracy"]:.3f}' for x in subjects] + ([f'{acc["macro"]:.3f}'] if len(subjects) > 1 else [])
+        print(f"| {names[r]} | {s['items']} | {s['failed']} | " + " | ".join(cells) + " |")
+PY
