@@ -333,6 +333,27 @@ mod tests {
     }
 
     #[test]
+    fn demonstrations_come_first_and_never_the_item_itself() {
+        let cfg: AugmentConfig = toml::from_str("[shortqa]\ndemonstrations = 2\ndemonstrations_file = \"demos.jsonl\"\n").unwrap();
+        let p = TaskPrompts::new(&cfg, Task::ShortQa).unwrap();
+        let q = |id: &str, question: &str, a: &str| Probe {
+            id: id.into(),
+            subject: "shortqa".into(),
+            question: question.into(),
+            choices: vec![],
+            answer: 0,
+            aliases: vec![a.into()],
+        };
+        let demos = vec![q("d1", "The capital of Peru is", "Lima"), q("x", "The colour of snow is", "white"), q("d2", "The language of Brazil is", "Portuguese")];
+        let d = render_demos(Task::ShortQa, &p, &demos, "x", false);
+        assert_eq!(d, "Q: The capital of Peru is A: Lima\n\nQ: The language of Brazil is A: Portuguese\n\n");
+        let item = Prepared::new(&p, q("x", "The colour of snow is", "white"), vec![], d, false);
+        assert!(item.prompt(&p, None).ends_with("Portuguese\n\nQ: The colour of snow is A:"));
+        let mc_cfg: AugmentConfig = toml::from_str("[mc]\ndemonstrations = 1\n").unwrap();
+        assert!(TaskPrompts::new(&mc_cfg, Task::Mc).unwrap_err().to_string().contains("demonstrations_file"));
+    }
+
+    #[test]
     fn shrinking_always_makes_progress() {
         let e = json!({"prompt_tokens": 3000, "context_tokens": 2048});
         let n = shrink(6000, 9000, &e);
