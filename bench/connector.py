@@ -185,6 +185,8 @@ def main():
     finally:
         if proc:
             proc.kill()
+        else:
+            subprocess.run([str(ROOT / "scripts/llama-server.sh"), "stop"], check=False)
     result = {"bench": "connector", "server": a.server, "machine": describe(), "rows": rows}
     print("\n| concurrency | ours req/s | AsyncOpenAI req/s | ratio | ours ms/req | AsyncOpenAI ms/req |")
     print("|---:|---:|---:|---:|---:|---:|")

@@ -123,11 +123,13 @@ fn every_fault_is_retried_and_every_item_answered_once() {
         assert!(!text.contains(KEY), "the API key leaked");
     }
 
-    // A rerun asks nothing: every item is in the results file.
+    // A rerun asks nothing, not even the cache: every item is in the results file.
     let before = server.log().len();
     let again = augment(&cfg, "mc", 18, &out_path, &[]);
     assert!(again.status.success(), "{}", stderr(&again));
     assert_eq!(server.log().len(), before);
+    let s2: Value = serde_json::from_str(&stdout(&again)).unwrap();
+    assert_eq!((s2["target_stats"]["requests"].as_u64(), s2["target_stats"]["cache_hits"].as_u64()), (Some(0), Some(0)));
     assert_eq!(records(&out_path).len(), 18);
     // A fresh output asks nothing either: every reply is in the cache.
     let fresh = dir.path().join("fresh.jsonl");
@@ -186,7 +188,8 @@ fn retries_are_bounded_and_failed_items_are_asked_again() {
 fn a_killed_run_resumes_with_each_item_exactly_once() {
     let dir = TempDir::new("augment-kill");
     let server = FakeServer::start(Options { delay: Duration::from_millis(120), ..Options::default() });
-    let cfg = recipe(dir.path(), &server.url, "");
+    // No cache: a resume that asked answered items again would show in the server's log.
+    let cfg = recipe(dir.path(), &server.url, ", cache = false");
     let out_path = dir.path().join("results.jsonl");
     let input = minikilt().join("mc/dev.jsonl");
     let mut child = Command::new(host_bin())
@@ -256,6 +259,40 @@ fn prompts_over_the_context_are_cut_from_the_passages_end() {
     }
     assert!(server.log().iter().filter(|l| l.outcome == "ok").all(|l| l.prompt.chars().count() <= 900));
     assert!(stderr(&out).contains("passages cut"), "a warning on stderr");
+}
+
+#[test]
+fn the_key_never_shows_even_when_the_server_quotes_it() {
+    let dir = TempDir::new("augment-echo");
+    let server = FakeServer::start(Options { plan: Box::new(|_, _| Some(Fault::EchoAuth)), ..Options::default() });
+    let cfg = recipe(dir.path(), &server.url, "");
+    let out_path = dir.path().join("results.jsonl");
+    let out = augment(&cfg, "shortqa", 2, &out_path, &[]);
+    assert_eq!(out.status.code(), Some(3));
+    let recs = records(&out_path);
+    assert_eq!(recs.len(), 2);
+    for r in &recs {
+        let e = r["error"].as_str().unwrap();
+        assert!(e.contains("401") && e.contains("Bearer <api key>"), "the server's quote, scrubbed: {e}");
+    }
+    assert_eq!(server.log().len(), 2, "a 401 is not retried");
+    for text in [stdout(&out), stderr(&out), all_text_under(dir.path())] {
+        assert!(!text.contains(KEY), "the API key leaked");
+    }
+}
+
+#[test]
+fn a_retry_after_past_the_budget_fails_at_once() {
+    let dir = TempDir::new("augment-budget");
+    let server = FakeServer::start(Options { plan: Box::new(|_, _| Some(Fault::TooMany("3600".into()))), ..Options::default() });
+    let cfg = recipe(dir.path(), &server.url, "");
+    let out_path = dir.path().join("results.jsonl");
+    let t0 = Instant::now();
+    let out = augment(&cfg, "mc", 1, &out_path, &[]);
+    assert!(t0.elapsed() < Duration::from_secs(20), "did not wait out an hour's Retry-After");
+    assert_eq!(out.status.code(), Some(3));
+    let e = records(&out_path)[0]["error"].as_str().unwrap().to_string();
+    assert!(e.contains("gave up after 1 attempts") && e.contains("429"), "{e}");
 }
 
 #[test]

@@ -24,6 +24,8 @@ pub enum Fault {
     Stall(Duration),
     /// The connection closed without an answer.
     Close,
+    /// 401 quoting the request's `Authorization` header back, as careless servers and proxies do.
+    EchoAuth,
 }
 
 /// Decides the fate of a request from its prompt and how many times that prompt was asked
@@ -181,6 +183,13 @@ fn serve(conn: TcpStream, st: &State) {
             Some(Fault::Close) => {
                 log("close");
                 return;
+            }
+            Some(Fault::EchoAuth) => {
+                log("401");
+                let body = json!({"error": {"message": format!("invalid credentials: {}", auth.clone().unwrap_or_default()), "type": "invalid_request_error"}});
+                if !reply(&mut out, "401 Unauthorized", "", &body.to_string()) {
+                    return;
+                }
             }
             None => {
                 if let Some(limit) = st.opts.context_chars.filter(|&l| prompt.chars().count() > l) {

@@ -19,7 +19,12 @@ D=data/minikilt
 M=.cache/models/all-MiniLM-L6-v2
 OUT=${OUT:-runs/augment}
 mkdir -p "$OUT"
-URL=${BASE_URL:-$(scripts/llama-server.sh start)}
+if [[ -n ${BASE_URL:-} ]]; then
+    URL=$BASE_URL
+else
+    URL=$(scripts/llama-server.sh start)
+    trap 'scripts/llama-server.sh stop' EXIT
+fi
 limit=()
 [[ -n ${LIMIT:-} ]] && limit=(--limit "$LIMIT")
 
@@ -57,7 +62,8 @@ for task in ["mc", "shortqa"]:
     if not rows:
         continue
     subjects = sorted(rows[0][1]["accuracy"]["per_subject"])
-    print(f"\n**{task}** (mini-KILT dev, SmolLM2-135M-Instruct Q4_1 on llama-server)\n")
+    model = rows[0][1].get("model") or "the server's model"
+    print(f"\n**{task}** (mini-KILT dev; model {model} at {rows[0][1].get('base_url', '?')})\n")
     cols = subjects + (["macro"] if len(subjects) > 1 else [])
     print("| passages | items | failed | " + " | ".join(cols) + " |")
     print("|---|---:|---:|" + "---:|" * len(cols))

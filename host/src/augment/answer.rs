@@ -11,7 +11,13 @@ pub fn parse_choice(text: &str, letters: &[String], choices: &[String]) -> Optio
     let chars: Vec<char> = text.chars().collect();
     for (i, c) in chars.iter().enumerate() {
         let standalone = |j: Option<&char>| j.is_none_or(|c| !c.is_alphanumeric());
-        if c.is_ascii_uppercase() && standalone(i.checked_sub(1).and_then(|j| chars.get(j))) && standalone(chars.get(i + 1)) {
+        // "A" and "I" followed by a lower-case word are an article and a pronoun, not answers.
+        let word_follows = chars.get(i + 1) == Some(&' ') && chars.get(i + 2).is_some_and(|c| c.is_lowercase());
+        if c.is_ascii_uppercase()
+            && standalone(i.checked_sub(1).and_then(|j| chars.get(j)))
+            && standalone(chars.get(i + 1))
+            && !((*c == 'A' || *c == 'I') && word_follows)
+        {
             if let Some(k) = letters.iter().position(|l| l.starts_with(*c)) {
                 return Some(k);
             }
@@ -53,6 +59,11 @@ mod tests {
         assert_eq!(parse_choice("It is green", &l, &c), Some(1), "no letter: the one choice named");
         assert_eq!(parse_choice("Every colour", &l, &c), None);
         assert_eq!(parse_choice("E", &l, &c), None, "E is not among 4 choices");
+        let l10 = letters(10);
+        let c10: Vec<String> = (0..10).map(|i| format!("option {i}")).collect();
+        assert_eq!(parse_choice("I think it is C", &l10, &c10), Some(2), "the pronoun I is not answer I");
+        assert_eq!(parse_choice("A good guess is B", &l10, &c10), Some(1), "the article A is not answer A");
+        assert_eq!(parse_choice("I", &l10, &c10), Some(8));
     }
 
     #[test]

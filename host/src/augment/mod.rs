@@ -206,7 +206,7 @@ pub fn ask_connector(conn: &dyn Connector, task: Task, p: &TaskPrompts, item: &P
             }
         };
     }
-    error_record(item, "text", "the prompt still did not fit the model's context after 8 cuts".into(), json!({}))
+    error_record(item, "text", "the prompt still did not fit the model's context after 8 attempts, each with shorter passages".into(), json!({}))
 }
 
 /// A multiple-choice record from a `choice_logprobs` or `complete` reply; a server without
@@ -216,13 +216,14 @@ fn mc_record(conn: &dyn Connector, p: &TaskPrompts, item: &Prepared, reply: &Val
     let text = reply["text"].as_str().unwrap_or("").to_string();
     let gold = item.probe.answer;
     if method == "letter_logprobs" {
-        if reply["logprobs"].is_array() {
-            let best = reply["best"].as_u64().map(|b| b as usize).filter(|&b| b < letters.len()).unwrap_or(0);
+        let best = reply["best"].as_u64().map(|b| b as usize).filter(|&b| b < letters.len());
+        if let (true, Some(best)) = (reply["logprobs"].is_array(), best) {
             extra["logprobs"] = reply["logprobs"].clone();
             extra["floored"] = reply["floored"].clone();
             return record(item, json!(text), json!(letters[best]), method, best == gold, None, extra);
         }
-        // No log-probabilities from this server: ask for text instead.
+        // No log-probabilities from this server, or no answer letter among the likely next
+        // tokens: ask for text and read the answer out of it.
         let prompt = item.prompt(p, limit);
         return match conn.complete(json!({"op": "complete", "prompt": prompt, "max_tokens": p.max_tokens, "stop": p.stop, "temperature": 0.0})) {
             Ok(r) if reply_error(&r).is_none() => mc_from_text(item, &letters, r["text"].as_str().unwrap_or(""), extra),
@@ -286,9 +287,11 @@ pub fn ask_reader(reader: &mut dyn Reader, task: Task, p: &TaskPrompts, items: &
         .zip(outs)
         .map(|(it, out)| match task {
             Task::Mc => {
-                let best = out["best"].as_u64().unwrap_or(0) as usize;
                 let letters = answer::letters(it.probe.choices.len());
-                record(it, out["losses"].clone(), json!(letters.get(best)), method, best == it.probe.answer, None, json!({}))
+                match out["best"].as_u64().map(|b| b as usize).filter(|&b| b < letters.len()) {
+                    Some(best) => record(it, out["losses"].clone(), json!(letters[best]), method, best == it.probe.answer, None, json!({})),
+                    None => error_record(it, method, format!("the reader's reply has no valid \"best\": {out}"), json!({})),
+                }
             }
             Task::ShortQa => {
                 let text = out["text"].as_str().unwrap_or("").to_string();

@@ -32,7 +32,18 @@ impl Template {
                     lit.push('}');
                 }
                 '{' => {
-                    let name: String = chars.by_ref().take_while(|&c| c != '}').collect();
+                    let mut name = String::new();
+                    let mut closed = false;
+                    for c in chars.by_ref() {
+                        if c == '}' {
+                            closed = true;
+                            break;
+                        }
+                        name.push(c);
+                    }
+                    if !closed {
+                        bail!("{what}: '{{{name}' is never closed (write {{{{ for a literal brace)");
+                    }
                     if !allowed.contains(&name.as_str()) {
                         bail!("{what}: unknown placeholder {{{name}}} (known: {}; write {{{{ and }}}} for literal braces)", allowed.join(", "));
                     }
@@ -93,6 +104,7 @@ mod tests {
         let e = Template::parse("{questoin}", &["question"], "mc.template").unwrap_err().to_string();
         assert!(e.contains("mc.template") && e.contains("{questoin}") && e.contains("question"), "{e}");
         assert!(Template::parse("a } b", &[], "t").is_err());
+        assert!(Template::parse("x {question", &["question"], "t").unwrap_err().to_string().contains("never closed"));
     }
 
     #[test]

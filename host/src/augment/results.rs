@@ -2,10 +2,11 @@
 //! loses at most the items in flight.
 //!
 //! On a rerun the file is read back: answered lines whose prompt matches the one the item
-//! would get now are kept and their items skipped; error records are dropped (those items are
-//! asked again); a torn last line (a kill mid-write) is dropped. A line whose prompt differs
-//! means the file was made with another recipe: that is refused unless `--overwrite`, so two
-//! settings never mix in one file. The kept lines are rewritten atomically before appending.
+//! would get now, asked of the same setup (target, model, answering settings), are kept and
+//! their items skipped; error records are dropped (those items are asked again); a torn last
+//! line (a kill mid-write) is dropped. A line with another prompt or setup means the file was
+//! made with another recipe: that is refused unless `--overwrite`, so two settings never mix
+//! in one file. The kept lines are rewritten atomically before appending.
 
 use anyhow::{bail, Context, Result};
 use rak_core::fsutil;
@@ -24,30 +25,43 @@ pub struct Results {
 pub type Done = HashMap<String, Value>;
 
 impl Results {
-    /// Open `path` for appending. `expected` maps each item id to the SHA-256 of its prompt;
-    /// returns the records already answered with that prompt.
-    pub fn open(path: &Path, expected: &HashMap<String, String>, overwrite: bool) -> Result<(Self, Done)> {
+    /// Open `path` for appending. `expected` maps each item id to the SHA-256 of its prompt,
+    /// `setup` is the SHA-256 of the rest that decides an answer; returns the records already
+    /// answered with both.
+    pub fn open(path: &Path, expected: &HashMap<String, String>, setup: &str, overwrite: bool) -> Result<(Self, Done)> {
         let mut done = Done::new();
         let mut dropped_errors = 0;
         if path.exists() && !overwrite {
             let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
-            for (n, line) in text.lines().enumerate() {
+            let lines: Vec<&str> = text.lines().collect();
+            for (n, line) in lines.iter().enumerate() {
                 if line.trim().is_empty() {
                     continue;
                 }
                 let Ok(rec) = serde_json::from_str::<Value>(line) else {
-                    if n + 1 == text.lines().count() {
+                    if n + 1 == lines.len() {
                         continue; // torn by a kill mid-write
                     }
                     bail!("{}:{}: not a JSON record; use --overwrite to start this file afresh", path.display(), n + 1);
                 };
                 let id = rec["_id"].as_str().with_context(|| format!("{}:{}: a record without \"_id\"", path.display(), n + 1))?;
                 let Some(want) = expected.get(id) else {
-                    bail!("{}:{}: item {id:?} is not in the input; this file belongs to another run (use another --output, or --overwrite)", path.display(), n + 1);
+                    bail!(
+                        "{}:{}: item {id:?} is not among this run's questions (another --input or a smaller --limit?); use another --output, or --overwrite",
+                        path.display(),
+                        n + 1
+                    );
                 };
                 if rec["prompt_sha256"].as_str() != Some(want.as_str()) {
                     bail!(
                         "{}:{}: item {id:?} was asked with another prompt (different recipe, retriever or k); use another --output, or --overwrite",
+                        path.display(),
+                        n + 1
+                    );
+                }
+                if rec["setup_sha256"].as_str() != Some(setup) {
+                    bail!(
+                        "{}:{}: item {id:?} was asked of another target, model or answering settings; use another --output, or --overwrite",
                         path.display(),
                         n + 1
                     );
@@ -106,16 +120,18 @@ mod tests {
             &p,
             format!(
                 "{}\n{}\n{{\"_id\": \"c\", \"prompt_sh",
-                json!({"_id": "a", "prompt_sha256": "h1", "error": null}),
-                json!({"_id": "b", "prompt_sha256": "h2", "error": "HTTP 500"})
+                json!({"_id": "a", "prompt_sha256": "h1", "setup_sha256": "s", "error": null}),
+                json!({"_id": "b", "prompt_sha256": "h2", "setup_sha256": "s", "error": "HTTP 500"})
             ),
         )
         .unwrap();
-        let (mut r, done) = Results::open(&p, &expected, false).unwrap();
+        let (mut r, done) = Results::open(&p, &expected, "s", false).unwrap();
         assert_eq!(done.keys().collect::<Vec<_>>(), vec!["a"]);
-        r.append(&json!({"_id": "b", "prompt_sha256": "h2", "error": null})).unwrap();
+        r.append(&json!({"_id": "b", "prompt_sha256": "h2", "setup_sha256": "s", "error": null})).unwrap();
         drop(r);
-        let (_, done) = Results::open(&p, &expected, false).unwrap();
+        let e = Results::open(&p, &expected, "other", false).err().unwrap().to_string();
+        assert!(e.contains("another target, model or answering settings"), "{e}");
+        let (_, done) = Results::open(&p, &expected, "s", false).unwrap();
         assert_eq!(done.len(), 2);
         let lines = std::fs::read_to_string(&p).unwrap();
         assert_eq!(lines.lines().count(), 2);
@@ -125,10 +141,10 @@ mod tests {
     fn another_prompt_is_refused_unless_overwriting() {
         let p = tmp("mismatch");
         let expected: HashMap<String, String> = [("a".to_string(), "new".to_string())].into();
-        std::fs::write(&p, format!("{}\n", json!({"_id": "a", "prompt_sha256": "old", "error": null}))).unwrap();
-        let e = Results::open(&p, &expected, false).err().unwrap().to_string();
+        std::fs::write(&p, format!("{}\n", json!({"_id": "a", "prompt_sha256": "old", "setup_sha256": "s", "error": null}))).unwrap();
+        let e = Results::open(&p, &expected, "s", false).err().unwrap().to_string();
         assert!(e.contains("another prompt"), "{e}");
-        let (_, done) = Results::open(&p, &expected, true).unwrap();
+        let (_, done) = Results::open(&p, &expected, "s", true).unwrap();
         assert!(done.is_empty());
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "");
     }

@@ -118,6 +118,9 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
     };
     let retriever = args.retriever.clone().or(cfg.retrieval.retriever.clone()).unwrap_or_else(|| "none".into());
     let k = args.k.or(cfg.retrieval.k).unwrap_or(3);
+    if retriever != "none" && !reader && !prompts.template.uses("passages") {
+        bail!("{}.template has no {{passages}}: the retrieved passages would never reach the target", task.name());
+    }
     let passages = retrieve(registry, args, &cfg, &retriever, k, &items)?;
 
     let prepared: Vec<Prepared> = items
@@ -129,7 +132,14 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
         })
         .collect();
     let expected: HashMap<String, String> = prepared.iter().map(|p| (p.probe.id.clone(), p.prompt_sha256.clone())).collect();
-    let (mut out, done) = Results::open(&args.output, &expected, args.overwrite)?;
+    // The target first: a target that cannot start must not cost an --overwrite its file.
+    let target = if reader {
+        Target::Reader(registry.reader(&name, &settings)?)
+    } else {
+        Target::Connector(registry.connector(&name, &settings)?)
+    };
+    let setup = setup_sha256(&name, &settings, &prompts);
+    let (mut out, done) = Results::open(&args.output, &expected, &setup, args.overwrite)?;
     let pending: Vec<&Prepared> = prepared.iter().filter(|p| !done.contains_key(&p.probe.id)).collect();
     eprintln!(
         "augment: {} {} questions, {} answered before, {} to ask; target {name}, passages {retriever}{}",
@@ -140,16 +150,12 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
         if retriever == "none" { String::new() } else { format!(" (k = {k})") }
     );
 
-    let target = if reader {
-        Target::Reader(registry.reader(&name, &settings)?)
-    } else {
-        Target::Connector(registry.connector(&name, &settings)?)
-    };
     let mut records: Vec<Value> = done.into_values().collect();
     let bar = super::progress(pending.len() as u64, "augment");
     let mut tally = Tally::default();
     let started = std::time::Instant::now();
-    let mut write = |rec: Value, in_flight: Option<u64>| -> Result<()> {
+    let mut write = |mut rec: Value, in_flight: Option<u64>| -> Result<()> {
+        rec["setup_sha256"] = json!(setup);
         out.append(&rec)?;
         tally.add(&rec);
         bar.inc(1);
@@ -203,9 +209,28 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
     let asked = (pending.len(), started.elapsed().as_secs_f64());
     out.sync()?;
     let mut summary = summarize(&records, task, &name, &retriever, k, &args.output, stats);
+    summary["model"] = settings["model"].clone();
+    if !reader {
+        summary["base_url"] = settings["base_url"].clone();
+    }
     summary["timing"] = json!({"asked": asked.0, "seconds": asked.1, "items_per_second": if asked.1 > 0.0 { asked.0 as f64 / asked.1 } else { 0.0 }});
     let failed = summary["failed"].as_u64().unwrap_or(0) > 0;
     Ok((summary, failed))
+}
+
+/// What, besides the prompt, decides an answer: the target, its settings that change replies,
+/// and the answering settings. Connection settings (base URL, timeouts, retries, cache) are
+/// left out, so a local server restarted on another port keeps its answers; name the model
+/// in `model` to tell servers apart.
+fn setup_sha256(target: &str, settings: &Value, p: &TaskPrompts) -> String {
+    const CONNECTION: [&str; 13] = [
+        "base_url", "api_key_env", "timeout_s", "connect_timeout_s", "concurrency", "max_retries", "retry_budget_s",
+        "backoff_base_s", "backoff_max_s", "cache", "cache_dir", "device", "batch_size",
+    ];
+    let mut kept = settings.as_object().cloned().unwrap_or_default();
+    kept.retain(|k, _| !CONNECTION.contains(&k.as_str()));
+    let answering = json!({"by_logprobs": p.by_logprobs, "max_tokens": p.max_tokens, "stop": p.stop});
+    crate::augment::sha256(&json!({"target": target, "settings": kept, "answering": answering}).to_string())
 }
 
 fn load_probes(task: Task, path: &Path) -> Result<Vec<Probe>> {

@@ -201,7 +201,11 @@ pub struct Http {
     client: reqwest::blocking::Client,
     /// Server root, without a trailing `/` or `/v1`.
     pub base: String,
+    /// The model setting, part of every cache key (llama.cpp's native endpoints take none).
+    model: String,
     key: Option<ApiKey>,
+    /// `Bearer KEY`, marked sensitive (reqwest then keeps it out of its Debug output).
+    auth: Option<reqwest::header::HeaderValue>,
     retry: RetryPolicy,
     cache: Option<Cache>,
     gate: Gate,
@@ -210,6 +214,7 @@ pub struct Http {
 
 pub struct HttpConfig {
     pub base: String,
+    pub model: String,
     pub key: Option<ApiKey>,
     pub timeout: Duration,
     pub connect_timeout: Duration,
@@ -232,13 +237,24 @@ impl Http {
             .pool_max_idle_per_host(cfg.concurrency.max(1))
             .build()
             .map_err(|e| anyhow::anyhow!("cannot create the HTTP client: {e}"))?;
+        let auth = match &cfg.key {
+            Some(ApiKey(key)) => {
+                let mut v = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
+                    .map_err(|_| anyhow::anyhow!("the API key holds characters an HTTP header cannot carry (a line break?)"))?;
+                v.set_sensitive(true);
+                Some(v)
+            }
+            None => None,
+        };
         if let Some(dir) = &cfg.cache_dir {
             std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("{}: cannot create the response cache: {e}", dir.display()))?;
         }
         Ok(Http {
             client,
             base: cfg.base,
+            model: cfg.model,
             key: cfg.key,
+            auth,
             retry: cfg.retry,
             cache: cfg.cache_dir.map(|dir| Cache { dir, writes: AtomicU64::new(0) }),
             gate: Gate { free: Mutex::new(cfg.concurrency.max(1)), freed: Condvar::new() },
@@ -250,16 +266,19 @@ impl Http {
     /// from the cache.
     pub fn post(&self, path: &str, body: &Value) -> Result<(Value, bool), ApiError> {
         let body_text = body.to_string();
-        let key = cache_key(&self.base, path, &body_text);
+        let key = cache_key(&self.base, &self.model, path, &body_text);
         if let Some(reply) = self.cache.as_ref().and_then(|c| c.get(&key)) {
             self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
             self.stats.add_usage(&reply, true);
             return Ok((reply, true));
         }
-        let start = Instant::now();
+        // The retry budget runs from the first send, not from the wait for a free slot.
+        let mut first: Option<Instant> = None;
         let mut attempt = 0u32;
         loop {
-            match self.attempt(path, &body_text) {
+            let (outcome, sent) = self.attempt(path, &body_text);
+            let start = *first.get_or_insert(sent);
+            match outcome {
                 Attempt::Done(reply) => {
                     self.stats.add_usage(&reply, false);
                     if let Some(cache) = &self.cache {
@@ -269,16 +288,17 @@ impl Http {
                 }
                 Attempt::Fail(e) => {
                     self.stats.failures.fetch_add(1, Ordering::Relaxed);
-                    return Err(e);
+                    return Err(self.scrubbed(e));
                 }
                 Attempt::Retry { why, after } => {
                     let wait = after.unwrap_or_else(|| self.backoff(attempt));
-                    if attempt >= self.retry.max_retries || start.elapsed() + wait > self.retry.budget {
+                    let elapsed = start.elapsed();
+                    if attempt >= self.retry.max_retries || elapsed.saturating_add(wait) > self.retry.budget {
                         self.stats.failures.fetch_add(1, Ordering::Relaxed);
-                        return Err(ApiError::new(
+                        return Err(self.scrubbed(ApiError::new(
                             ErrorKind::RetriesExhausted,
-                            format!("{path}: gave up after {} attempts in {:.1} s; last: {why}", attempt + 1, start.elapsed().as_secs_f64()),
-                        ));
+                            format!("{path}: gave up after {} attempts in {:.1} s; last: {why}", attempt + 1, elapsed.as_secs_f64()),
+                        )));
                     }
                     self.stats.retries.fetch_add(1, Ordering::Relaxed);
                     std::thread::sleep(wait);
@@ -288,6 +308,17 @@ impl Http {
         }
     }
 
+    /// A server may quote the request back (a proxy echoing headers, a 401 naming the key):
+    /// no message leaves the connector with the key in it.
+    fn scrubbed(&self, mut e: ApiError) -> ApiError {
+        if let Some(ApiKey(key)) = &self.key {
+            if !key.is_empty() && e.message.contains(key.as_str()) {
+                e.message = e.message.replace(key.as_str(), "<api key>");
+            }
+        }
+        e
+    }
+
     /// Exponential backoff with "equal jitter": half the step fixed, half random, so clients
     /// that failed together do not come back together.
     fn backoff(&self, attempt: u32) -> Duration {
@@ -295,13 +326,15 @@ impl Http {
         step / 2 + step.mul_f64(rand::random::<f64>() / 2.0)
     }
 
-    fn attempt(&self, path: &str, body: &str) -> Attempt {
+    /// One try, after waiting for a free slot; also returns when it was sent.
+    fn attempt(&self, path: &str, body: &str) -> (Attempt, Instant) {
         let _pass = self.gate.enter();
+        let sent = Instant::now();
         self.stats.requests.fetch_add(1, Ordering::Relaxed);
         self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
         let out = self.send(path, body);
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-        out
+        (out, sent)
     }
 
     fn send(&self, path: &str, body: &str) -> Attempt {
@@ -310,11 +343,8 @@ impl Http {
             .post(format!("{}{path}", self.base))
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .body(body.to_string());
-        if let Some(ApiKey(key)) = &self.key {
-            if let Ok(mut v) = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}")) {
-                v.set_sensitive(true);
-                req = req.header(reqwest::header::AUTHORIZATION, v);
-            }
+        if let Some(auth) = &self.auth {
+            req = req.header(reqwest::header::AUTHORIZATION, auth.clone());
         }
         let resp = match req.send() {
             Ok(r) => r,
@@ -342,10 +372,11 @@ impl Http {
     }
 }
 
-/// SHA-256 of what identifies a reply. The model and every setting are inside the body.
-pub fn cache_key(base: &str, path: &str, body: &str) -> String {
+/// SHA-256 of what identifies a reply: the server, the model setting, the endpoint and the
+/// body (which holds every sampling setting). The key is never part of it.
+pub fn cache_key(base: &str, model: &str, path: &str, body: &str) -> String {
     let mut h = Sha256::new();
-    for part in [base, path, body] {
+    for part in [base, model, path, body] {
         h.update(part.as_bytes());
         h.update([0u8]);
     }
@@ -356,7 +387,8 @@ pub fn cache_key(base: &str, path: &str, body: &str) -> String {
 pub fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
     let v = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim();
     if let Ok(secs) = v.parse::<f64>() {
-        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+        // A huge value is longer than any retry budget (the request then fails), not a panic.
+        return (secs.is_finite() && secs >= 0.0).then(|| Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX));
     }
     let at = httpdate::parse_http_date(v).ok()?;
     Some(at.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO))
@@ -425,6 +457,10 @@ mod tests {
         assert!(d > Duration::from_secs(27) && d <= Duration::from_secs(30), "{d:?}");
         h.insert(reqwest::header::RETRY_AFTER, "soon".parse().unwrap());
         assert_eq!(retry_after(&h), None);
+        h.insert(reqwest::header::RETRY_AFTER, "1e300".parse().unwrap());
+        assert_eq!(retry_after(&h), Some(Duration::MAX));
+        h.insert(reqwest::header::RETRY_AFTER, "-1".parse().unwrap());
+        assert_eq!(retry_after(&h), None);
     }
 
     #[test]
@@ -443,10 +479,11 @@ mod tests {
 
     #[test]
     fn cache_keys_differ_by_server_path_and_body() {
-        let a = cache_key("http://a", "/v1/completions", "{}");
-        assert_ne!(a, cache_key("http://b", "/v1/completions", "{}"));
-        assert_ne!(a, cache_key("http://a", "/v1/chat/completions", "{}"));
-        assert_ne!(a, cache_key("http://a", "/v1/completions", "{ }"));
+        let a = cache_key("http://a", "m", "/v1/completions", "{}");
+        assert_ne!(a, cache_key("http://b", "m", "/v1/completions", "{}"));
+        assert_ne!(a, cache_key("http://a", "n", "/v1/completions", "{}"));
+        assert_ne!(a, cache_key("http://a", "m", "/v1/chat/completions", "{}"));
+        assert_ne!(a, cache_key("http://a", "m", "/v1/completions", "{ }"));
         assert_eq!(a.len(), 64);
     }
 

@@ -8,8 +8,8 @@
 //! - `choice_logprobs` `{prompt, choices: ["A", ...]}` → `{logprobs: [..] | null, floored:
 //!   [bool], floor, best, text, method, cached}`: the log-probabilities of candidate next tokens
 //!   (answer letters) from the first generated position's top list; `A` and ` A` are one
-//!   answer; a candidate missing from the top list gets the floor and is marked (and wins only
-//!   when every candidate is missing); `best` indexes the most likely. `logprobs`
+//!   answer; a candidate missing from the top list gets the floor and is marked; `best` indexes
+//!   the most likely listed one (null when no candidate is listed). `logprobs`
 //!   is null when the server returns none (the caller then parses `text`).
 //! - `continuation_logprob` `{prompt, continuation}` → `{logprob, tokens, method}`: log
 //!   P(continuation | prompt), from the echoed prompt where the server echoes
@@ -32,8 +32,6 @@ use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
-
-const DEFAULT_KEY_ENV: &str = "OPENAI_API_KEY";
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -62,7 +60,7 @@ fn schema() -> Value {
         "base_url": {"type": "string", "required": true, "help": "server root, e.g. http://127.0.0.1:8080 or https://api.openai.com (a trailing /v1 is accepted)"},
         "model": {"type": "string", "default": "", "help": "model name sent with every request"},
         "endpoint": {"type": "string", "default": "completions", "help": "completions (/v1/completions, raw prompt) or chat (/v1/chat/completions, the prompt as one user message)"},
-        "api_key_env": {"type": "string", "default": DEFAULT_KEY_ENV, "help": "environment variable holding the API key (sent as a Bearer token; never printed); unset = no key"},
+        "api_key_env": {"type": "string", "default": null, "help": "environment variable holding the API key, e.g. OPENAI_API_KEY (sent as a Bearer token; never printed, logged or cached); unset = no key is sent"},
         "timeout_s": {"type": "float", "default": 60.0, "help": "seconds one request may take"},
         "connect_timeout_s": {"type": "float", "default": 10.0, "help": "seconds to connect"},
         "concurrency": {"type": "int", "default": 4, "help": "requests on the wire at once"},
@@ -70,7 +68,7 @@ fn schema() -> Value {
         "retry_budget_s": {"type": "float", "default": 120.0, "help": "no retry starts later than this many seconds after the first attempt"},
         "backoff_base_s": {"type": "float", "default": 0.5, "help": "first backoff step; doubles per retry, with jitter (Retry-After wins when given)"},
         "backoff_max_s": {"type": "float", "default": 30.0, "help": "largest backoff step"},
-        "cache": {"type": "bool", "default": true, "help": "keep replies on disk, keyed by (base URL, path, request body), so a rerun asks nothing twice"},
+        "cache": {"type": "bool", "default": true, "help": "keep replies on disk, keyed by (base URL, model, path, request body), so a rerun asks nothing twice; name the model in `model` when one server address may serve different models"},
         "cache_dir": {"type": "path", "default": "$RAK_CACHE/openai (~/.cache/rak/openai)", "help": "where replies are cached"},
         "top_logprobs": {"type": "int", "default": 20, "help": "alternatives asked for per position when choosing among answer letters (OpenAI allows 20)"},
         "logprob_floor": {"type": "float", "default": null, "help": "value for an answer letter missing from the top list (default: the list's lowest value)"},
@@ -133,16 +131,20 @@ impl PluginInfo for OpenAi {
             "forced" => Some(ContinuationMethod::Forced),
             other => bail!("continuation_method {other:?}: expected auto, echo or forced"),
         };
+        // A key is sent only when the recipe names its variable: a key in the environment is
+        // never handed to a server the user did not mean it for.
         let key = match &s.api_key_env {
-            Some(var) => Some(ApiKey::new(std::env::var(var).map_err(|_| {
-                anyhow::anyhow!("api_key_env names {var}, which is not set in the environment (or not valid UTF-8)")
-            })?)),
-            None => std::env::var(DEFAULT_KEY_ENV).ok().filter(|k| !k.is_empty()).map(ApiKey::new),
+            Some(var) => match std::env::var(var) {
+                Ok(k) if !k.trim().is_empty() => Some(ApiKey::new(k.trim().to_string())),
+                Ok(_) => bail!("api_key_env names {var}, which is empty"),
+                Err(_) => bail!("api_key_env names {var}, which is not set in the environment (or not valid UTF-8)"),
+            },
+            None => None,
         };
         let secs = |v: Option<f64>, d: f64, what: &str| -> Result<Duration> {
             let v = v.unwrap_or(d);
-            if !(v.is_finite() && v >= 0.0) {
-                bail!("{what} must be a non-negative number of seconds, not {v}");
+            if !(v.is_finite() && (0.0..=1e7).contains(&v)) {
+                bail!("{what} must be between 0 and 1e7 seconds, not {v}");
             }
             Ok(Duration::from_secs_f64(v))
         };
@@ -153,6 +155,7 @@ impl PluginInfo for OpenAi {
         };
         let http = Http::new(HttpConfig {
             base,
+            model: s.model.clone(),
             key,
             timeout: secs(s.timeout_s, 60.0, "timeout_s")?,
             connect_timeout: secs(s.connect_timeout_s, 10.0, "connect_timeout_s")?,

@@ -94,9 +94,11 @@ pub fn candidate_logprobs(top: &[(String, f64)], candidates: &[String], floor: O
     (values, floored, floor)
 }
 
-/// Index of the best candidate; a floored one only wins when every candidate is floored.
+/// Index of the most likely candidate among those in the top list; `None` when none is (the
+/// model's next token is not an answer letter, e.g. "The" on a chat endpoint).
 pub fn best_candidate(values: &[f64], floored: &[bool]) -> Option<usize> {
-    (0..values.len()).max_by(|&a, &b| (!floored[a], values[a]).partial_cmp(&(!floored[b], values[b])).unwrap_or(std::cmp::Ordering::Equal).then(b.cmp(&a)))
+    (0..values.len())
+        .filter(|&i| !floored[i]).max_by(|&a, &b| (!floored[a], values[a]).partial_cmp(&(!floored[b], values[b])).unwrap_or(std::cmp::Ordering::Equal).then(b.cmp(&a)))
 }
 
 fn log_sum_exp(xs: &[f64]) -> f64 {
@@ -185,7 +187,7 @@ mod tests {
     #[test]
     fn floored_candidates_lose_ties() {
         assert_eq!(best_candidate(&[-3.0, -3.0], &[true, false]), Some(1));
-        assert_eq!(best_candidate(&[-3.0, -3.0], &[true, true]), Some(0));
+        assert_eq!(best_candidate(&[-3.0, -3.0], &[true, true]), None);
     }
 
     #[test]
