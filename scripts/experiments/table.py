@@ -1,6 +1,8 @@
 """Markdown tables of `host eval` metrics files (from scripts/experiments/minikilt.sh and the
 quick start): page R-precision and MRR@10 per task and macro, mean ± sd over the seeds of a
-method (files named METHOD-sSEED.metrics.json; any other name is its own row).
+method (files named METHOD-sSEED.metrics.json; any other name is its own row). The
+single-TASK runs of minikilt.sh (one model per task, each evaluated on its own task) make
+one row, "one model per task", whose macro is the mean of the four.
 
     .venv/bin/python scripts/experiments/table.py runs/minikilt/*.metrics.json
 """
@@ -29,10 +31,18 @@ def fmt(values):
 
 def main(paths):
     rows = defaultdict(list)
+    singles = defaultdict(dict)  # seed -> task -> metrics
     for p in paths:
         name = Path(p).name.removesuffix(".metrics.json")
         method = re.sub(r"-s\d+$", "", name)
+        if method.startswith("single-"):
+            singles[name[len(method):]].update({t: m for t, m in per_task(p).items() if t != "macro"})
+            continue
         rows[method].append(per_task(p))
+    for seed, tasks in singles.items():
+        keys = next(iter(tasks.values())).keys()
+        tasks["macro"] = {k: statistics.mean(m[k] for m in tasks.values()) for k in keys}
+        rows["one model per task"].append(tasks)
     tasks = sorted({t for runs in rows.values() for r in runs for t in r if t != "macro"}) + ["macro"]
     for key, title in METRICS:
         print(f"\n**{title}** (mini-KILT dev)\n")
