@@ -189,7 +189,6 @@ pub fn ask_connector(conn: &dyn Connector, task: Task, p: &TaskPrompts, item: &P
                 }
                 let next = shrink(now, prompt.chars().count(), &reply["error"]);
                 warnings.push(format!("prompt over the model's context; passages cut from {now} to {next} characters"));
-                eprintln!("augment: {}: {}", item.probe.id, warnings.last().map(String::as_str).unwrap_or(""));
                 limit = Some(next);
                 continue;
             }

@@ -6,7 +6,8 @@
 //! their items skipped; error records are dropped (those items are asked again); a torn last
 //! line (a kill mid-write) is dropped. A line with another prompt or setup means the file was
 //! made with another recipe: that is refused unless `--overwrite`, so two settings never mix
-//! in one file. The kept lines are rewritten atomically before appending.
+//! in one file. Records of questions this run does not ask (a smaller `--limit`, a sample)
+//! are kept in the file untouched. The kept lines are rewritten atomically before appending.
 
 use anyhow::{bail, Context, Result};
 use rak_core::fsutil;
@@ -30,6 +31,7 @@ impl Results {
     /// answered with both.
     pub fn open(path: &Path, expected: &HashMap<String, String>, setup: &str, overwrite: bool) -> Result<(Self, Done)> {
         let mut done = Done::new();
+        let mut others: Vec<Value> = Vec::new();
         let mut dropped_errors = 0;
         if path.exists() && !overwrite {
             let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
@@ -46,11 +48,10 @@ impl Results {
                 };
                 let id = rec["_id"].as_str().with_context(|| format!("{}:{}: a record without \"_id\"", path.display(), n + 1))?;
                 let Some(want) = expected.get(id) else {
-                    bail!(
-                        "{}:{}: item {id:?} is not among this run's questions (another --input or a smaller --limit?); use another --output, or --overwrite",
-                        path.display(),
-                        n + 1
-                    );
+                    // Another selection of the same file's questions (--limit, a sample):
+                    // kept as it is, not part of this run.
+                    others.push(rec);
+                    continue;
                 };
                 if rec["prompt_sha256"].as_str() != Some(want.as_str()) {
                     bail!(
@@ -74,7 +75,7 @@ impl Results {
                 }
             }
         }
-        let mut kept: Vec<&Value> = done.values().collect();
+        let mut kept: Vec<&Value> = done.values().chain(&others).collect();
         kept.sort_by_key(|r| r["_id"].as_str().unwrap_or("").to_string());
         let mut body = String::new();
         for r in kept {
@@ -135,6 +136,20 @@ mod tests {
         assert_eq!(done.len(), 2);
         let lines = std::fs::read_to_string(&p).unwrap();
         assert_eq!(lines.lines().count(), 2);
+    }
+
+    #[test]
+    fn records_of_questions_not_asked_now_are_kept() {
+        let p = tmp("others");
+        let expected: HashMap<String, String> = [("a".to_string(), "h1".to_string())].into();
+        std::fs::write(
+            &p,
+            format!("{}\n{}\n", json!({"_id": "a", "prompt_sha256": "h1", "setup_sha256": "s", "error": null}), json!({"_id": "z", "prompt_sha256": "hz", "setup_sha256": "s", "error": null})),
+        )
+        .unwrap();
+        let (_, done) = Results::open(&p, &expected, "s", false).unwrap();
+        assert_eq!(done.keys().collect::<Vec<_>>(), vec!["a"]);
+        assert!(std::fs::read_to_string(&p).unwrap().contains("\"z\""));
     }
 
     #[test]

@@ -157,6 +157,9 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
     let mut write = |mut rec: Value, in_flight: Option<u64>| -> Result<()> {
         rec["setup_sha256"] = json!(setup);
         out.append(&rec)?;
+        if let Some(w) = rec["warning"].as_str() {
+            bar.suspend(|| eprintln!("augment: {}: {w}", rec["_id"].as_str().unwrap_or("")));
+        }
         tally.add(&rec);
         bar.inc(1);
         bar.set_message(match in_flight {
