@@ -9,8 +9,8 @@ pub mod results;
 
 use anyhow::Result;
 use config::{Task, TaskPrompts};
-use prompt::cut_chars;
 use rak_core::plugin::{Connector, Reader};
+use rak_core::readers::fid::char_prefix;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -53,7 +53,7 @@ impl Prepared {
         let passage_block = passages
             .iter()
             .map(|d| {
-                let text = if p.passage_chars > 0 { cut_chars(&d.text, p.passage_chars) } else { &d.text };
+                let text = shown_text(p, &d.text);
                 p.passage.render(&[("title", &d.title), ("text", text)])
             })
             .collect::<Vec<_>>()
@@ -90,7 +90,7 @@ impl Prepared {
     pub fn prompt(&self, p: &TaskPrompts, passage_chars: Option<usize>) -> String {
         let (choices, n, letters) = self.vars(p);
         let block = match passage_chars {
-            Some(n) => cut_chars(&self.passage_block, n),
+            Some(n) => char_prefix(&self.passage_block, n),
             None => &self.passage_block,
         };
         let passages = if block.is_empty() { String::new() } else { format!("{block}{}", p.separator) };
@@ -175,7 +175,7 @@ pub fn ask_connector(conn: &dyn Connector, task: Task, p: &TaskPrompts, item: &P
                 let letters = answer::letters(item.probe.choices.len());
                 (conn.complete(json!({"op": "choice_logprobs", "prompt": prompt, "choices": letters})), "letter_logprobs")
             }
-            _ => (conn.complete(json!({"op": "complete", "prompt": prompt, "max_tokens": p.max_tokens, "stop": p.stop, "temperature": 0.0})), "text"),
+            _ => (conn.complete(text_request(p, &prompt)), "text"),
         };
         let reply = match reply {
             Ok(r) => r,
@@ -208,6 +208,20 @@ pub fn ask_connector(conn: &dyn Connector, task: Task, p: &TaskPrompts, item: &P
     error_record(item, "text", "the prompt still did not fit the model's context after 8 attempts, each with shorter passages".into(), json!({}))
 }
 
+/// A passage's text as prompts show it: cut to `[passages].max_chars` when that is set.
+fn shown_text<'a>(p: &TaskPrompts, text: &'a str) -> &'a str {
+    if p.passage_chars > 0 {
+        char_prefix(text, p.passage_chars)
+    } else {
+        text
+    }
+}
+
+/// A greedy generation request for `prompt` with the task's length and stop settings.
+fn text_request(p: &TaskPrompts, prompt: &str) -> Value {
+    json!({"op": "complete", "prompt": prompt, "max_tokens": p.max_tokens, "stop": p.stop, "temperature": 0.0})
+}
+
 /// A multiple-choice record from a `choice_logprobs` or `complete` reply; a server without
 /// log-probabilities is asked again for text.
 fn mc_record(conn: &dyn Connector, p: &TaskPrompts, item: &Prepared, reply: &Value, method: &str, limit: Option<usize>, mut extra: Value) -> Value {
@@ -224,7 +238,7 @@ fn mc_record(conn: &dyn Connector, p: &TaskPrompts, item: &Prepared, reply: &Val
         // No log-probabilities from this server, or no answer letter among the likely next
         // tokens: ask for text and read the answer out of it.
         let prompt = item.prompt(p, limit);
-        return match conn.complete(json!({"op": "complete", "prompt": prompt, "max_tokens": p.max_tokens, "stop": p.stop, "temperature": 0.0})) {
+        return match conn.complete(text_request(p, &prompt)) {
             Ok(r) if reply_error(&r).is_none() => mc_from_text(item, &letters, r["text"].as_str().unwrap_or(""), extra),
             Ok(r) => error_record(item, "text", reply_error(&r).map(|(k, m)| format!("{k}: {m}")).unwrap_or_default(), json!({})),
             Err(e) => error_record(item, "text", format!("{e:#}"), json!({})),
@@ -260,7 +274,7 @@ pub fn ask_reader(reader: &mut dyn Reader, task: Task, p: &TaskPrompts, items: &
         it.passages
             .iter()
             .map(|d| {
-                let text = if p.passage_chars > 0 { cut_chars(&d.text, p.passage_chars) } else { &d.text };
+                let text = shown_text(p, &d.text);
                 json!({"title": d.title, "text": text})
             })
             .collect()

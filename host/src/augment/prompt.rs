@@ -79,14 +79,6 @@ impl Template {
     }
 }
 
-/// The first `n` characters of `s` (on character boundaries).
-pub fn cut_chars(s: &str, n: usize) -> &str {
-    match s.char_indices().nth(n) {
-        Some((i, _)) => &s[..i],
-        None => s,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,7 +101,8 @@ mod tests {
 
     #[test]
     fn cuts_on_characters() {
-        assert_eq!(cut_chars("héllo", 2), "hé");
-        assert_eq!(cut_chars("hi", 5), "hi");
+        use rak_core::readers::fid::char_prefix;
+        assert_eq!(char_prefix("héllo", 2), "hé");
+        assert_eq!(char_prefix("hi", 5), "hi");
     }
 }

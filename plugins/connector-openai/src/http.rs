@@ -360,12 +360,12 @@ impl Http {
             return match serde_json::from_str::<Value>(&text) {
                 Ok(v) if v.get("error").is_some_and(|e| !e.is_null()) => Attempt::Fail(classify(status.as_u16(), &v, &text)),
                 Ok(v) => Attempt::Done(v),
-                Err(e) => Attempt::Retry { why: format!("HTTP {status} with a body that is not JSON ({e}): {}", snippet(&text)), after },
+                Err(e) => Attempt::Retry { why: format!("HTTP {status} with a body that is not JSON ({e}): {}", snippet_of(&text, 200)), after },
             };
         }
         let code = status.as_u16();
         if code == 429 || code == 408 || status.is_server_error() {
-            return Attempt::Retry { why: format!("HTTP {status}: {}", snippet(&text)), after };
+            return Attempt::Retry { why: format!("HTTP {status}: {}", snippet_of(&text, 200)), after };
         }
         let v = serde_json::from_str::<Value>(&text).unwrap_or(Value::Null);
         Attempt::Fail(classify(code, &v, &text))
@@ -398,7 +398,7 @@ pub fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
 /// by the shapes OpenAI, vLLM and llama.cpp use.
 fn classify(status: u16, v: &Value, text: &str) -> ApiError {
     let err = if v["error"].is_object() { &v["error"] } else { v };
-    let message = err["message"].as_str().or_else(|| v["error"].as_str()).map(str::to_string).unwrap_or_else(|| snippet(text));
+    let message = err["message"].as_str().or_else(|| v["error"].as_str()).map(str::to_string).unwrap_or_else(|| snippet_of(text, 200));
     let kind_text = format!("{} {} {}", err["type"].as_str().unwrap_or(""), err["code"].as_str().unwrap_or(""), message).to_lowercase();
     let overflow = kind_text.contains("context_length_exceeded")
         || kind_text.contains("exceed_context_size")
@@ -433,8 +433,9 @@ fn describe(e: &reqwest::Error) -> String {
     msg
 }
 
-fn snippet(text: &str) -> String {
-    let t: String = text.chars().take(200).collect();
+/// At most `max` characters of `text`, for error messages.
+pub fn snippet_of(text: &str, max: usize) -> String {
+    let t: String = text.chars().take(max).collect();
     if t.len() < text.len() {
         format!("{t}...")
     } else {

@@ -359,13 +359,7 @@ impl OpenAi {
 }
 
 fn short(v: &Value) -> String {
-    let s = v.to_string();
-    let cut: String = s.chars().take(300).collect();
-    if cut.len() < s.len() {
-        format!("{cut}...")
-    } else {
-        s
-    }
+    http::snippet_of(&v.to_string(), 300)
 }
 
 rak_core::export_connector!(OpenAi);
