@@ -12,9 +12,11 @@
 //!   the most likely listed one (null when no candidate is listed). `logprobs`
 //!   is null when the server returns none (the caller then parses `text`).
 //! - `continuation_logprob` `{prompt, continuation}` → `{logprob, tokens, method}`: log
-//!   P(continuation | prompt), from the echoed prompt where the server echoes
-//!   (`method: "echo"`, OpenAI legacy and vLLM), otherwise by forcing each continuation
-//!   token with a logit bias on llama.cpp's native `/completion` (`"forced_logit_bias"`).
+//!   P(continuation | prompt), from the prompt's own log-probabilities where the server
+//!   gives them: echoed by `/v1/completions` (`method: "echo"`, OpenAI legacy and vLLM) or
+//!   as vLLM's `prompt_logprobs` (`"prompt_logprobs"`); otherwise by forcing each
+//!   continuation token with a logit bias on llama.cpp's native `/completion`
+//!   (`"forced_logit_bias"`).
 //! - `stats` → request, retry, cache-hit and token totals.
 //!
 //! Failures of one request come back as `{"error": {"kind", "message", ...}}`, never as a
@@ -72,7 +74,7 @@ fn schema() -> Value {
         "cache_dir": {"type": "path", "default": "$RAK_CACHE/openai (~/.cache/rak/openai)", "help": "where replies are cached"},
         "top_logprobs": {"type": "int", "default": 20, "help": "alternatives asked for per position when choosing among answer letters (OpenAI allows 20)"},
         "logprob_floor": {"type": "float", "default": null, "help": "value for an answer letter missing from the top list (default: the list's lowest value)"},
-        "continuation_method": {"type": "string", "default": "auto", "help": "auto, echo (prompt log-probabilities echoed by /v1/completions: OpenAI legacy, vLLM) or forced (llama.cpp: /tokenize + /completion with a logit bias per token)"},
+        "continuation_method": {"type": "string", "default": "auto", "help": "auto (tries each in this order and keeps the first that works), echo (prompt log-probabilities echoed by /v1/completions: OpenAI legacy, vLLM), prompt_logprobs (vLLM's prompt_logprobs, aligned with its /tokenize) or forced (llama.cpp: /tokenize + /completion with a logit bias per token)"},
     })
 }
 
@@ -85,6 +87,7 @@ enum Endpoint {
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum ContinuationMethod {
     Echo,
+    PromptLogprobs,
     Forced,
 }
 
@@ -92,6 +95,7 @@ impl ContinuationMethod {
     fn name(self) -> &'static str {
         match self {
             ContinuationMethod::Echo => "echo",
+            ContinuationMethod::PromptLogprobs => "prompt_logprobs",
             ContinuationMethod::Forced => "forced_logit_bias",
         }
     }
@@ -128,8 +132,9 @@ impl PluginInfo for OpenAi {
         let continuation = match s.continuation_method.as_deref().unwrap_or("auto") {
             "auto" => None,
             "echo" => Some(ContinuationMethod::Echo),
+            "prompt_logprobs" => Some(ContinuationMethod::PromptLogprobs),
             "forced" => Some(ContinuationMethod::Forced),
-            other => bail!("continuation_method {other:?}: expected auto, echo or forced"),
+            other => bail!("continuation_method {other:?}: expected auto, echo, prompt_logprobs or forced"),
         };
         // A key is sent only when the recipe names its variable: a key in the environment is
         // never handed to a server the user did not mean it for.
@@ -280,27 +285,34 @@ impl OpenAi {
             return Err(ApiError::new(ErrorKind::Rejected, "the continuation is empty"));
         }
         let known = *self.continuation.lock().unwrap_or_else(|e| e.into_inner());
-        let result = match known {
-            Some(ContinuationMethod::Echo) => self.by_echo(prompt, continuation)?.ok_or_else(|| {
-                ApiError::new(ErrorKind::BadReply, "continuation_method is echo, but the server did not echo the prompt's log-probabilities")
-            })?,
-            Some(ContinuationMethod::Forced) => self.by_forcing(prompt, continuation)?,
-            None => match self.by_echo(prompt, continuation)? {
-                Some(r) => {
-                    self.remember(ContinuationMethod::Echo);
-                    r
-                }
-                None => {
-                    let r = self.by_forcing(prompt, continuation).map_err(|mut e| {
-                        e.message = format!("the server echoes no prompt log-probabilities, and forcing tokens failed too: {}", e.message);
-                        e
-                    })?;
-                    self.remember(ContinuationMethod::Forced);
-                    r
-                }
-            },
-        };
-        Ok(result)
+        if let Some(m) = known {
+            return self.by(m, prompt, continuation)?.ok_or_else(|| {
+                ApiError::new(ErrorKind::BadReply, format!("continuation_method is {}, but the server's reply does not carry it", m.name()))
+            });
+        }
+        // `auto`: the prompt's own log-probabilities cost one request; forcing costs one per
+        // continuation token, so it comes last.
+        for m in [ContinuationMethod::Echo, ContinuationMethod::PromptLogprobs] {
+            if let Some(r) = self.by(m, prompt, continuation)? {
+                self.remember(m);
+                return Ok(r);
+            }
+        }
+        let r = self.by_forcing(prompt, continuation).map_err(|mut e| {
+            e.message = format!("the server gives no prompt log-probabilities (echo or prompt_logprobs), and forcing tokens failed too: {}", e.message);
+            e
+        })?;
+        self.remember(ContinuationMethod::Forced);
+        Ok(r)
+    }
+
+    /// One method; `None` when the server's reply shows it does not support it.
+    fn by(&self, m: ContinuationMethod, prompt: &str, continuation: &str) -> Result<Option<Value>, ApiError> {
+        match m {
+            ContinuationMethod::Echo => self.by_echo(prompt, continuation),
+            ContinuationMethod::PromptLogprobs => self.by_prompt_logprobs(prompt, continuation),
+            ContinuationMethod::Forced => self.by_forcing(prompt, continuation).map(Some),
+        }
     }
 
     fn remember(&self, m: ContinuationMethod) {
@@ -322,6 +334,29 @@ impl OpenAi {
         }
         let (logprob, n) = logprobs::continuation_from_echo(&tokens, prompt_chars, end).map_err(|m| ApiError::new(ErrorKind::BadReply, m))?;
         Ok(Some(json!({"logprob": logprob, "tokens": n, "method": ContinuationMethod::Echo.name(), "cached": cached})))
+    }
+
+    /// vLLM's `prompt_logprobs`: one `/v1/completions` of prompt + continuation, whose reply
+    /// lists, per prompt token, a map from token id to log-probability that always holds the
+    /// prompt's own token. vLLM's `/tokenize` of the prompt and of the whole text says which
+    /// positions are the continuation and which id to read at each (the decoded token strings
+    /// are not used: their spelling changed between vLLM versions). `None` when the reply has
+    /// no `prompt_logprobs` (the server ignored the parameter).
+    fn by_prompt_logprobs(&self, prompt: &str, continuation: &str) -> Result<Option<Value>, ApiError> {
+        let full = format!("{prompt}{continuation}");
+        let body = json!({"model": self.model, "prompt": full, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0});
+        let (reply, cached) = self.http.post("/v1/completions", &body)?;
+        let Some(positions) = reply["choices"][0]["prompt_logprobs"].as_array() else { return Ok(None) };
+        let ids = |text: &str| -> Result<Vec<i64>, ApiError> {
+            let (r, _) = self.http.post("/tokenize", &json!({"model": self.model, "prompt": text}))?;
+            r["tokens"]
+                .as_array()
+                .and_then(|a| a.iter().map(Value::as_i64).collect::<Option<Vec<_>>>())
+                .ok_or_else(|| ApiError::new(ErrorKind::BadReply, format!("/tokenize answered without token ids: {}", short(&r))))
+        };
+        let (prompt_ids, full_ids) = (ids(prompt)?, ids(&full)?);
+        let (logprob, n) = logprobs::continuation_from_prompt_logprobs(positions, &prompt_ids, &full_ids).map_err(|m| ApiError::new(ErrorKind::BadReply, m))?;
+        Ok(Some(json!({"logprob": logprob, "tokens": n, "method": ContinuationMethod::PromptLogprobs.name(), "cached": cached})))
     }
 
     /// llama.cpp: tokenize, then one `/completion` per continuation token with that token

@@ -5,6 +5,8 @@
 //!   echoes the prompt's tokens with `echo: true`).
 //! - The chat shape: `choices[0].logprobs.content = [{token, logprob, top_logprobs: [{token,
 //!   logprob}]}]`, which llama.cpp and Ollama return even from `/v1/completions`.
+//! - vLLM's `prompt_logprobs`: `choices[0].prompt_logprobs = [null, {"<token id>": {logprob,
+//!   rank, decoded_token}}, ...]`, one entry per prompt token, each holding that token.
 //! - llama.cpp's native `/completion`: `completion_probabilities = [{id, token, logprob,
 //!   top_logprobs}]`.
 
@@ -150,6 +152,31 @@ pub fn continuation_from_echo(tokens: &[(String, Option<f64>, usize)], prompt_ch
     Ok((sum, n))
 }
 
+/// log P(continuation | prompt) from vLLM's `prompt_logprobs` (one entry per token of the whole
+/// text, the first null): the sum, over the positions past the prompt's own tokens, of the
+/// log-probability of the token the whole text has there. Fails when the whole text's tokens
+/// do not start with the prompt's (a token straddles the boundary) or the lengths disagree.
+pub fn continuation_from_prompt_logprobs(positions: &[Value], prompt_ids: &[i64], full_ids: &[i64]) -> Result<(f64, usize), String> {
+    if positions.len() != full_ids.len() {
+        return Err(format!("prompt_logprobs lists {} positions, but /tokenize makes {} tokens of the text", positions.len(), full_ids.len()));
+    }
+    if !full_ids.starts_with(prompt_ids) {
+        return Err("the text's tokens do not start with the prompt's: a token spans the end of the prompt; end the prompt on a token boundary (e.g. before a space)".into());
+    }
+    if full_ids.len() == prompt_ids.len() {
+        return Err("the continuation adds no token".into());
+    }
+    let mut sum = 0.0;
+    for (i, id) in full_ids.iter().enumerate().skip(prompt_ids.len()) {
+        let entry = &positions[i][id.to_string()];
+        sum += entry["logprob"]
+            .as_f64()
+            .or_else(|| entry.as_f64())
+            .ok_or_else(|| format!("prompt_logprobs position {i} has no log-probability for token {id}"))?;
+    }
+    Ok((sum, full_ids.len() - prompt_ids.len()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -198,5 +225,22 @@ mod tests {
         let t = echoed_tokens(&r).unwrap();
         assert_eq!(continuation_from_echo(&t, 14, 21).unwrap(), (-2.25, 2));
         assert!(continuation_from_echo(&t, 16, 21).is_err(), "a token across the boundary is refused");
+    }
+
+    #[test]
+    fn sums_the_continuation_from_prompt_logprobs() {
+        // vLLM's shape: a map per position keyed by token id, the prompt's own token included
+        // (here with a top-1 alternative beside it).
+        let positions = json!([null,
+            {"791": {"logprob": -5.0, "rank": 40, "decoded_token": " capital"}, "13": {"logprob": -1.0, "rank": 1, "decoded_token": ","}},
+            {"374": {"logprob": -1.0, "rank": 1, "decoded_token": " is"}},
+            {"41395": {"logprob": -2.0, "rank": 3, "decoded_token": " Lis"}, "12366": {"logprob": -0.5, "rank": 1, "decoded_token": " Paris"}},
+            {"9186": {"logprob": -0.25, "rank": 1, "decoded_token": "bon"}}]);
+        let positions = positions.as_array().unwrap();
+        let full = [464, 791, 374, 41395, 9186];
+        assert_eq!(continuation_from_prompt_logprobs(positions, &full[..3], &full).unwrap(), (-2.25, 2));
+        assert!(continuation_from_prompt_logprobs(positions, &[464, 791, 999], &full).unwrap_err().contains("spans the end"));
+        assert!(continuation_from_prompt_logprobs(&positions[..4], &full[..3], &full).unwrap_err().contains("4 positions"));
+        assert!(continuation_from_prompt_logprobs(positions, &full, &full).is_err());
     }
 }
