@@ -58,23 +58,4 @@ for task in mc shortqa; do
     done
 done
 
-python3 - "$OUT" <<'PY' | tee "$OUT/table.md"
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-names = {"none": "closed book", "bm25": "BM25, k = 3", "minilm": "MiniLM, k = 3"}
-for task in ["mc", "shortqa"]:
-    rows = [(r, json.loads((out / f"{task}-{r}.summary.json").read_text())) for r in names if (out / f"{task}-{r}.summary.json").exists()]
-    if not rows:
-        continue
-    subjects = sorted(rows[0][1]["accuracy"]["per_subject"])
-    model = rows[0][1].get("model") or "the server's model"
-    print(f"\n**{task}** (mini-KILT dev; model {model} at {rows[0][1].get('base_url', '?')})\n")
-    cols = subjects + (["macro"] if len(subjects) > 1 else [])
-    print("| passages | items | failed | " + " | ".join(cols) + " |")
-    print("|---|---:|---:|" + "---:|" * len(cols))
-    for r, s in rows:
-        acc = s["accuracy"]
-        cells = [f'{acc["per_subject"][x]["accuracy"]:.3f}' for x in subjects] + ([f'{acc["macro"]:.3f}'] if len(subjects) > 1 else [])
-        print(f"| {names[r]} | {s['items']} | {s['failed']} | " + " | ".join(cells) + " |")
-PY
+scripts/experiments/augment_table.py "$OUT" "$D" | tee "$OUT/table.md"

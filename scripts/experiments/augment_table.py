@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""The accuracy tables of scripts/experiments/augment_minikilt.sh (docs/RESULTS.md).
+
+    scripts/experiments/augment_table.py runs/augment [data/minikilt]
+
+Reads OUT/TASK-RETRIEVER.summary.json for the accuracy tables. For short answers it also
+reads the records and the corpus to show where passages can move a small model at all: the
+questions whose retrieved passages hold a gold alias (by the same containment rule the
+answers are scored with), their accuracy with and without passages, and how many answers
+are copied from the passages (an answer of three or more characters found in them).
+"""
+import json
+import sys
+from pathlib import Path
+
+NAMES = {"none": "closed book", "bm25": "BM25, k = 3", "minilm": "MiniLM, k = 3"}
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def accuracy_tables(out):
+    for task in ["mc", "shortqa"]:
+        rows = []
+        for r in NAMES:
+            p = out / f"{task}-{r}.summary.json"
+            if p.exists() and p.stat().st_size > 0:
+                rows.append((r, json.loads(p.read_text())))
+        if not rows:
+            continue
+        subjects = sorted(rows[0][1]["accuracy"]["per_subject"])
+        model = rows[0][1].get("model") or "the server's model"
+        print(f"\n**{task}** (mini-KILT dev; model {model} at {rows[0][1].get('base_url', '?')})\n")
+        cols = subjects + (["macro"] if len(subjects) > 1 else [])
+        print("| passages | items | failed | " + " | ".join(cols) + " |")
+        print("|---|---:|---:|" + "---:|" * len(cols))
+        for r, s in rows:
+            acc = s["accuracy"]
+            cells = [f'{acc["per_subject"][x]["accuracy"]:.3f}' for x in subjects]
+            if len(subjects) > 1:
+                cells.append(f'{acc["macro"]:.3f}')
+            print(f"| {NAMES[r]} | {s['items']} | {s['failed']} | " + " | ".join(cells) + " |")
+
+
+def passage_analysis(out, data):
+    closed_path = out / "shortqa-none.jsonl"
+    if not closed_path.exists():
+        return
+    closed = {r["_id"]: r for r in read_jsonl(closed_path)}
+    aliases = {q["_id"]: [a.strip().lower() for a in q["answers"] if a.strip()] for q in read_jsonl(data / "shortqa/dev.jsonl")}
+    wanted = set()
+    runs = {}
+    for r in ["bm25", "minilm"]:
+        p = out / f"shortqa-{r}.jsonl"
+        if p.exists():
+            runs[r] = [x for x in read_jsonl(p) if x["error"] is None and x["_id"] in closed]
+            wanted.update(pid for x in runs[r] for pid in x["passages"])
+    if not runs:
+        return
+    text = {}
+    with open(data / "corpus.jsonl", encoding="utf-8") as f:
+        for line in f:
+            p = json.loads(line)
+            if p["_id"] in wanted:
+                text[p["_id"]] = f'{p.get("title", "")}\n{p["text"]}'.lower()
+    print("\n**shortqa, where the passages hold an answer** (same questions, closed book beside)\n")
+    print("| passages | answered | passages hold an alias | accuracy there, with passages | closed book on them | answers copied from passages | copied and right | closed book right on those |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r, recs in runs.items():
+        hold = with_acc = closed_acc = copied = copied_right = copied_closed = 0
+        for x in recs:
+            ctx = "\n".join(text.get(pid, "") for pid in x["passages"])
+            ans = (x.get("answer") or "").strip().lower().rstrip(".")
+            if len(ans) >= 3 and ans in ctx:
+                copied += 1
+                copied_right += bool(x["correct"])
+                copied_closed += bool(closed[x["_id"]]["correct"])
+            if any(a in ctx for a in aliases.get(x["_id"], [])):
+                hold += 1
+                with_acc += bool(x["correct"])
+                closed_acc += bool(closed[x["_id"]]["correct"])
+        n = len(recs)
+        frac = lambda a, b: f"{a / b:.3f}" if b else "-"
+        print(f"| {NAMES[r]} | {n} | {hold} ({frac(hold, n)}) | {frac(with_acc, hold)} | {frac(closed_acc, hold)} | {copied} | {copied_right} | {copied_closed} |")
+
+
+def main():
+    out = Path(sys.argv[1])
+    data = Path(sys.argv[2] if len(sys.argv) > 2 else "data/minikilt")
+    accuracy_tables(out)
+    passage_analysis(out, data)
+
+
+if __name__ == "__main__":
+    main()
