@@ -10,16 +10,20 @@
 //!
 //! Nothing of size `T·P` is held besides `M`: each task is folded in as it arrives.
 //! - `exact`: the weights come from this step's `M`. `M_t` depends on task t alone, so it is
-//!   final when `G_t` arrives, and `Σ_t e^{M_t/τ} G_t / Σ_t e^{M_t/τ}` is accumulated online as
-//!   in a streaming softmax: a running log-denominator `L` and a running weighted mean `N`;
-//!   a task arriving rescales `N` by `e^{L_old − L_new}` and adds `e^{M_t/τ − L_new} G_t`.
+//!   final when `G_t` arrives, and `N = Σ_t e^{M_t/τ} G_t / Σ_t e^{M_t/τ}` is accumulated
+//!   online as in a streaming softmax: a task arriving rescales `N` by `e^{L_before − L_after}`
+//!   and adds `e^{M_t/τ − L_after} G_t`, where `L` is the log-denominator over the tasks in so
+//!   far. `L` is not kept: it is recomputed from those tasks' rows of `M`, which are final.
 //! - `lean`: the weights come from the previous step's `M` (a one-step lag): `L` is that `M`'s
-//!   log-denominator, computed once at the start of the step, and each task adds
-//!   `e^{M_t/τ − L} G_t` before updating its `M_t`.
+//!   log-denominator, computed at the start of the step and kept (rows of `M` change as tasks
+//!   arrive, so it cannot be recomputed), and each task adds `e^{M_t/τ − L} G_t` before
+//!   updating its `M_t`.
 //!
-//! Both hold `M` (`T·P`), `N` and `L` (`2·P`) and per-parameter temporaries; burn-in holds the
-//! plain sum instead. The median is found by two counting passes over the float bit patterns
-//! (non-negative floats order as their bits), never concatenating the `P` sensitivities.
+//! So the exact form holds `M` and `N` (`(T+1)·P`), the lean one `L` too (`(T+2)·P`); burn-in
+//! holds the plain sum instead of `N`. All arithmetic runs over chunks of at most `CHUNK`
+//! elements, so temporaries stay small next to `P`. The median is found by two counting
+//! passes over the float bit patterns (non-negative floats order as their bits), never
+//! concatenating the `P` sensitivities.
 
 use super::{clip_grad_norm, AdamW, AdamWConfig};
 use crate::plugin::StepContext;
@@ -79,9 +83,9 @@ struct Step {
     arrived: Vec<bool>,
     /// Burn-in: the plain sum of the task gradients.
     plain: BTreeMap<String, Tensor>,
-    /// After burn-in: `N`, the running softmax-weighted mean of the task gradients, and `L`,
-    /// the running (exact) or previous step's (lean) log-denominator, per parameter.
+    /// After burn-in: `N`, the running softmax-weighted mean of the task gradients, flat.
     weighted: BTreeMap<String, Tensor>,
+    /// Lean form only: the previous step's log-denominator `L`, flat.
     log_denominator: BTreeMap<String, Tensor>,
     saw_nan: bool,
     /// Each task's sensitivity median this step (for the log: a median near 0, when most
@@ -98,17 +102,6 @@ pub struct TSage {
     /// `M` per parameter: `[T, ..shape]`.
     momentum: BTreeMap<String, Tensor>,
     step: Option<Step>,
-}
-
-fn add_into(sum: &mut BTreeMap<String, Tensor>, name: &str, g: &Tensor) {
-    match sum.get_mut(name) {
-        Some(s) => {
-            let _ = s.g_add_(g);
-        }
-        None => {
-            sum.insert(name.to_string(), g.copy());
-        }
-    }
 }
 
 impl crate::plugin::Optimizer for TSage {
@@ -129,31 +122,35 @@ impl crate::plugin::Optimizer for TSage {
     }
 }
 
-/// One task into the running softmax-weighted mean of `name`: `w` is the task's `M_t / τ`,
-/// `g` its gradient (absent: it only enters the denominator).
-fn fold_online(weighted: &mut BTreeMap<String, Tensor>, log_den: &mut BTreeMap<String, Tensor>, name: &str, w: &Tensor, g: Option<&Tensor>) {
-    let new_den = match log_den.get(name) {
-        Some(old) => {
-            let new = old.logaddexp(w);
-            if let Some(n) = weighted.get_mut(name) {
-                let _ = n.g_mul_(&(old - &new).exp());
-            }
-            new
-        }
-        None => w.copy(),
-    };
-    if let Some(g) = g {
-        let term = (w - &new_den).exp() * g;
-        match weighted.get_mut(name) {
-            Some(n) => {
-                let _ = n.g_add_(&term);
-            }
-            None => {
-                weighted.insert(name.to_string(), term);
-            }
-        }
-    }
-    log_den.insert(name.to_string(), new_den);
+/// Elements per chunk of the element-wise arithmetic: temporaries are a few chunks (times
+/// `T` for the rows of `M`), not a few copies of the largest parameter. Tests use a tiny
+/// chunk, so that their parameters span several chunks and a partial last one.
+const CHUNK: i64 = if cfg!(test) { 5 } else { 1 << 18 };
+
+/// `(start, len)` of each chunk of a flat tensor of `n` elements.
+fn chunks(n: i64) -> impl Iterator<Item = (i64, i64)> {
+    (0..n).step_by(CHUNK as usize).map(move |s| (s, CHUNK.min(n - s)))
+}
+
+/// A tensor as one flat row (a view of it: parameters, gradients and `M` are contiguous).
+fn flat_view(x: &Tensor) -> Tensor {
+    x.reshape([-1])
+}
+
+/// The rows of `M` to sum over, as an index tensor on `device` (made once per call site, not
+/// per chunk).
+fn row_index(rows: &[i64], device: tch::Device) -> Tensor {
+    Tensor::from_slice(rows).to_device(device)
+}
+
+/// The log-denominator `log Σ_{s ∈ rows} e^{M_s/τ}` of one chunk of `M` (`[T, len]`).
+fn log_sum_exp_rows(m: &Tensor, rows: &Tensor, tau: f64) -> Tensor {
+    (m.index_select(0, rows) / tau).logsumexp([0i64].as_slice(), false)
+}
+
+/// `N`'s chunk, made on first use (zero: nothing folded in yet).
+fn weighted_chunk(weighted: &mut BTreeMap<String, Tensor>, name: &str, numel: i64, device: tch::Device, start: i64, len: i64) -> Tensor {
+    weighted.entry(name.to_string()).or_insert_with(|| Tensor::zeros([numel], (Kind::Float, device))).narrow(0, start, len)
 }
 
 /// The lower median (`torch.median`'s) of non-negative, finite values handed over chunk by
@@ -163,24 +160,31 @@ fn fold_online(weighted: &mut BTreeMap<String, Tensor>, log_den: &mut BTreeMap<S
 fn streaming_lower_median(chunks: &dyn Fn(&mut dyn FnMut(&Tensor)), zeros: i64, skip_zeros: bool) -> f64 {
     const BINS: i64 = 1 << 16;
     let bits = |x: &Tensor| x.to_kind(Kind::Float).contiguous().view_dtype(Kind::Int).flatten(0, -1);
+    // Counts stay on the chunks' device and come to the host once per pass: no sync per chunk.
     let count = |select_high: Option<i64>| -> Vec<i64> {
-        let mut hist = vec![0i64; BINS as usize];
-        let mut zeros_seen = 0i64;
+        let mut hist: Option<Tensor> = None;
+        let mut zeros_seen: Option<Tensor> = None;
         chunks(&mut |x: &Tensor| {
             let b = bits(x);
-            zeros_seen += b.eq(0).sum(Kind::Int64).int64_value(&[]);
+            let z = b.eq(0).sum(Kind::Int64);
+            zeros_seen = Some(match zeros_seen.take() {
+                Some(total) => total + z,
+                None => z,
+            });
             let keys = match select_high {
                 None => b.bitwise_right_shift_tensor_scalar(16),
                 Some(high) => b.masked_select(&b.bitwise_right_shift_tensor_scalar(16).eq(high)).bitwise_and(0xFFFF),
             };
-            if keys.numel() == 0 {
-                return;
-            }
-            let c: Vec<i64> = Vec::try_from(keys.to_kind(Kind::Int64).bincount::<Tensor>(None, BINS)).unwrap_or_default();
-            for (h, v) in hist.iter_mut().zip(c) {
-                *h += v;
+            let c = keys.to_kind(Kind::Int64).bincount::<Tensor>(None, BINS);
+            match hist.as_mut() {
+                Some(h) => {
+                    let _ = h.g_add_(&c);
+                }
+                None => hist = Some(c),
             }
         });
+        let mut hist: Vec<i64> = hist.and_then(|h| Vec::try_from(h).ok()).unwrap_or_else(|| vec![0; BINS as usize]);
+        let zeros_seen = zeros_seen.map_or(0, |z| z.int64_value(&[]));
         // Zeros have bit pattern 0: bin 0 of the first pass, and of the second inside bin 0.
         if select_high.is_none_or(|h| h == 0) {
             hist[0] += if skip_zeros { -zeros_seen } else { zeros };
@@ -228,15 +232,39 @@ impl TSage {
         let t = self.tasks.len() as i64;
         let _guard = tch::no_grad_guard();
         for (name, p) in &params {
-            self.momentum.entry(name.clone()).or_insert_with(|| {
-                let mut shape = vec![t];
-                shape.extend(p.size());
-                Tensor::zeros(shape, (Kind::Float, p.device()))
-            });
+            let mut shape = vec![t];
+            shape.extend(p.size());
+            match self.momentum.get_mut(name) {
+                // Loaded from a checkpoint: on the CPU, and from whatever model wrote it.
+                Some(m) => {
+                    if m.size() != shape {
+                        bail!("tsage: the momentum of {name} has shape {:?}, the parameter needs {shape:?} (a checkpoint of another model or task list?)", m.size());
+                    }
+                    if m.device() != p.device() {
+                        *m = m.to_device(p.device());
+                    }
+                }
+                None => {
+                    self.momentum.insert(name.clone(), Tensor::zeros(shape, (Kind::Float, p.device())));
+                }
+            }
         }
         let burn_in = ctx.step < ctx.warmup_steps;
         let log_denominator = match self.config.form {
-            Form::Lean if !burn_in => params.iter().map(|(n, _)| (n.clone(), (&self.momentum[n] / self.config.tau).logsumexp([0i64].as_slice(), false))).collect(),
+            Form::Lean if !burn_in => {
+                params
+                    .iter()
+                    .map(|(n, p)| {
+                        let all = row_index(&(0..t).collect::<Vec<_>>(), p.device());
+                        let m = self.momentum[n].view([t, -1]);
+                        let l = Tensor::empty([p.numel() as i64], (Kind::Float, p.device()));
+                        for (start, len) in chunks(p.numel() as i64) {
+                            l.narrow(0, start, len).copy_(&log_sum_exp_rows(&m.narrow(1, start, len), &all, self.config.tau));
+                        }
+                        (n.clone(), l)
+                    })
+                    .collect()
+            }
             _ => BTreeMap::new(),
         };
         self.step = Some(Step {
@@ -270,7 +298,7 @@ impl TSage {
             step.saw_nan = true;
             return Ok(());
         }
-        let sensitivity = |name: &str, theta: &Tensor| grads.get(name).map(|g| (theta.to_kind(Kind::Float) * g.to_kind(Kind::Float)).abs());
+        let sensitivity = |theta: &Tensor, g: &Tensor| (theta.to_kind(Kind::Float) * g.to_kind(Kind::Float)).abs();
         let scale = if self.config.median_normalise {
             // One global median over all P elements; parameters without gradient count as 0
             // (or, with `median_of = nonzero`, not at all).
@@ -278,8 +306,11 @@ impl TSage {
             let median = streaming_lower_median(
                 &|visit: &mut dyn FnMut(&Tensor)| {
                     for (name, theta) in &step.params {
-                        if let Some(s) = sensitivity(name, theta) {
-                            visit(&s);
+                        if let Some(g) = grads.get(name) {
+                            let (theta, g) = (flat_view(theta), flat_view(g));
+                            for (start, len) in chunks(theta.numel() as i64) {
+                                visit(&sensitivity(&theta.narrow(0, start, len), &g.narrow(0, start, len)));
+                            }
                         }
                     }
                 },
@@ -292,27 +323,49 @@ impl TSage {
             1.0
         };
         let (beta, tau) = (self.config.beta, self.config.tau);
+        let tasks = self.tasks.len() as i64;
+        let t = t as i64;
+        // The exact form's softmax runs over the tasks in so far: before and after this one.
+        let before: Vec<i64> = (0..tasks).filter(|&u| step.arrived[u as usize] && u != t).collect();
+        let after: Vec<i64> = (0..tasks).filter(|&u| step.arrived[u as usize]).collect();
+        let device = step.params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
+        let (before, after) = (row_index(&before, device), row_index(&after, device));
         for (name, theta) in &step.params {
-            let g = grads.get(name).map(|g| g.to_kind(Kind::Float));
-            let m = self.momentum.get_mut(name).expect("made in begin_step");
-            let mut m_t = m.get(t as i64);
+            let n = theta.numel() as i64;
+            let (theta, g) = (flat_view(theta), grads.get(name).map(flat_view));
             if step.burn_in {
                 if let Some(g) = &g {
-                    add_into(&mut step.plain, name, g);
-                }
-            } else if self.config.form == Form::Lean {
-                if let Some(g) = &g {
-                    // Weights from the previous step's M (this task's row is not updated yet).
-                    let a_t = (&m_t / tau - &step.log_denominator[name]).exp();
-                    add_into(&mut step.weighted, name, &(a_t * g));
+                    let sum = step.plain.entry(name.clone()).or_insert_with(|| Tensor::zeros([n], (Kind::Float, theta.device())));
+                    let _ = sum.g_add_(g);
                 }
             }
-            let _ = m_t.g_mul_scalar_(beta);
-            if let Some(s) = sensitivity(name, theta) {
-                let _ = m_t.g_add_(&(s * ((1.0 - beta) * scale)));
-            }
-            if !step.burn_in && self.config.form == Form::Exact {
-                fold_online(&mut step.weighted, &mut step.log_denominator, name, &(&m_t / tau), g.as_ref());
+            let m = self.momentum.get_mut(name).expect("made in begin_step").view([tasks, -1]);
+            for (start, len) in chunks(n) {
+                let m_c = m.narrow(1, start, len);
+                let mut m_t = m_c.get(t);
+                let g_c = g.as_ref().map(|g| g.narrow(0, start, len).to_kind(Kind::Float));
+                if !step.burn_in && self.config.form == Form::Lean {
+                    if let Some(g_c) = &g_c {
+                        // Weights from the previous step's M (this task's row is not updated yet).
+                        let a_t = (&m_t / tau - step.log_denominator[name].narrow(0, start, len)).exp();
+                        let _ = weighted_chunk(&mut step.weighted, name, n, theta.device(), start, len).g_add_(&(a_t * g_c));
+                    }
+                }
+                let _ = m_t.g_mul_scalar_(beta);
+                if let Some(g_c) = &g_c {
+                    let _ = m_t.g_add_(&(sensitivity(&theta.narrow(0, start, len), g_c) * ((1.0 - beta) * scale)));
+                }
+                if !step.burn_in && self.config.form == Form::Exact {
+                    let l_after = log_sum_exp_rows(&m_c, &after, tau);
+                    let has_n = step.weighted.contains_key(name.as_str());
+                    if has_n && before.numel() > 0 {
+                        let l_before = log_sum_exp_rows(&m_c, &before, tau);
+                        let _ = step.weighted[name.as_str()].narrow(0, start, len).g_mul_(&(l_before - &l_after).exp());
+                    }
+                    if let Some(g_c) = &g_c {
+                        let _ = weighted_chunk(&mut step.weighted, name, n, theta.device(), start, len).g_add_(&((&m_t / tau - &l_after).exp() * g_c));
+                    }
+                }
             }
         }
         Ok(())
@@ -324,26 +377,50 @@ impl TSage {
         if step.saw_nan {
             return Ok(serde_json::json!({"grad_norm": null, "burn_in": burn_in, "nan_skipped": true, "sensitivity_medians": step.medians}));
         }
-        let t = self.tasks.len() as f64;
-        let div = if self.config.divide_by_tasks { t } else { 1.0 };
         let _guard = tch::no_grad_guard();
-        let mut combined = if burn_in {
-            std::mem::take(&mut step.plain)
-        } else {
-            if self.config.form == Form::Exact {
-                // Tasks absent from this step (one task per batch) still count in the softmax.
-                for (u, _) in step.arrived.iter().enumerate().filter(|(_, a)| !**a) {
-                    for (name, _) in &step.params {
-                        let w = self.momentum[name].get(u as i64) / self.config.tau;
-                        fold_online(&mut step.weighted, &mut step.log_denominator, name, &w, None);
-                    }
-                }
-            }
-            step.weighted.into_iter().map(|(n, g)| (n, g / div)).collect()
-        };
+        let mut combined = self.combined_gradient(&mut step);
         let norm = step.ctx.max_grad_norm.map(|max| clip_grad_norm(&mut combined, max));
         self.adam.step(&step.params, &combined, &step.ctx)?;
         Ok(serde_json::json!({"grad_norm": norm, "burn_in": burn_in, "nan_skipped": false, "sensitivity_medians": step.medians}))
+    }
+
+    /// The step's combined gradient per parameter, in the parameter's shape (before clipping):
+    /// the plain sum during burn-in, else `Σ_t A_t ⊙ G_t / T`.
+    fn combined_gradient(&self, step: &mut Step) -> BTreeMap<String, Tensor> {
+        let burn_in = step.burn_in;
+        let t = self.tasks.len() as f64;
+        let div = if self.config.divide_by_tasks { t } else { 1.0 };
+        let combined = if burn_in {
+            std::mem::take(&mut step.plain)
+        } else {
+            if self.config.form == Form::Exact && step.arrived.iter().any(|a| !a) {
+                // Tasks absent from this step (one task per batch) still count in the softmax.
+                let tasks = self.tasks.len() as i64;
+                let arrived: Vec<i64> = (0..tasks).filter(|&u| step.arrived[u as usize]).collect();
+                let all: Vec<i64> = (0..tasks).collect();
+                for (name, n) in step.weighted.iter_mut() {
+                    let (arrived, all) = (row_index(&arrived, n.device()), row_index(&all, n.device()));
+                    let m = self.momentum[name].view([tasks, -1]);
+                    for (start, len) in chunks(n.numel() as i64) {
+                        let m_c = m.narrow(1, start, len);
+                        let _ = n.narrow(0, start, len).g_mul_(&(log_sum_exp_rows(&m_c, &arrived, self.config.tau) - log_sum_exp_rows(&m_c, &all, self.config.tau)).exp());
+                    }
+                }
+            }
+            std::mem::take(&mut step.weighted)
+        };
+        // Back to each parameter's shape, divided by T in place.
+        let shapes: BTreeMap<&str, Vec<i64>> = step.params.iter().map(|(n, p)| (n.as_str(), p.size())).collect();
+        combined
+            .into_iter()
+            .map(|(n, mut g)| {
+                if !burn_in && div != 1.0 {
+                    let _ = g.g_div_scalar_(div);
+                }
+                let shaped = g.view(shapes[n.as_str()].as_slice());
+                (n, shaped)
+            })
+            .collect()
     }
 
     /// AdamW's state, then `momentum/NAME` (`[T, ..shape]`, rows in the step context's task
@@ -386,12 +463,25 @@ mod tests {
         !one || step as usize % 2 == t
     }
 
-    fn dense_reference(form: Form, median_of: MedianOf, one: bool, steps: u64, warmup: u64, max_norm: Option<f64>) -> Tensor {
-        let cfg = TSageConfig { form, median_of, ..Default::default() };
+    /// What a run did: the final flat weights and (runs without AdamW) each step's combined
+    /// gradient, flat, before clipping.
+    struct Run {
+        theta: Tensor,
+        combined: Vec<Tensor>,
+    }
+
+    fn config(form: Form, median_of: MedianOf, beta: f64, tau: f64) -> TSageConfig {
+        TSageConfig { form, median_of, beta, tau, ..Default::default() }
+    }
+
+    /// The formulas of REFERENCE §4 on dense `[T, P]` tensors, then (with `adam`) AdamW on the
+    /// flat vector; without it the weights stay as they are.
+    fn dense_reference(cfg: &TSageConfig, one: bool, steps: u64, warmup: u64, max_norm: Option<f64>, adam: bool) -> Run {
         let theta = flat(&params());
         let p = theta.size()[0];
         let mut m = Tensor::zeros([TASKS as i64, p], (Kind::Float, tch::Device::Cpu));
-        let mut adam = AdamW::new(cfg.adamw.clone());
+        let mut opt = AdamW::new(cfg.adamw.clone());
+        let mut seen = Vec::new();
         for step in 0..steps {
             let g = Tensor::stack(
                 &(0..TASKS)
@@ -408,7 +498,7 @@ mod tests {
             let s = (&theta.unsqueeze(0) * &g).abs();
             let mask = Tensor::from_slice(&(0..TASKS).map(|t| present(one, step, t) as i64 as f32).collect::<Vec<_>>()).unsqueeze(1);
             let g = g * &mask;
-            let median = |row: Tensor| match median_of {
+            let median = |row: Tensor| match cfg.median_of {
                 MedianOf::All => lower_median(&row),
                 MedianOf::Nonzero => lower_median(&row.masked_select(&row.gt(0.0))),
             };
@@ -417,38 +507,85 @@ mod tests {
             let a_prev = (&m / cfg.tau).softmax(0, Kind::Float);
             // Absent tasks' rows are not touched.
             m = (&m * cfg.beta + &s * (1.0 - cfg.beta)) * &mask + &m * (1.0 - &mask);
-            let a = if form == Form::Lean { a_prev } else { (&m / cfg.tau).softmax(0, Kind::Float) };
+            let a = if cfg.form == Form::Lean { a_prev } else { (&m / cfg.tau).softmax(0, Kind::Float) };
             let combined = if step < warmup { g.sum_dim_intlist(0, false, Kind::Float) } else { (&a * &g).sum_dim_intlist(0, false, Kind::Float) / TASKS as f64 };
-            let mut gm: BTreeMap<String, Tensor> = [("flat".to_string(), combined)].into();
-            if let Some(max) = max_norm {
-                clip_grad_norm(&mut gm, max);
+            seen.push(combined.copy());
+            if adam {
+                let mut gm: BTreeMap<String, Tensor> = [("flat".to_string(), combined)].into();
+                if let Some(max) = max_norm {
+                    clip_grad_norm(&mut gm, max);
+                }
+                let ctx = StepContext { lr: 0.01, ..Default::default() };
+                opt.step(&[("flat".to_string(), theta.shallow_clone())], &gm, &ctx).unwrap();
             }
-            let ctx = StepContext { lr: 0.01, ..Default::default() };
-            adam.step(&[("flat".to_string(), theta.shallow_clone())], &gm, &ctx).unwrap();
         }
-        theta
+        Run { theta, combined: seen }
     }
 
-    fn ours(form: Form, median_of: MedianOf, one: bool, steps: u64, warmup: u64, max_norm: Option<f64>) -> Tensor {
-        let mut opt = TSage::new(TSageConfig { form, median_of, ..Default::default() }).unwrap();
+    /// The optimizer over the same steps. Tasks arrive in index order, or with `rotate` in an
+    /// order that changes every step (so the task without a gradient for `p2` also comes first).
+    fn ours(cfg: &TSageConfig, one: bool, steps: u64, warmup: u64, max_norm: Option<f64>, adam: bool, rotate: bool) -> Run {
+        let mut opt = TSage::new(cfg.clone()).unwrap();
         let ps = params();
         let tasks: Vec<String> = (0..TASKS).map(|t| format!("task{t}")).collect();
+        let mut seen = Vec::new();
         for step in 0..steps {
             let ctx = StepContext { step, total_steps: steps, warmup_steps: warmup, lr: 0.01, tasks: tasks.clone(), max_grad_norm: max_norm, ..Default::default() };
             opt.begin_step(ps.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), ctx).unwrap();
-            for (t, name) in tasks.iter().enumerate().filter(|(t, _)| present(one, step, *t)) {
+            let mut order: Vec<usize> = (0..TASKS).collect();
+            if rotate {
+                order.rotate_right(step as usize % TASKS);
+            }
+            for t in order.into_iter().filter(|&t| present(one, step, t)) {
                 let lent = grads(step, t);
-                opt.task_gradients(name, lent.iter().map(|(n, g)| (n.clone(), g.shallow_clone())).collect()).unwrap();
+                opt.task_gradients(&tasks[t], lent.iter().map(|(n, g)| (n.clone(), g.shallow_clone())).collect()).unwrap();
                 // The trainer reuses the gradient storage for the next task.
                 for (_, g) in &lent {
                     let _ = g.shallow_clone().zero_();
                 }
             }
-            opt.finish_step().unwrap();
+            if adam {
+                opt.finish_step().unwrap();
+            } else {
+                // What `finish_step` would hand to clipping and AdamW; the weights stay.
+                let mut current = opt.step.take().unwrap();
+                let combined = opt.combined_gradient(&mut current);
+                let full: Vec<(String, Tensor)> =
+                    ps.iter().map(|(n, p)| (n.clone(), combined.get(n).map_or_else(|| Tensor::zeros_like(p), |g| g.copy()))).collect();
+                seen.push(flat(&full));
+            }
         }
-        flat(&ps)
+        Run { theta: flat(&ps), combined: seen }
     }
 
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b).abs().max().double_value(&[])
+    }
+
+    /// The combined gradient of every step against the formulas, with a momentum and a
+    /// temperature that make the task weights far from uniform (β = 0.5, τ = 0.1), tasks
+    /// arriving in a changing order, and one task per step. Compared before AdamW, whose
+    /// update would hide a wrong scale (such as a missing division by T).
+    #[test]
+    fn the_combined_gradient_equals_the_formulas() {
+        for form in [Form::Exact, Form::Lean] {
+            for (warmup, median_of, one) in [(1, MedianOf::All, false), (2, MedianOf::Nonzero, false), (1, MedianOf::All, true), (0, MedianOf::All, true)] {
+                let cfg = config(form, median_of, 0.5, 0.1);
+                let (a, b) = (ours(&cfg, one, 6, warmup, None, false, true), dense_reference(&cfg, one, 6, warmup, None, false));
+                for (step, (x, y)) in a.combined.iter().zip(&b.combined).enumerate() {
+                    let scale = y.abs().max().double_value(&[]);
+                    assert!(max_diff(x, y) <= 1e-6 * scale.max(1.0), "{form:?} {median_of:?} one-at-a-time {one} warmup {warmup} step {step}: {x} vs {y}");
+                }
+                // The weights are far from uniform: the combined gradient is not the plain mean.
+                let last = b.combined.last().unwrap();
+                let plain = dense_grads(5).to_kind(Kind::Float) * Tensor::from_slice(&(0..TASKS).map(|t| present(one, 5, t) as i64 as f32).collect::<Vec<_>>()).unsqueeze(1);
+                let mean = plain.sum_dim_intlist(0, false, Kind::Float) / TASKS as f64;
+                assert!(max_diff(last, &mean) > 0.05, "{form:?}: the test's weights are too close to uniform to tell");
+            }
+        }
+    }
+
+    /// Through clipping and AdamW over several steps, with REFERENCE §4's defaults.
     #[test]
     fn both_forms_equal_the_dense_formulas() {
         for form in [Form::Exact, Form::Lean] {
@@ -459,15 +596,17 @@ mod tests {
                 (1, None, MedianOf::Nonzero, false),
                 (1, None, MedianOf::All, true),
             ] {
-                let (a, b) = (ours(form, median_of, one, 6, warmup, clip), dense_reference(form, median_of, one, 6, warmup, clip));
-                let diff = (&a - &b).abs().max().double_value(&[]);
+                let cfg = config(form, median_of, 0.999, 2.0);
+                let (a, b) = (ours(&cfg, one, 6, warmup, clip, true, false), dense_reference(&cfg, one, 6, warmup, clip, true));
+                let diff = max_diff(&a.theta, &b.theta);
                 assert!(diff < 1e-6, "{form:?} {median_of:?} one-at-a-time {one} warmup {warmup} clip {clip:?}: max diff {diff}");
             }
         }
         // The two forms differ once the weights matter (not during burn-in), and so do the medians.
-        let diff = (&ours(Form::Exact, MedianOf::All, false, 6, 1, None) - &ours(Form::Lean, MedianOf::All, false, 6, 1, None)).abs().max().double_value(&[]);
+        let run = |form, median_of| ours(&config(form, median_of, 0.999, 2.0), false, 6, 1, None, true, false).theta;
+        let diff = max_diff(&run(Form::Exact, MedianOf::All), &run(Form::Lean, MedianOf::All));
         assert!(diff > 1e-7, "exact and lean should differ: {diff}");
-        let diff = (&ours(Form::Exact, MedianOf::All, false, 6, 1, None) - &ours(Form::Exact, MedianOf::Nonzero, false, 6, 1, None)).abs().max().double_value(&[]);
+        let diff = max_diff(&run(Form::Exact, MedianOf::All), &run(Form::Exact, MedianOf::Nonzero));
         assert!(diff > 1e-7, "the two medians should differ here: {diff}");
     }
 
