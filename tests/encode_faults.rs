@@ -51,14 +51,20 @@ fn run_ok(mut cmd: Command) -> String {
     err
 }
 
-/// `out` is complete and holds exactly the bytes of `reference`.
-fn assert_same_output(reference: &Path, out: &Path) {
+/// `out` is marked complete and holds exactly the bytes of `reference`. Its `parts/` may still
+/// exist when the writer was killed after marking it complete: the next run removes them.
+fn assert_same_embeddings(reference: &Path, out: &Path) {
     assert!(out.join("encode.json").exists(), "{}: not marked complete", out.display());
     for name in ["embeddings.npy", "ids.txt"] {
         let read = |path: PathBuf| std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e} (in an output marked complete)", path.display()));
         let (a, b) = (read(reference.join(name)), read(out.join(name)));
         assert!(a == b, "{}: {} bytes differ from the uninterrupted run's {} bytes (or their content does)", out.join(name).display(), b.len(), a.len());
     }
+}
+
+/// After a run that exited successfully: as `assert_same_embeddings`, and no parts are left.
+fn assert_same_output(reference: &Path, out: &Path) {
+    assert_same_embeddings(reference, out);
     assert!(!out.join("parts").exists(), "{}: parts left after completion", out.display());
 }
 
@@ -241,7 +247,7 @@ fn encode_survives_random_kills() {
                     join_kills += joining(&out, spawned) as usize;
                     // Whatever the moment, an output that says it is complete is the right one.
                     if out.join("encode.json").exists() {
-                        assert_same_output(&reference, &out);
+                        assert_same_embeddings(&reference, &out);
                     }
                 }
             }
@@ -291,6 +297,17 @@ fn concurrent_shards_and_relaunches_match_one_run() {
         assert!(!e.contains("parts present"), "a one-shard run exited before the output was complete:\n{e}");
     }
     eprintln!("{}", errs.join("\n---\n"));
+
+    // A run killed after marking its output complete but before removing `parts/` (what a
+    // random kill rarely hits): the next run says the output is complete and removes them.
+    let stale = dir.path().join("stale-parts");
+    copy_dir(&reference, &stale);
+    std::fs::create_dir_all(stale.join("parts")).unwrap();
+    std::fs::write(stale.join("parts").join("part-000000.lock"), b"").unwrap();
+    std::fs::write(stale.join("parts").join("part-000001.npy"), b"torn").unwrap();
+    let err = run_ok(encode_cmd(&model, &corpus, &stale, &args));
+    assert!(err.contains("already complete"), "{err}");
+    assert_same_output(&reference, &stale);
 }
 
 /// Many processes find every part present and try to join at once (shards finishing together,
