@@ -7,7 +7,9 @@ Reads OUT/TASK-RETRIEVER.summary.json for the accuracy tables. For short answers
 reads the records and the corpus to show where passages can move a small model at all: the
 questions whose retrieved passages hold a gold alias (by the same containment rule the
 answers are scored with), their accuracy with and without passages, and how many answers
-are copied from the passages (an answer of three or more characters found in them).
+are copied from the passages (an answer of three or more characters found in them). The
+passages are read whole, as the recipe sends them (`max_chars = 0`); a record whose prompt
+was cut to fit the context (a `warning`) saw less than that.
 """
 import json
 import sys
@@ -17,8 +19,18 @@ NAMES = {"none": "closed book", "bm25": "BM25, k = 3", "minilm": "MiniLM, k = 3"
 
 
 def read_jsonl(path):
+    """The records of a JSON-lines file; a last line torn by a killed writer is left out (as
+    `host augment` itself does when it resumes)."""
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise SystemExit(f"{path}:{i + 1}: not JSON")
+    return records
 
 
 def accuracy_tables(out):
@@ -48,7 +60,8 @@ def passage_analysis(out, data):
     closed_path = out / "shortqa-none.jsonl"
     if not closed_path.exists():
         return
-    closed = {r["_id"]: r for r in read_jsonl(closed_path)}
+    # Questions answered (no error record) in every run compared.
+    closed = {r["_id"]: r for r in read_jsonl(closed_path) if r["error"] is None}
     aliases = {q["_id"]: [a.strip().lower() for a in q["answers"] if a.strip()] for q in read_jsonl(data / "shortqa/dev.jsonl")}
     wanted = set()
     runs = {}

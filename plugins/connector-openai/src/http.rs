@@ -310,7 +310,7 @@ impl Http {
 
     /// A server may quote the request back (a proxy echoing headers, a 401 naming the key):
     /// no message leaves the connector with the key in it.
-    fn scrubbed(&self, mut e: ApiError) -> ApiError {
+    pub fn scrubbed(&self, mut e: ApiError) -> ApiError {
         if let Some(ApiKey(key)) = &self.key {
             if !key.is_empty() && e.message.contains(key.as_str()) {
                 e.message = e.message.replace(key.as_str(), "<api key>");

@@ -205,7 +205,8 @@ impl Connector for OpenAi {
             "stats" => return Ok(self.http.stats.to_json()),
             other => bail!("unknown op {other:?} (known: complete, choice_logprobs, continuation_logprob, stats)"),
         };
-        Ok(out.unwrap_or_else(|e| json!({"error": e.to_json()})))
+        // Replies are quoted into some messages; none may carry the key out.
+        Ok(out.unwrap_or_else(|e| json!({"error": self.http.scrubbed(e).to_json()})))
     }
 }
 
@@ -292,10 +293,18 @@ impl OpenAi {
         }
         // `auto`: the prompt's own log-probabilities cost one request; forcing costs one per
         // continuation token, so it comes last.
+        // A server that refuses a probe's parameter or route (400, 404) or answers it in a shape
+        // of its own does not support that method; other failures (retries exhausted, a
+        // prompt too long) are the item's and end it.
         for m in [ContinuationMethod::Echo, ContinuationMethod::PromptLogprobs] {
-            if let Some(r) = self.by(m, prompt, continuation)? {
-                self.remember(m);
-                return Ok(r);
+            match self.by(m, prompt, continuation) {
+                Ok(Some(r)) => {
+                    self.remember(m);
+                    return Ok(r);
+                }
+                Ok(None) => {}
+                Err(e) if matches!(e.kind, ErrorKind::Rejected | ErrorKind::BadReply) => {}
+                Err(e) => return Err(e),
             }
         }
         let r = self.by_forcing(prompt, continuation).map_err(|mut e| {
@@ -344,7 +353,7 @@ impl OpenAi {
     /// no `prompt_logprobs` (the server ignored the parameter).
     fn by_prompt_logprobs(&self, prompt: &str, continuation: &str) -> Result<Option<Value>, ApiError> {
         let full = format!("{prompt}{continuation}");
-        let body = json!({"model": self.model, "prompt": full, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0});
+        let body = json!({"model": self.model, "prompt": full, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 1});
         let (reply, cached) = self.http.post("/v1/completions", &body)?;
         let Some(positions) = reply["choices"][0]["prompt_logprobs"].as_array() else { return Ok(None) };
         let ids = |text: &str| -> Result<Vec<i64>, ApiError> {
