@@ -108,11 +108,14 @@ impl AdamW {
             if c.weight_decay != 0.0 && !ctx.no_weight_decay.contains(name) {
                 let _ = p.g_mul_scalar_(1.0 - lr * c.weight_decay);
             }
-            let _ = m.exp_avg.g_mul_scalar_(c.beta1);
-            let _ = m.exp_avg.g_add_(&(g * (1.0 - c.beta1)));
+            // As torch.optim.AdamW's single-tensor loop (`lerp_` for the first moment, the
+            // denominator built in place).
+            let _ = m.exp_avg.lerp_(g, 1.0 - c.beta1);
             let _ = m.exp_avg_sq.g_mul_scalar_(c.beta2);
             let _ = m.exp_avg_sq.addcmul_(&(g * (1.0 - c.beta2)), g);
-            let denom = m.exp_avg_sq.sqrt() / bias2.sqrt() + c.eps;
+            let mut denom = m.exp_avg_sq.sqrt();
+            let _ = denom.g_div_scalar_(bias2.sqrt());
+            let _ = denom.g_add_scalar_(c.eps);
             let _ = p.addcdiv_(&(&m.exp_avg * (-lr / bias1)), &denom);
         }
         Ok(())

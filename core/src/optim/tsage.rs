@@ -13,7 +13,8 @@
 //!   final when `G_t` arrives, and `N = Σ_t e^{M_t/τ} G_t / Σ_t e^{M_t/τ}` is accumulated
 //!   online as in a streaming softmax: a task arriving rescales `N` by `e^{L_before − L_after}`
 //!   and adds `e^{M_t/τ − L_after} G_t`, where `L` is the log-denominator over the tasks in so
-//!   far. `L` is not kept: it is recomputed from those tasks' rows of `M`, which are final.
+//!   far; the two factors are `1 − w` and `w` with `w = sigmoid(M_t/τ − L_before)`, one lerp.
+//!   `L_before` is not kept: it is recomputed from those tasks' rows of `M`, which are final.
 //! - `lean`: the weights come from the previous step's `M` (a one-step lag): `L` is that `M`'s
 //!   log-denominator, computed at the start of the step and kept (rows of `M` change as tasks
 //!   arrive, so it cannot be recomputed), and each task adds `e^{M_t/τ − L} G_t` before
@@ -175,7 +176,7 @@ fn streaming_lower_median(chunks: &dyn Fn(&mut dyn FnMut(&Tensor)), zeros: i64, 
                 None => b.bitwise_right_shift_tensor_scalar(16),
                 Some(high) => b.masked_select(&b.bitwise_right_shift_tensor_scalar(16).eq(high)).bitwise_and(0xFFFF),
             };
-            let c = keys.to_kind(Kind::Int64).bincount::<Tensor>(None, BINS);
+            let c = keys.bincount::<Tensor>(None, BINS);
             match hist.as_mut() {
                 Some(h) => {
                     let _ = h.g_add_(&c);
@@ -325,11 +326,10 @@ impl TSage {
         let (beta, tau) = (self.config.beta, self.config.tau);
         let tasks = self.tasks.len() as i64;
         let t = t as i64;
-        // The exact form's softmax runs over the tasks in so far: before and after this one.
+        // The exact form's softmax runs over the tasks in so far: those before this one, then it.
         let before: Vec<i64> = (0..tasks).filter(|&u| step.arrived[u as usize] && u != t).collect();
-        let after: Vec<i64> = (0..tasks).filter(|&u| step.arrived[u as usize]).collect();
         let device = step.params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
-        let (before, after) = (row_index(&before, device), row_index(&after, device));
+        let before = row_index(&before, device);
         for (name, theta) in &step.params {
             let n = theta.numel() as i64;
             let (theta, g) = (flat_view(theta), grads.get(name).map(flat_view));
@@ -356,14 +356,21 @@ impl TSage {
                     let _ = m_t.g_add_(&(sensitivity(&theta.narrow(0, start, len), g_c) * ((1.0 - beta) * scale)));
                 }
                 if !step.burn_in && self.config.form == Form::Exact {
-                    let l_after = log_sum_exp_rows(&m_c, &after, tau);
+                    // With x = M_t/τ: L_after = logaddexp(L_before, x), so the mean so far keeps
+                    // e^{L_before − L_after} = 1 − w and G_t gets e^{x − L_after} = w, where
+                    // w = sigmoid(x − L_before): N ← N + w·(G_t − N). The first task in has w = 1.
                     let has_n = step.weighted.contains_key(name.as_str());
-                    if has_n && before.numel() > 0 {
-                        let l_before = log_sum_exp_rows(&m_c, &before, tau);
-                        let _ = step.weighted[name.as_str()].narrow(0, start, len).g_mul_(&(l_before - &l_after).exp());
-                    }
-                    if let Some(g_c) = &g_c {
-                        let _ = weighted_chunk(&mut step.weighted, name, n, theta.device(), start, len).g_add_(&((&m_t / tau - &l_after).exp() * g_c));
+                    if before.numel() == 0 {
+                        if let Some(g_c) = &g_c {
+                            let _ = weighted_chunk(&mut step.weighted, name, n, theta.device(), start, len).copy_(g_c);
+                        }
+                    } else if has_n || g_c.is_some() {
+                        let w = (&m_t / tau - log_sum_exp_rows(&m_c, &before, tau)).sigmoid();
+                        let mut n_c = weighted_chunk(&mut step.weighted, name, n, theta.device(), start, len);
+                        let _ = match &g_c {
+                            Some(g_c) => n_c.lerp_tensor_(g_c, &w),
+                            None => n_c.g_mul_(&(1.0 - w)),
+                        };
                     }
                 }
             }
