@@ -71,7 +71,8 @@ cmd_build() {
     # Static, server only, no network features: one self-contained binary to cache. Tuned to
     # this CPU, but without AMX: on a VM whose CPU lists AMX (Sapphire Rapids), ggml's AMX
     # matmul died at its first `ldtilecfg` (general protection fault) before the server was
-    # ready; AVX-512 and AVX-VNNI stay.
+    # ready; AVX-512 and AVX-VNNI stay. (gcc lets explicit -mno-* flags win over what
+    # -march=native implies, in either order: the binary holds no `ldtilecfg`.)
     local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     "$work/venv/bin/cmake" -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
         -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" \

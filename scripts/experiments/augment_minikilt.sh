@@ -7,6 +7,7 @@
 #
 #   scripts/experiments/augment_minikilt.sh            # every question (about 1.5 h on 2 cores)
 #   EVERY=4 scripts/experiments/augment_minikilt.sh    # every 4th question of each file
+#   TASKS=shortqa scripts/experiments/augment_minikilt.sh   # one task (default: mc shortqa)
 #
 # Resumable: indexes are built once, `host augment` resumes its results files, and replies
 # are cached. Outputs under $OUT (default runs/augment): TASK-RETRIEVER.jsonl (one record per
@@ -40,7 +41,7 @@ if [[ ! -f $OUT/minilm-flat/index.json ]]; then
     $H index build --kind flat --embeddings "$OUT/minilm-corpus" --output "$OUT/minilm-flat" >/dev/null
 fi
 
-for task in mc shortqa; do
+for task in ${TASKS:-mc shortqa}; do
     for r in none bm25 minilm; do
         case $r in
             none) spec=none ;;

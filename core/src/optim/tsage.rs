@@ -158,11 +158,11 @@ fn weighted_chunk(weighted: &mut BTreeMap<String, Tensor>, name: &str, numel: i6
 /// chunk by `chunks`, plus `zeros` more zeros, without holding them together: non-negative
 /// floats order as their bit patterns, so one pass counts the high 16 bits, a second the low
 /// 16 bits inside the bin holding the median. With `skip_zeros`, zeros do not count.
-fn streaming_lower_median(chunks: &dyn Fn(&mut dyn FnMut(&Tensor)), zeros: i64, skip_zeros: bool) -> f64 {
+fn streaming_lower_median(chunks: &dyn Fn(&mut dyn FnMut(&Tensor)), zeros: i64, skip_zeros: bool) -> Result<f64> {
     const BINS: i64 = 1 << 16;
     let bits = |x: &Tensor| x.to_kind(Kind::Float).contiguous().view_dtype(Kind::Int).flatten(0, -1);
-    // Counts stay on the chunks' device and come to the host once per pass: no sync per chunk.
-    let count = |select_high: Option<i64>| -> Vec<i64> {
+    // Counts stay on the chunks' device and come to the host once per pass, not once per chunk.
+    let count = |select_high: Option<i64>| -> Result<Vec<i64>> {
         let mut hist: Option<Tensor> = None;
         let mut zeros_seen: Option<Tensor> = None;
         chunks(&mut |x: &Tensor| {
@@ -184,13 +184,16 @@ fn streaming_lower_median(chunks: &dyn Fn(&mut dyn FnMut(&Tensor)), zeros: i64, 
                 None => hist = Some(c),
             }
         });
-        let mut hist: Vec<i64> = hist.and_then(|h| Vec::try_from(h).ok()).unwrap_or_else(|| vec![0; BINS as usize]);
+        let mut hist: Vec<i64> = match hist {
+            Some(h) => Vec::try_from(h.to_device(tch::Device::Cpu))?,
+            None => vec![0; BINS as usize],
+        };
         let zeros_seen = zeros_seen.map_or(0, |z| z.int64_value(&[]));
         // Zeros have bit pattern 0: bin 0 of the first pass, and of the second inside bin 0.
         if select_high.is_none_or(|h| h == 0) {
             hist[0] += if skip_zeros { -zeros_seen } else { zeros };
         }
-        hist
+        Ok(hist)
     };
     let nth = |hist: &[i64], rank: i64| -> (usize, i64) {
         let mut seen = 0;
@@ -202,15 +205,15 @@ fn streaming_lower_median(chunks: &dyn Fn(&mut dyn FnMut(&Tensor)), zeros: i64, 
         }
         (hist.len() - 1, 0)
     };
-    let high = count(None);
+    let high = count(None)?;
     let n: i64 = high.iter().sum();
     if n == 0 {
-        return 0.0;
+        return Ok(0.0);
     }
     let (hi, rank) = nth(&high, (n - 1) / 2);
-    let low = count(Some(hi as i64));
+    let low = count(Some(hi as i64))?;
     let (lo, _) = nth(&low, rank);
-    f32::from_bits(((hi as u32) << 16) | lo as u32) as f64
+    Ok(f32::from_bits(((hi as u32) << 16) | lo as u32) as f64)
 }
 
 impl TSage {
@@ -317,7 +320,7 @@ impl TSage {
                 },
                 missing,
                 self.config.median_of == MedianOf::Nonzero,
-            );
+            )?;
             step.medians.insert(task.to_string(), median);
             1.0 / (median + 1e-12)
         } else {
@@ -365,11 +368,12 @@ impl TSage {
                             let _ = weighted_chunk(&mut step.weighted, name, n, theta.device(), start, len).copy_(g_c);
                         }
                     } else if has_n || g_c.is_some() {
-                        let w = (&m_t / tau - log_sum_exp_rows(&m_c, &before, tau)).sigmoid();
+                        let d = &m_t / tau - log_sum_exp_rows(&m_c, &before, tau);
                         let mut n_c = weighted_chunk(&mut step.weighted, name, n, theta.device(), start, len);
                         let _ = match &g_c {
-                            Some(g_c) => n_c.lerp_tensor_(g_c, &w),
-                            None => n_c.g_mul_(&(1.0 - w)),
+                            Some(g_c) => n_c.lerp_tensor_(g_c, &d.sigmoid()),
+                            // 1 − w as sigmoid(−d): exact where w rounds to 1 (d above ~17).
+                            None => n_c.g_mul_(&(-d).sigmoid()),
                         };
                     }
                 }
@@ -629,12 +633,12 @@ mod tests {
             };
             for extra in [0i64, 5, 2000] {
                 let with_extra = Tensor::cat(&[all.shallow_clone(), Tensor::zeros([extra], (Kind::Float, tch::Device::Cpu))], 0);
-                assert_eq!(streaming_lower_median(&chunks, extra, false), lower_median(&with_extra), "seed {seed} extra {extra}");
+                assert_eq!(streaming_lower_median(&chunks, extra, false).unwrap(), lower_median(&with_extra), "seed {seed} extra {extra}");
                 let nonzero = all.masked_select(&all.gt(0.0));
-                assert_eq!(streaming_lower_median(&chunks, extra, true), lower_median(&nonzero), "seed {seed} nonzero");
+                assert_eq!(streaming_lower_median(&chunks, extra, true).unwrap(), lower_median(&nonzero), "seed {seed} nonzero");
             }
         }
-        assert_eq!(streaming_lower_median(&|_: &mut dyn FnMut(&Tensor)| {}, 0, false), 0.0);
+        assert_eq!(streaming_lower_median(&|_: &mut dyn FnMut(&Tensor)| {}, 0, false).unwrap(), 0.0);
     }
 
     /// Most elements without gradient: the median of all is 0 and the scale 1e12. Both forms

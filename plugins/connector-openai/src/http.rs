@@ -57,6 +57,8 @@ impl ErrorKind {
 pub struct ApiError {
     pub kind: ErrorKind,
     pub message: String,
+    /// The HTTP status of a refusal (`Rejected`, `ContextLength`).
+    pub status: Option<u16>,
     /// Token counts a context-overflow answer reported, when it did.
     pub prompt_tokens: Option<u64>,
     pub context_tokens: Option<u64>,
@@ -64,7 +66,7 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        ApiError { kind, message: message.into(), prompt_tokens: None, context_tokens: None }
+        ApiError { kind, message: message.into(), status: None, prompt_tokens: None, context_tokens: None }
     }
 
     pub fn to_json(&self) -> Value {
@@ -311,12 +313,16 @@ impl Http {
     /// A server may quote the request back (a proxy echoing headers, a 401 naming the key):
     /// no message leaves the connector with the key in it.
     pub fn scrubbed(&self, mut e: ApiError) -> ApiError {
-        if let Some(ApiKey(key)) = &self.key {
-            if !key.is_empty() && e.message.contains(key.as_str()) {
-                e.message = e.message.replace(key.as_str(), "<api key>");
-            }
-        }
+        e.message = self.scrub(e.message);
         e
+    }
+
+    /// `text` with every occurrence of the API key replaced.
+    fn scrub(&self, text: String) -> String {
+        match &self.key {
+            Some(ApiKey(key)) if !key.is_empty() && text.contains(key.as_str()) => text.replace(key.as_str(), "<api key>"),
+            _ => text,
+        }
     }
 
     /// Exponential backoff with "equal jitter": half the step fixed, half random, so clients
@@ -353,7 +359,9 @@ impl Http {
         let status = resp.status();
         let after = retry_after(resp.headers());
         let text = match resp.text() {
-            Ok(t) => t,
+            // Scrubbed before anything quotes, truncates or caches it: a key cut in two by a
+            // snippet would no longer be found.
+            Ok(t) => self.scrub(t),
             Err(e) => return Attempt::Retry { why: format!("HTTP {status}, body lost: {}", describe(&e)), after: None },
         };
         if status.is_success() {
@@ -408,6 +416,7 @@ fn classify(status: u16, v: &Value, text: &str) -> ApiError {
         if overflow { ErrorKind::ContextLength } else { ErrorKind::Rejected },
         format!("HTTP {status}: {message}"),
     );
+    e.status = Some(status);
     if overflow {
         e.prompt_tokens = err["n_prompt_tokens"].as_u64();
         e.context_tokens = err["n_ctx"].as_u64();

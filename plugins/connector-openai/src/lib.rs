@@ -293,9 +293,10 @@ impl OpenAi {
         }
         // `auto`: the prompt's own log-probabilities cost one request; forcing costs one per
         // continuation token, so it comes last.
-        // A server that refuses a probe's parameter or route (400, 404) or answers it in a shape
-        // of its own does not support that method; other failures (retries exhausted, a
-        // prompt too long) are the item's and end it.
+        // A server that refuses a probe's parameter or route (400, 404, 405, 422) does not
+        // support that method; any other failure (a bad key, retries exhausted, a prompt too
+        // long, a reply that does not line up with the prompt) is the item's and ends it.
+        let mut refused = Vec::new();
         for m in [ContinuationMethod::Echo, ContinuationMethod::PromptLogprobs] {
             match self.by(m, prompt, continuation) {
                 Ok(Some(r)) => {
@@ -303,12 +304,15 @@ impl OpenAi {
                     return Ok(r);
                 }
                 Ok(None) => {}
-                Err(e) if matches!(e.kind, ErrorKind::Rejected | ErrorKind::BadReply) => {}
+                Err(e) if e.kind == ErrorKind::Rejected && matches!(e.status, Some(400 | 404 | 405 | 422)) => {
+                    refused.push(format!("{} refused: {}", m.name(), e.message));
+                }
                 Err(e) => return Err(e),
             }
         }
         let r = self.by_forcing(prompt, continuation).map_err(|mut e| {
-            e.message = format!("the server gives no prompt log-probabilities (echo or prompt_logprobs), and forcing tokens failed too: {}", e.message);
+            let probes = if refused.is_empty() { String::new() } else { format!(" ({})", refused.join("; ")) };
+            e.message = format!("the server gives no prompt log-probabilities (echo or prompt_logprobs){probes}, and forcing tokens failed too: {}", e.message);
             e
         })?;
         self.remember(ContinuationMethod::Forced);
