@@ -256,6 +256,13 @@ fn prompts_over_the_context_are_cut_from_the_passages_end() {
         assert_eq!(r["method"], "text", "no log-probabilities: the answer is parsed from text");
         assert_eq!(r["passages"].as_array().unwrap().len(), 5);
         assert!(r["answer"].is_string());
+        // A cut record names the passages still shown: a prefix of the retrieved ones, and
+        // fewer than 5 (900 characters hold two of these passages at most).
+        if let Some(shown) = r["passages_shown"].as_array() {
+            assert!(shown.len() < 5 && r["passages"].as_array().unwrap().starts_with(shown), "{r}");
+        } else {
+            assert!(r["warning"].is_null(), "a cut record without passages_shown: {r}");
+        }
     }
     assert!(server.log().iter().filter(|l| l.outcome == "ok").all(|l| l.prompt.chars().count() <= 900));
     assert!(stderr(&out).contains("passages cut"), "a warning on stderr");

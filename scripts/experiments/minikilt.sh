@@ -9,6 +9,11 @@
 # METHOD single-TASK (e.g. single-fever) trains naive.toml on that one task alone and is
 # evaluated on it alone: the "one model per task" row (table.py merges the four).
 #
+# METHOD peer-st is the sentence-transformers peer (scripts/experiments/peer_st.py): the same
+# train splits, with taco-sSEED's BM25 negatives, trained by sentence-transformers' own trainer
+# for as long as `host train` took for taco-sSEED (whole command: negative mining included),
+# then evaluated like the others. Run taco:SEED first.
+#
 # Outputs under $OUT (default runs/minikilt): METHOD-sSEED/ (the run; nothing else is written
 # inside it, so its checkpoint digest stays the same), METHOD-sSEED.eval/ (corpus embeddings,
 # index, TREC runs) and METHOD-sSEED.metrics.json. $HOST picks the binary (default
@@ -25,7 +30,9 @@ mkdir -p "$OUT"
 
 # The recipe file of a method; single-TASK gets naive.toml with its task list cut to TASK.
 recipe_of() {
-    if [[ $1 == single-* ]]; then
+    if [[ $1 == peer-st ]]; then
+        echo configs/minikilt/naive.toml  # only for its encoder, dpr
+    elif [[ $1 == single-* ]]; then
         local f=$OUT/$1.toml
         sed "s/^tasks = .*/tasks = [\"${1#single-}\"]/" configs/minikilt/naive.toml > "$f"
         echo "$f"
@@ -46,6 +53,15 @@ for spec in "$@"; do
     tasks=("${TASKS[@]}")
     [[ $method == single-* ]] && tasks=("${method#single-}")
     echo "== $name ($enc) $(date -u +%H:%M:%S)"
+    if [[ $method == peer-st && ! -f $run/done ]]; then
+        taco=$OUT/taco-s$seed
+        [[ -f $taco/done ]] || { echo "peer-st:$seed needs taco:$seed first" >&2; exit 2; }
+        rm -rf "$run"
+        start=$(date +%s)
+        .venv/bin/python scripts/experiments/peer_st.py --seconds "$(cat "$taco/done")" --seed "$seed" \
+            --negatives "$taco/negatives-episode-0.json" --model $M --data $D --out "$run"
+        echo "$(( $(date +%s) - start ))" > "$run/done"
+    fi
     if [[ ! -f $run/done ]]; then
         resume=()
         compgen -G "$run/checkpoint-*" >/dev/null && resume=(--resume-from-checkpoint latest)

@@ -104,6 +104,22 @@ impl Prepared {
         format!("{}{body}", self.demos)
     }
 
+    /// The ids of the passages a prompt cut to `passage_chars` characters still shows, in
+    /// part or in full (a passage is gone when the cut falls before its first character).
+    pub fn shown_passages(&self, p: &TaskPrompts, passage_chars: usize) -> Vec<&str> {
+        let mut start = 0;
+        let mut shown = Vec::new();
+        for d in &self.passages {
+            if start >= passage_chars {
+                break;
+            }
+            shown.push(d.id.as_str());
+            let rendered = p.passage.render(&[("title", &d.title), ("text", shown_text(p, &d.text))]);
+            start += rendered.chars().count() + p.separator.chars().count();
+        }
+        shown
+    }
+
     /// The prompt for a local reader (the passages go to it apart).
     pub fn reader_prompt(&self, p: &TaskPrompts) -> String {
         let (choices, n, letters) = self.vars(p);
@@ -194,7 +210,12 @@ pub fn ask_connector(conn: &dyn Connector, task: Task, p: &TaskPrompts, item: &P
             }
             return error_record(item, method, format!("{kind}: {message}"), json!({}));
         }
-        let extra = if warnings.is_empty() { json!({}) } else { json!({"warning": warnings.join("; ")}) };
+        // A cut prompt's record says which passages the target still saw (`passages` keeps
+        // every retrieved id, as the prompt digest does).
+        let extra = match limit {
+            None => json!({}),
+            Some(n) => json!({"warning": warnings.join("; "), "passages_shown": item.shown_passages(p, n)}),
+        };
         return match task {
             Task::Mc => mc_record(conn, p, item, &reply, method, limit, extra),
             Task::ShortQa => {
@@ -344,6 +365,17 @@ mod tests {
         );
         assert!(item.prompt(&p, Some(3)).starts_with("Sky\n\nHere's"));
         assert!(item.prompt(&p, Some(0)).starts_with("Here's"));
+        let two = vec![
+            Passage { id: "p1".into(), title: "Sky".into(), text: "The sky is blue.".into() },
+            Passage { id: "p2".into(), title: "Sea".into(), text: "The sea is blue.".into() },
+        ];
+        let item2 = Prepared::new(&p, probe(), two, String::new(), false);
+        // "Sky\nThe sky is blue." is 20 characters, then the separator "\n\n".
+        assert_eq!(item2.shown_passages(&p, 0), Vec::<&str>::new());
+        assert_eq!(item2.shown_passages(&p, 1), vec!["p1"]);
+        assert_eq!(item2.shown_passages(&p, 22), vec!["p1"]);
+        assert_eq!(item2.shown_passages(&p, 23), vec!["p1", "p2"]);
+        assert!(item2.prompt(&p, Some(23)).starts_with("Sky\nThe sky is blue.\n\nS\n\nHere's"));
         let closed = Prepared::new(&p, probe(), vec![], String::new(), false);
         assert_ne!(closed.prompt_sha256, item.prompt_sha256);
     }
