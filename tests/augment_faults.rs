@@ -257,7 +257,7 @@ fn prompts_over_the_context_are_cut_from_the_passages_end() {
         assert_eq!(r["passages"].as_array().unwrap().len(), 5);
         assert!(r["answer"].is_string());
         // A cut record names the passages still shown: a prefix of the retrieved ones, and
-        // fewer than 5 (900 characters hold two of these passages at most).
+        // fewer than 5 (a 900-character prompt holds far fewer of these passages).
         if let Some(shown) = r["passages_shown"].as_array() {
             assert!(shown.len() < 5 && r["passages"].as_array().unwrap().starts_with(shown), "{r}");
         } else {

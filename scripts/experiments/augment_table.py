@@ -7,10 +7,15 @@ Reads OUT/TASK-RETRIEVER.summary.json for the accuracy tables. For short answers
 reads the records and the corpus to show where passages can move a small model at all: the
 questions whose retrieved passages hold a gold alias (by the same containment rule the
 answers are scored with), their accuracy with and without passages, and how many answers
-are copied from the passages (an answer of three or more characters found in them). The
-passages are read whole, as the recipe sends them (`max_chars = 0`); a record whose prompt
-was cut to fit the context (a `warning`) saw less than that.
+are copied from the passages (an answer of three or more characters found in them), and
+how many first lines are empty. The passages are read whole, as the recipe sends them
+(`max_chars = 0`); of a record whose prompt was cut to fit the context only the passages it
+still showed (`passages_shown`) count, the last of them whole. For multiple choice it adds how
+often each run answered the most common letter, how many answers got a floor value for a
+letter missing from the top log-probabilities, and the accuracy of always answering "A".
 """
+import statistics
+from collections import Counter
 import json
 import sys
 from pathlib import Path
@@ -56,6 +61,53 @@ def accuracy_tables(out):
             print(f"| {NAMES[r]} | {s['items']} | {s['failed']} | " + " | ".join(cells) + " |")
 
 
+def shown(record):
+    """The passages a record's prompt showed: all retrieved, unless the prompt was cut."""
+    return record.get("passages_shown", record["passages"])
+
+
+def mc_analysis(out, data):
+    gold = read_jsonl(data / "mc/dev.jsonl")
+    by_subject = {}
+    for q in gold:
+        by_subject.setdefault(q["subject"], []).append(q["answer"] == 0)
+    rows = []
+    for r in NAMES:
+        p = out / f"mc-{r}.jsonl"
+        if p.exists():
+            recs = [x for x in read_jsonl(p) if x["error"] is None]
+            if recs:
+                rows.append((r, recs))
+    if not rows:
+        return
+    counts = ", ".join(f"{k} {len(v)}" for k, v in sorted(by_subject.items()))
+    always_a = statistics.mean(sum(v) / len(v) for v in by_subject.values())
+    print(f"\n**mc, what the answers are** (questions per subject: {counts}; always \"A\": macro {always_a:.3f}, "
+          + ", ".join(f"{k} {sum(v) / len(v):.3f}" for k, v in sorted(by_subject.items())) + ")\n")
+    print("| passages | answered | most common answer | its count | other answers right | floored |")
+    print("|---|---:|---|---:|---:|---:|")
+    for r, recs in rows:
+        letter, n = Counter(x["answer"] for x in recs).most_common(1)[0]
+        others = [x for x in recs if x["answer"] != letter]
+        floored = sum(any(x.get("floored") or []) for x in recs)
+        print(f"| {NAMES[r]} | {len(recs)} | {letter} | {n} | {sum(x['correct'] for x in others)} of {len(others)} | {floored} |")
+
+
+def empty_first_lines(out):
+    rows = []
+    for r in NAMES:
+        p = out / f"shortqa-{r}.jsonl"
+        if p.exists():
+            recs = [x for x in read_jsonl(p) if x["error"] is None]
+            rows.append((r, len(recs), sum(not (x.get("answer") or "").strip() for x in recs)))
+    if rows:
+        print("\n**shortqa, empty first lines** (the answer is the first line; an empty one is wrong)\n")
+        print("| passages | answered | empty first lines |")
+        print("|---|---:|---:|")
+        for r, n, empty in rows:
+            print(f"| {NAMES[r]} | {n} | {empty} |")
+
+
 def passage_analysis(out, data):
     closed_path = out / "shortqa-none.jsonl"
     if not closed_path.exists():
@@ -69,7 +121,7 @@ def passage_analysis(out, data):
         p = out / f"shortqa-{r}.jsonl"
         if p.exists():
             runs[r] = [x for x in read_jsonl(p) if x["error"] is None and x["_id"] in closed]
-            wanted.update(pid for x in runs[r] for pid in x["passages"])
+            wanted.update(pid for x in runs[r] for pid in shown(x))
     if not runs:
         return
     text = {}
@@ -84,7 +136,7 @@ def passage_analysis(out, data):
     for r, recs in runs.items():
         hold = with_acc = closed_acc = copied = copied_right = copied_closed = 0
         for x in recs:
-            ctx = "\n".join(text.get(pid, "") for pid in x["passages"])
+            ctx = "\n".join(text.get(pid, "") for pid in shown(x))
             ans = (x.get("answer") or "").strip().lower().rstrip(".")
             if len(ans) >= 3 and ans in ctx:
                 copied += 1
@@ -103,6 +155,8 @@ def main():
     out = Path(sys.argv[1])
     data = Path(sys.argv[2] if len(sys.argv) > 2 else "data/minikilt")
     accuracy_tables(out)
+    mc_analysis(out, data)
+    empty_first_lines(out)
     passage_analysis(out, data)
 
 

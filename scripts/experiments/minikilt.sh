@@ -11,8 +11,9 @@
 #
 # METHOD peer-st is the sentence-transformers peer (scripts/experiments/peer_st.py): the same
 # train splits, with taco-sSEED's BM25 negatives, trained by sentence-transformers' own trainer
-# for as long as `host train` took for taco-sSEED (whole command: negative mining included),
-# then evaluated like the others. Run taco:SEED first.
+# for as long as `host train` took for taco-sSEED (whole command: negative mining included;
+# only its last session if it was interrupted and resumed: set PEER_SECONDS then), then
+# evaluated like the others. Run taco:SEED first.
 #
 # Outputs under $OUT (default runs/minikilt): METHOD-sSEED/ (the run; nothing else is written
 # inside it, so its checkpoint digest stays the same), METHOD-sSEED.eval/ (corpus embeddings,
@@ -56,9 +57,10 @@ for spec in "$@"; do
     if [[ $method == peer-st && ! -f $run/done ]]; then
         taco=$OUT/taco-s$seed
         [[ -f $taco/done ]] || { echo "peer-st:$seed needs taco:$seed first" >&2; exit 2; }
-        rm -rf "$run"
+        # A retrain starts clean: no earlier model, evaluation, or killed run's temporary.
+        rm -rf "$run" "$OUT/$name.eval" "$OUT/$name.metrics.json" "$OUT/.$name.tmp-"*
         start=$(date +%s)
-        .venv/bin/python scripts/experiments/peer_st.py --seconds "$(cat "$taco/done")" --seed "$seed" \
+        .venv/bin/python scripts/experiments/peer_st.py --seconds "${PEER_SECONDS:-$(cat "$taco/done")}" --seed "$seed" \
             --negatives "$taco/negatives-episode-0.json" --model $M --data $D --out "$run"
         echo "$(( $(date +%s) - start ))" > "$run/done"
     fi

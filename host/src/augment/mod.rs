@@ -381,6 +381,27 @@ mod tests {
     }
 
     #[test]
+    fn shown_passages_are_those_the_cut_prompt_shows() {
+        // Characters, not bytes, and each passage's text already cut to max_chars, as the
+        // prompt has them: each passage shows as "{title}\n" + 4 characters of its text.
+        let cfg: AugmentConfig = toml::from_str("[passages]\nmax_chars = 4\n").unwrap();
+        let p = TaskPrompts::new(&cfg, Task::Mc).unwrap();
+        let d = vec![
+            Passage { id: "p1".into(), title: "Café".into(), text: "Crème brûlée.".into() },
+            Passage { id: "p2".into(), title: "Thé".into(), text: "Vert et chaud.".into() },
+        ];
+        let item = Prepared::new(&p, probe(), d, String::new(), false);
+        assert!(item.prompt(&p, None).starts_with("Café\nCrèm\n\nThé\nVert\n\nHere's"));
+        for n in 0..30 {
+            let (shown, prompt) = (item.shown_passages(&p, n), item.prompt(&p, Some(n)));
+            assert_eq!(shown.contains(&"p1"), prompt.starts_with('C'), "{n}: {shown:?} {prompt:?}");
+            assert_eq!(shown.contains(&"p2"), prompt.starts_with("Café\nCrèm\n\nT"), "{n}: {shown:?} {prompt:?}");
+        }
+        assert_eq!(item.shown_passages(&p, 11), vec!["p1"]);
+        assert_eq!(item.shown_passages(&p, 12), vec!["p1", "p2"]);
+    }
+
+    #[test]
     fn demonstrations_come_first_and_never_the_item_itself() {
         let cfg: AugmentConfig = toml::from_str("[shortqa]\ndemonstrations = 2\ndemonstrations_file = \"demos.jsonl\"\n").unwrap();
         let p = TaskPrompts::new(&cfg, Task::ShortQa).unwrap();
