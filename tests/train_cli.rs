@@ -190,6 +190,15 @@ fn bad_training_inputs_are_clear_errors() {
     assert!(o.status.success(), "{}", stderr(&o));
     let err = stderr(&o);
     assert!(err.contains("dropped 1 queries without a relevant corpus passage") && err.contains("ignored 1 judgements"), "{err}");
+    // Resuming it with another optimizer or encoder setting is refused, naming what changed;
+    // with the same recipe it resumes (and, being finished, has nothing left to do).
+    let resume = ["--max-steps", "1", "--resume-from-checkpoint", "latest"];
+    fails(&run(&mut train_cmd(&recipe, &out, &[&resume[..], &["--optim", "tsage"]].concat())), &["another recipe", "optim: \"adamw\" then, \"tsage\" now"]);
+    let other = dir.path().join("other.toml");
+    std::fs::write(&other, std::fs::read_to_string(&recipe).unwrap().replace("max_length = 64", "max_length = 32")).unwrap();
+    fails(&run(&mut train_cmd(&other, &out, &resume)), &["another recipe", "encoder_settings", "\"max_length\":32"]);
+    let o = run(&mut train_cmd(&recipe, &out, &resume));
+    assert!(o.status.success(), "{}", stderr(&o));
     let out = dir.path().join("out-later");
 
     // An empty passage text named by the training data.

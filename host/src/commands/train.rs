@@ -231,6 +231,8 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
             Resume::At(stage, dir)
         }
     };
+    let base_model = args.model.clone().or(recipe.model.path.clone()).context("no model: give --model or model.path")?;
+    let identity = recipe_identity(&recipe, &encoder_name, &optim_name, &base_model, args.bf16);
     let layout = RunLayout { out: out.clone() };
     match &resume {
         Resume::No => {
@@ -248,14 +250,14 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
                     bail!("{} was started with {earlier} ANCE episodes, this run asks for {episodes}; resume with --ance-episodes {earlier}", out.display());
                 }
             }
+            layout.check_recipe(&identity)?;
             // Resuming inside a stage makes everything after it stale.
             if let Resume::At(stage, _) = &resume {
                 layout.clear_after(*stage, episodes)?;
             }
         }
     }
-    layout.record_episodes(episodes)?;
-    let base_model = args.model.clone().or(recipe.model.path.clone()).context("no model: give --model or model.path")?;
+    layout.record(episodes, &identity)?;
 
     // Data: every task's examples, then hard negatives, then the texts they name.
     let d = &recipe.data;
@@ -433,6 +435,25 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
     Ok(json!({"output_dir": out, "steps": total_steps, "episodes": episodes, "log": stages.last().map(|s| s.join(rak_train::trainer::LOG_FILE))}))
 }
 
+/// What decides a run besides the trainer's own settings (which every checkpoint records and
+/// checks): encoder, optimizer, their settings, the starting model, the data and how negatives
+/// are mined. Kept in `run.json`, so a resume with another recipe is refused instead of
+/// continuing a checkpoint under settings it was not trained with.
+fn recipe_identity(recipe: &Recipe, encoder: &str, optim: &str, base_model: &Path, bf16: bool) -> Value {
+    let path = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()).display().to_string();
+    let (d, t) = (&recipe.data, &recipe.train);
+    json!({
+        "encoder": encoder,
+        "encoder_settings": recipe.model.settings,
+        "bf16": bf16,
+        "optim": optim,
+        "optim_settings": t.optim_settings,
+        "model": path(base_model),
+        "data": {"corpus": path(&d.corpus), "task_dir": path(&d.task_dir), "tasks": d.tasks, "split": d.split, "bm25_index": d.bm25_index.as_deref().map(path)},
+        "negatives": {"bm25_k1": t.bm25_k1, "bm25_b": t.bm25_b, "negative_depth": t.negative_depth, "ance_depth": t.ance_depth, "ance_num_train_epochs": t.ance_num_train_epochs},
+    })
+}
+
 fn report_filled(filled: usize, retriever: &str, progress: &dyn Progress) {
     if filled > 0 {
         progress.log(&format!("train: {retriever} found no negative for {filled} queries; they get gold passages of other queries instead"));
@@ -523,8 +544,32 @@ impl RunLayout {
         }
     }
 
-    fn record_episodes(&self, episodes: u32) -> Result<()> {
-        rak_core::fsutil::write_bytes(&self.out.join(RUN_FILE), json!({"ance_episodes": episodes}).to_string().as_bytes())
+    fn record(&self, episodes: u32, recipe: &Value) -> Result<()> {
+        rak_core::fsutil::write_bytes(&self.out.join(RUN_FILE), json!({"ance_episodes": episodes, "recipe": recipe}).to_string().as_bytes())
+    }
+
+    /// Refuse to resume a run recorded with another recipe (a `run.json` from before recipes
+    /// were recorded has none to compare).
+    fn check_recipe(&self, recipe: &Value) -> Result<()> {
+        let path = self.out.join(RUN_FILE);
+        let Ok(text) = std::fs::read_to_string(&path) else { return Ok(()) };
+        let recorded: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+        let Some(earlier) = recorded.get("recipe").and_then(Value::as_object) else { return Ok(()) };
+        let differences: Vec<String> = recipe
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(k, v)| earlier.get(k.as_str()) != Some(v))
+            .map(|(k, v)| format!("  {k}: {} then, {v} now", earlier.get(k.as_str()).unwrap_or(&Value::Null)))
+            .collect();
+        if !differences.is_empty() {
+            bail!(
+                "{} was started with another recipe; resume it with the same one, or start over with --overwrite-output-dir:\n{}",
+                self.out.display(),
+                differences.join("\n")
+            );
+        }
+        Ok(())
     }
 }
 
