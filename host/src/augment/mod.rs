@@ -44,21 +44,26 @@ pub struct Prepared {
     pub demos: String,
     /// The passages as the prompt shows them, without the trailing separator.
     pub passage_block: String,
+    /// Where each passage starts in `passage_block`, in characters.
+    passage_starts: Vec<usize>,
     /// SHA-256 of what the target is given in full (before any cut for the context).
     pub prompt_sha256: String,
 }
 
 impl Prepared {
     pub fn new(p: &TaskPrompts, probe: Probe, passages: Vec<Passage>, demos: String, reader: bool) -> Self {
-        let passage_block = passages
+        let rendered: Vec<String> = passages.iter().map(|d| p.passage.render(&[("title", &d.title), ("text", shown_text(p, &d.text))])).collect();
+        let separator = p.separator.chars().count();
+        let passage_starts = rendered
             .iter()
-            .map(|d| {
-                let text = shown_text(p, &d.text);
-                p.passage.render(&[("title", &d.title), ("text", text)])
+            .scan(0, |start, r| {
+                let at = *start;
+                *start += r.chars().count() + separator;
+                Some(at)
             })
-            .collect::<Vec<_>>()
-            .join(&p.separator);
-        let mut prep = Prepared { probe, passages, demos, passage_block, prompt_sha256: String::new() };
+            .collect();
+        let passage_block = rendered.join(&p.separator);
+        let mut prep = Prepared { probe, passages, demos, passage_block, passage_starts, prompt_sha256: String::new() };
         let full = if reader {
             let mut s = prep.reader_prompt(p);
             for d in &prep.passages {
@@ -106,18 +111,8 @@ impl Prepared {
 
     /// The ids of the passages a prompt cut to `passage_chars` characters still shows, in
     /// part or in full (a passage is gone when the cut falls before its first character).
-    pub fn shown_passages(&self, p: &TaskPrompts, passage_chars: usize) -> Vec<&str> {
-        let mut start = 0;
-        let mut shown = Vec::new();
-        for d in &self.passages {
-            if start >= passage_chars {
-                break;
-            }
-            shown.push(d.id.as_str());
-            let rendered = p.passage.render(&[("title", &d.title), ("text", shown_text(p, &d.text))]);
-            start += rendered.chars().count() + p.separator.chars().count();
-        }
-        shown
+    pub fn shown_passages(&self, passage_chars: usize) -> Vec<&str> {
+        self.passages.iter().zip(&self.passage_starts).take_while(|(_, &start)| start < passage_chars).map(|(d, _)| d.id.as_str()).collect()
     }
 
     /// The prompt for a local reader (the passages go to it apart).
@@ -214,7 +209,7 @@ pub fn ask_connector(conn: &dyn Connector, task: Task, p: &TaskPrompts, item: &P
         // every retrieved id, as the prompt digest does).
         let extra = match limit {
             None => json!({}),
-            Some(n) => json!({"warning": warnings.join("; "), "passages_shown": item.shown_passages(p, n)}),
+            Some(n) => json!({"warning": warnings.join("; "), "passages_shown": item.shown_passages(n)}),
         };
         return match task {
             Task::Mc => mc_record(conn, p, item, &reply, method, limit, extra),
@@ -371,10 +366,10 @@ mod tests {
         ];
         let item2 = Prepared::new(&p, probe(), two, String::new(), false);
         // "Sky\nThe sky is blue." is 20 characters, then the separator "\n\n".
-        assert_eq!(item2.shown_passages(&p, 0), Vec::<&str>::new());
-        assert_eq!(item2.shown_passages(&p, 1), vec!["p1"]);
-        assert_eq!(item2.shown_passages(&p, 22), vec!["p1"]);
-        assert_eq!(item2.shown_passages(&p, 23), vec!["p1", "p2"]);
+        assert_eq!(item2.shown_passages(0), Vec::<&str>::new());
+        assert_eq!(item2.shown_passages(1), vec!["p1"]);
+        assert_eq!(item2.shown_passages(22), vec!["p1"]);
+        assert_eq!(item2.shown_passages(23), vec!["p1", "p2"]);
         assert!(item2.prompt(&p, Some(23)).starts_with("Sky\nThe sky is blue.\n\nS\n\nHere's"));
         let closed = Prepared::new(&p, probe(), vec![], String::new(), false);
         assert_ne!(closed.prompt_sha256, item.prompt_sha256);
@@ -393,12 +388,12 @@ mod tests {
         let item = Prepared::new(&p, probe(), d, String::new(), false);
         assert!(item.prompt(&p, None).starts_with("Café\nCrèm\n\nThé\nVert\n\nHere's"));
         for n in 0..30 {
-            let (shown, prompt) = (item.shown_passages(&p, n), item.prompt(&p, Some(n)));
+            let (shown, prompt) = (item.shown_passages(n), item.prompt(&p, Some(n)));
             assert_eq!(shown.contains(&"p1"), prompt.starts_with('C'), "{n}: {shown:?} {prompt:?}");
             assert_eq!(shown.contains(&"p2"), prompt.starts_with("Café\nCrèm\n\nT"), "{n}: {shown:?} {prompt:?}");
         }
-        assert_eq!(item.shown_passages(&p, 11), vec!["p1"]);
-        assert_eq!(item.shown_passages(&p, 12), vec!["p1", "p2"]);
+        assert_eq!(item.shown_passages(11), vec!["p1"]);
+        assert_eq!(item.shown_passages(12), vec!["p1", "p2"]);
     }
 
     #[test]
