@@ -3,6 +3,7 @@
 //! [`Role`] picks one; self-attention stays shared (REFERENCE §5).
 
 use crate::abi::Role;
+use crate::models::dropout::{self, dropout as apply_dropout};
 use crate::models::onednn::{self, Dense, Epilogue};
 use crate::models::weights::Checkpoint;
 use anyhow::{bail, Context, Result};
@@ -122,7 +123,7 @@ impl FeedForward {
 
     fn forward(&self, x: &Tensor, act: Epilogue, dropout: f64, train: bool) -> Tensor {
         let h = act.apply(&self.intermediate.forward(x));
-        let h = self.output.forward(&h).dropout(dropout, train);
+        let h = apply_dropout(&self.output.forward(&h), dropout, train);
         self.norm.forward(&(h + x))
     }
 }
@@ -240,7 +241,7 @@ impl BertModel {
         let x = e.word.forward(&input.input_ids)
             + e.position.forward(&positions)
             + e.token_type.forward(&input.token_type_ids);
-        let mut x = e.norm.forward(&x).dropout(c.hidden_dropout_prob, train);
+        let mut x = apply_dropout(&e.norm.forward(&x), c.hidden_dropout_prob, train);
         let kind = x.kind();
         if !train && b * l >= onednn::MIN_ROWS && onednn::usable(device, kind) {
             match self.forward_onednn(&x, &input.attention_mask, role) {
@@ -261,9 +262,18 @@ impl BertModel {
             let q = split(qkv.narrow(-1, 0, h));
             let k = split(qkv.narrow(-1, h, h));
             let v = split(qkv.narrow(-1, 2 * h, h));
-            let ctx = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&mask), attn_dropout, false, None, false);
+            let ctx = if attn_dropout > 0.0 && dropout::parallel_mask_applies(&q) {
+                // What SDPA runs here (its fused CPU kernel takes no dropout, so its math path:
+                // scores, softmax, dropout, product), with the mask drawn in parallel. The math
+                // path's guard for rows that are all −∞ is not needed: the additive mask is
+                // finite (the dtype's minimum).
+                let scores = q.matmul(&k.transpose(-2, -1)) * (head_dim as f64).sqrt().recip() + &mask;
+                apply_dropout(&scores.softmax(-1, kind), attn_dropout, true).matmul(&v)
+            } else {
+                Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&mask), attn_dropout, false, None, false)
+            };
             let ctx = ctx.transpose(1, 2).contiguous().view([b, l, c.hidden_size]);
-            let h = layer.attn_out.forward(&ctx).dropout(c.hidden_dropout_prob, train);
+            let h = apply_dropout(&layer.attn_out.forward(&ctx), c.hidden_dropout_prob, train);
             x = layer.attn_norm.forward(&(h + &x));
             x = layer.ffn.for_role(role).forward(&x, c.activation(), c.hidden_dropout_prob, train);
         }

@@ -2,6 +2,7 @@
 //! (the config struct beside the model), plus checkpoint and tokenizer I/O.
 
 pub mod bert;
+pub mod dropout;
 pub mod onednn;
 pub mod pooling;
 pub mod t5;

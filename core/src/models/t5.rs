@@ -18,6 +18,7 @@
 //!   `scale_decoder_outputs` says so (transformers 5 writes this key), else when
 //!   `tie_word_embeddings` is not `false` (the convention of v1.0 vs v1.1 configs).
 
+use crate::models::dropout::dropout as apply_dropout;
 use crate::models::onednn::{self, Dense, Epilogue};
 use crate::models::weights::{save_safetensors, Checkpoint};
 use anyhow::{bail, Context, Result};
@@ -291,7 +292,7 @@ impl Attention {
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, dropout: f64, keep_logits: bool) -> (Tensor, Option<Tensor>) {
         let logits = q.matmul(&k.transpose(-1, -2));
         let scores = &logits + bias;
-        let probs = scores.softmax(-1, scores.kind()).dropout(dropout, dropout > 0.0);
+        let probs = apply_dropout(&scores.softmax(-1, scores.kind()), dropout, dropout > 0.0);
         let (b, _, t, _) = q.size4().unwrap();
         let out = probs.matmul(v).transpose(1, 2).contiguous().view([b, t, self.n_heads * self.d_kv]);
         (linear(&out, &self.o), keep_logits.then_some(logits))
@@ -350,8 +351,8 @@ impl LayerFF {
             FeedForward::Gated { wi_0, wi_1, wo } => (self.act.apply(&linear(&h, wi_0)) * linear(&h, wi_1), wo),
         };
         // `wo` may be kept in f32 while the rest is bf16 (transformers does that for Flan-T5-XXL).
-        let h = linear(&h.dropout(dropout, dropout > 0.0).to_kind(wo.kind()), wo);
-        x + h.to_kind(x.kind()).dropout(dropout, dropout > 0.0)
+        let h = linear(&apply_dropout(&h, dropout, dropout > 0.0).to_kind(wo.kind()), wo);
+        x + apply_dropout(&h.to_kind(x.kind()), dropout, dropout > 0.0)
     }
 }
 
@@ -476,7 +477,7 @@ impl Stack {
             cache.layers.resize_with(self.blocks.len().max(cache.layers.len()), LayerCache::default);
         }
 
-        let mut h = embeds.dropout(dropout, dropout > 0.0);
+        let mut h = apply_dropout(embeds, dropout, dropout > 0.0);
         for (i, block) in self.blocks.iter().enumerate() {
             // self-attention
             let a = &block.self_attn;
@@ -493,7 +494,7 @@ impl Stack {
                 *slot = Some((k.shallow_clone(), v.shallow_clone()));
             }
             let (out, _) = a.attend(&q, &k, &v, &self_bias, dropout, false);
-            h = &h + out.dropout(dropout, dropout > 0.0);
+            h = &h + apply_dropout(&out, dropout, dropout > 0.0);
 
             // cross-attention
             if let (Some((ln, ca)), Some((enc, _))) = (&block.cross, encoder) {
@@ -515,7 +516,7 @@ impl Stack {
                 if let (Some(sink), Some(l)) = (extras.cross_logits.as_deref_mut(), logits) {
                     sink.push(l);
                 }
-                h = &h + out.dropout(dropout, dropout > 0.0);
+                h = &h + apply_dropout(&out, dropout, dropout > 0.0);
             }
 
             h = block.ff.forward(&h, dropout);
@@ -523,7 +524,7 @@ impl Stack {
         if let Some(cache) = extras.cache.as_deref_mut() {
             cache.len = k_len;
         }
-        self.final_layer_norm.forward(&h).dropout(dropout, dropout > 0.0)
+        apply_dropout(&self.final_layer_norm.forward(&h), dropout, dropout > 0.0)
     }
 }
 

@@ -130,14 +130,69 @@ impl Checkpoint {
 }
 
 /// Write named tensors as one safetensors file, atomically (temporary name, then rename).
-/// Tensors are stored contiguous, on the CPU, in their own dtype.
+/// Tensors are stored contiguous, in their own dtype. A contiguous CPU tensor is written
+/// straight from its memory; any other is copied to the CPU when its turn comes, so a
+/// checkpoint never holds a second copy of the state (T-SAGE's momentum alone is T times the
+/// model).
 pub fn save_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
-    let sorted: BTreeMap<&str, Tensor> = tensors
-        .iter()
-        .map(|(n, t)| (n.as_str(), t.detach().to_device(Device::Cpu).contiguous()))
-        .collect();
-    let named: Vec<(&str, Tensor)> = sorted.into_iter().collect();
+    let mut views = BTreeMap::new();
+    for (name, t) in tensors {
+        views.insert(name.as_str(), TensorBytes::new(t).with_context(|| format!("{}: tensor {name}", path.display()))?);
+    }
     crate::fsutil::write_atomically(path, |tmp| {
-        Tensor::write_safetensors(&named, tmp).map_err(|e| anyhow!("{}: cannot write: {e}", tmp.display()))
+        safetensors::serialize_to_file(views, None, tmp).map_err(|e| anyhow!("{}: cannot write: {e}", tmp.display()))
     })
+}
+
+/// A tensor as safetensors sees it: its dtype, shape and bytes.
+struct TensorBytes<'a> {
+    tensor: &'a Tensor,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    len: usize,
+}
+
+impl<'a> TensorBytes<'a> {
+    fn new(tensor: &'a Tensor) -> Result<Self> {
+        let kind = tensor.kind();
+        let dtype = match kind {
+            Kind::Float => Dtype::F32,
+            Kind::Half => Dtype::F16,
+            Kind::BFloat16 => Dtype::BF16,
+            Kind::Double => Dtype::F64,
+            Kind::Int64 => Dtype::I64,
+            Kind::Int => Dtype::I32,
+            Kind::Uint8 => Dtype::U8,
+            Kind::Bool => Dtype::BOOL,
+            other => bail!("cannot store dtype {other:?}"),
+        };
+        let shape: Vec<usize> = tensor.size().iter().map(|&d| d as usize).collect();
+        Ok(TensorBytes { tensor, dtype, shape, len: tensor.numel() * kind.elt_size_in_bytes() })
+    }
+}
+
+impl safetensors::View for TensorBytes<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        let t = self.tensor;
+        if self.len == 0 {
+            return std::borrow::Cow::Borrowed(&[]);
+        }
+        if t.device() == Device::Cpu && t.is_contiguous() {
+            // SAFETY: a contiguous CPU tensor of `len` bytes, borrowed for `self`'s lifetime.
+            return std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, self.len) });
+        }
+        let cpu = t.detach().to_device(Device::Cpu).contiguous();
+        let mut bytes = vec![0u8; self.len];
+        cpu.copy_data_u8(&mut bytes, cpu.numel());
+        bytes.into()
+    }
+    fn data_len(&self) -> usize {
+        self.len
+    }
 }

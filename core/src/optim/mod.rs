@@ -4,6 +4,7 @@
 
 pub mod cgd;
 pub mod gradnorm;
+pub mod kernels;
 pub mod pcgrad;
 #[cfg(test)]
 mod testutil;
@@ -105,8 +106,28 @@ impl AdamW {
                 m.exp_avg = m.exp_avg.to_device(p.device());
                 m.exp_avg_sq = m.exp_avg_sq.to_device(p.device());
             }
-            if c.weight_decay != 0.0 && !ctx.no_weight_decay.contains(name) {
-                let _ = p.g_mul_scalar_(1.0 - lr * c.weight_decay);
+            let decay = if c.weight_decay != 0.0 && !ctx.no_weight_decay.contains(name) { 1.0 - lr * c.weight_decay } else { 1.0 };
+            if let (Some((p_ptr, n)), Some((g_ptr, _)), Some((m_ptr, _)), Some((v_ptr, _))) =
+                (kernels::cpu_f32(&p), kernels::cpu_f32(g), kernels::cpu_f32(&m.exp_avg), kernels::cpu_f32(&m.exp_avg_sq))
+            {
+                let consts = kernels::AdamWStep {
+                    decay: decay as f32,
+                    beta1: c.beta1 as f32,
+                    beta2: c.beta2 as f32,
+                    bias2_sqrt: bias2.sqrt() as f32,
+                    eps: c.eps as f32,
+                    step_size: (-lr / bias1) as f32,
+                };
+                // SAFETY: four distinct contiguous float32 CPU tensors of one shape (checked
+                // above), alive for the call.
+                unsafe {
+                    use std::slice::{from_raw_parts, from_raw_parts_mut};
+                    kernels::adamw(from_raw_parts_mut(p_ptr, n), from_raw_parts(g_ptr, n), from_raw_parts_mut(m_ptr, n), from_raw_parts_mut(v_ptr, n), consts);
+                }
+                continue;
+            }
+            if decay != 1.0 {
+                let _ = p.g_mul_scalar_(decay);
             }
             // As torch.optim.AdamW's single-tensor loop (`lerp_` for the first moment, the
             // denominator built in place).
@@ -125,8 +146,8 @@ impl AdamW {
     pub fn state(&self) -> Vec<(String, Tensor)> {
         let mut out = vec![("step".to_string(), Tensor::from(self.step))];
         for (name, m) in &self.moments {
-            out.push((format!("exp_avg/{name}"), m.exp_avg.copy()));
-            out.push((format!("exp_avg_sq/{name}"), m.exp_avg_sq.copy()));
+            out.push((format!("exp_avg/{name}"), m.exp_avg.shallow_clone()));
+            out.push((format!("exp_avg_sq/{name}"), m.exp_avg_sq.shallow_clone()));
         }
         out
     }
@@ -219,6 +240,32 @@ mod tests {
         let mut small: BTreeMap<String, Tensor> = [("a".to_string(), Tensor::from_slice(&[0.3f32]))].into();
         clip_grad_norm(&mut small, 1.0);
         assert!((small["a"].double_value(&[0]) - 0.3).abs() < 1e-7, "under the limit: unchanged");
+    }
+
+    /// The fused CPU loop (float32) and the tch operations (any other kind or device; float64
+    /// here) take the same steps, with and without weight decay.
+    #[test]
+    fn the_fused_loop_equals_the_tensor_operations() {
+        tch::manual_seed(7);
+        let shape = [3i64, 50];
+        let start = Tensor::randn(shape, (Kind::Double, tch::Device::Cpu));
+        // Copies: `to_kind` to the same kind returns the tensor itself.
+        let params = |kind| vec![("w".to_string(), start.to_kind(kind).copy()), ("b".to_string(), start.get(0).to_kind(kind).copy())];
+        let (p32, p64) = (params(Kind::Float), params(Kind::Double));
+        let (mut a32, mut a64) = (AdamW::new(AdamWConfig::default()), AdamW::new(AdamWConfig::default()));
+        let ctx = StepContext { lr: 0.05, no_weight_decay: ["b".to_string()].into(), ..Default::default() };
+        for step in 0..4 {
+            let g = Tensor::randn(shape, (Kind::Double, tch::Device::Cpu)) * (step + 1) as f64;
+            let grads = |kind| -> BTreeMap<String, Tensor> { [("w".to_string(), g.to_kind(kind)), ("b".to_string(), g.get(1).to_kind(kind))].into() };
+            a32.step(&p32, &grads(Kind::Float), &ctx).unwrap();
+            a64.step(&p64, &grads(Kind::Double), &ctx).unwrap();
+        }
+        for ((name, x), (_, y)) in p32.iter().zip(&p64) {
+            let diff = (x.to_kind(Kind::Double) - y).abs().max().double_value(&[]);
+            assert!(diff < 1e-5, "{name}: max diff {diff}");
+            let before = if name == "w" { start.shallow_clone() } else { start.get(0) };
+            assert!((x.to_kind(Kind::Double) - before).abs().max().double_value(&[]) > 0.01, "{name} moved");
+        }
     }
 
     #[test]

@@ -20,13 +20,18 @@
 //!   arrive, so it cannot be recomputed), and each task adds `e^{M_t/τ − L} G_t` before
 //!   updating its `M_t`.
 //!
-//! So the exact form holds `M` and `N` (`(T+1)·P`), the lean one `L` too (`(T+2)·P`); burn-in
-//! holds the plain sum instead of `N`. All arithmetic runs over chunks of at most `CHUNK`
-//! elements, so temporaries stay small next to `P`. The median is found by two counting
-//! passes over the float bit patterns (non-negative floats order as their bits), never
-//! concatenating the `P` sensitivities.
+//! So the exact form holds `M` and `N` (`(T+1)·P`), the lean one `L` too (`(T+2)·P`, `L`
+//! kept between steps as a buffer); burn-in holds the plain sum instead of `N`. `N` takes the
+//! place of the summed gradient plain AdamW holds, so over AdamW the extra is `T·P` and
+//! `(T+1)·P`. The median is found by two counting passes over the float bit patterns
+//! (non-negative floats order as their bits), never concatenating the `P` sensitivities.
+//!
+//! On the CPU (every tensor contiguous float32) each stage is one fused pass of
+//! `optim::kernels` per parameter: the NaN check, the two counting passes, and the momentum
+//! update with the fold. Elsewhere the same arithmetic runs as tch operations over chunks of
+//! at most `CHUNK` elements, so temporaries stay small next to `P`.
 
-use super::{clip_grad_norm, AdamW, AdamWConfig};
+use super::{clip_grad_norm, kernels, AdamW, AdamWConfig};
 use crate::plugin::StepContext;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
@@ -86,8 +91,6 @@ struct Step {
     plain: BTreeMap<String, Tensor>,
     /// After burn-in: `N`, the running softmax-weighted mean of the task gradients, flat.
     weighted: BTreeMap<String, Tensor>,
-    /// Lean form only: the previous step's log-denominator `L`, flat.
-    log_denominator: BTreeMap<String, Tensor>,
     saw_nan: bool,
     /// Each task's sensitivity median this step (for the log: a median near 0, when most
     /// parameters get no gradient, makes the normalisation scale huge).
@@ -102,7 +105,13 @@ pub struct TSage {
     tasks: Vec<String>,
     /// `M` per parameter: `[T, ..shape]`.
     momentum: BTreeMap<String, Tensor>,
+    /// Lean form only: the previous step's log-denominator `L` per parameter, flat (kept
+    /// between steps as a buffer, remade at each step's start).
+    log_denominator: BTreeMap<String, Tensor>,
     step: Option<Step>,
+    /// Use the fused loops of `kernels` where every tensor allows (contiguous float32 on the
+    /// CPU); off, the tch operations run everywhere (tests check both against the formulas).
+    cpu_kernels: bool,
 }
 
 impl crate::plugin::Optimizer for TSage {
@@ -154,41 +163,18 @@ fn weighted_chunk(weighted: &mut BTreeMap<String, Tensor>, name: &str, numel: i6
     weighted.entry(name.to_string()).or_insert_with(|| Tensor::zeros([numel], (Kind::Float, device))).narrow(0, start, len)
 }
 
-/// The lower median (`torch.median`'s) of non-negative, finite values handed over chunk by
-/// chunk by `chunks`, plus `zeros` more zeros, without holding them together: non-negative
-/// floats order as their bit patterns, so one pass counts the high 16 bits, a second the low
-/// 16 bits inside the bin holding the median. With `skip_zeros`, zeros do not count.
-fn streaming_lower_median(chunks: &dyn Fn(&mut dyn FnMut(&Tensor)), zeros: i64, skip_zeros: bool) -> Result<f64> {
-    const BINS: i64 = 1 << 16;
-    let bits = |x: &Tensor| x.to_kind(Kind::Float).contiguous().view_dtype(Kind::Int).flatten(0, -1);
-    // Counts stay on the chunks' device and come to the host once per pass, not once per chunk.
-    let count = |select_high: Option<i64>| -> Result<Vec<i64>> {
-        let mut hist: Option<Tensor> = None;
-        let mut zeros_seen: Option<Tensor> = None;
-        chunks(&mut |x: &Tensor| {
-            let b = bits(x);
-            let z = b.eq(0).sum(Kind::Int64);
-            zeros_seen = Some(match zeros_seen.take() {
-                Some(total) => total + z,
-                None => z,
-            });
-            let keys = match select_high {
-                None => b.bitwise_right_shift_tensor_scalar(16),
-                Some(high) => b.masked_select(&b.bitwise_right_shift_tensor_scalar(16).eq(high)).bitwise_and(0xFFFF),
-            };
-            let c = keys.bincount::<Tensor>(None, BINS);
-            match hist.as_mut() {
-                Some(h) => {
-                    let _ = h.g_add_(&c);
-                }
-                None => hist = Some(c),
-            }
-        });
-        let mut hist: Vec<i64> = match hist {
-            Some(h) => Vec::try_from(h.to_device(tch::Device::Cpu))?,
-            None => vec![0; BINS as usize],
-        };
-        let zeros_seen = zeros_seen.map_or(0, |z| z.int64_value(&[]));
+/// Counts of one pass of the median search: with `None`, a histogram of the high 16 bits of
+/// every value's bit pattern; with `Some(high)`, of the low 16 bits among values whose high
+/// bits are `high`. Returns the 65,536 counts and how many values were exactly 0.
+type CountPass<'a> = dyn FnMut(Option<u32>) -> Result<(Vec<i64>, i64)> + 'a;
+
+/// The lower median (`torch.median`'s) of non-negative, finite values counted by `count`, plus
+/// `zeros` more zeros, without holding them together: non-negative floats order as their bit
+/// patterns, so one pass counts the high 16 bits, a second the low 16 bits inside the bin
+/// holding the median. With `skip_zeros`, zeros do not count.
+fn lower_median_by_counting(count: &mut CountPass, zeros: i64, skip_zeros: bool) -> Result<f64> {
+    let mut pass = |select_high: Option<u32>| -> Result<Vec<i64>> {
+        let (mut hist, zeros_seen) = count(select_high)?;
         // Zeros have bit pattern 0: bin 0 of the first pass, and of the second inside bin 0.
         if select_high.is_none_or(|h| h == 0) {
             hist[0] += if skip_zeros { -zeros_seen } else { zeros };
@@ -205,15 +191,54 @@ fn streaming_lower_median(chunks: &dyn Fn(&mut dyn FnMut(&Tensor)), zeros: i64, 
         }
         (hist.len() - 1, 0)
     };
-    let high = count(None)?;
+    let high = pass(None)?;
     let n: i64 = high.iter().sum();
     if n == 0 {
         return Ok(0.0);
     }
     let (hi, rank) = nth(&high, (n - 1) / 2);
-    let low = count(Some(hi as i64))?;
+    let low = pass(Some(hi as u32))?;
     let (lo, _) = nth(&low, rank);
     Ok(f32::from_bits(((hi as u32) << 16) | lo as u32) as f64)
+}
+
+/// A counting pass (see [`CountPass`]) in tch operations over values handed over chunk by
+/// chunk by `chunks`, on any device; the counts stay there and come to the host once.
+fn count_tensors(chunks: &dyn Fn(&mut dyn FnMut(&Tensor)), select_high: Option<u32>) -> Result<(Vec<i64>, i64)> {
+    const BINS: i64 = 1 << 16;
+    let bits = |x: &Tensor| x.to_kind(Kind::Float).contiguous().view_dtype(Kind::Int).flatten(0, -1);
+    let mut hist: Option<Tensor> = None;
+    let mut zeros_seen: Option<Tensor> = None;
+    chunks(&mut |x: &Tensor| {
+        let b = bits(x);
+        let z = b.eq(0).sum(Kind::Int64);
+        zeros_seen = Some(match zeros_seen.take() {
+            Some(total) => total + z,
+            None => z,
+        });
+        let keys = match select_high {
+            None => b.bitwise_right_shift_tensor_scalar(16),
+            Some(high) => b.masked_select(&b.bitwise_right_shift_tensor_scalar(16).eq(high as i64)).bitwise_and(0xFFFF),
+        };
+        let c = keys.bincount::<Tensor>(None, BINS);
+        match hist.as_mut() {
+            Some(h) => {
+                let _ = h.g_add_(&c);
+            }
+            None => hist = Some(c),
+        }
+    });
+    let hist: Vec<i64> = match hist {
+        Some(h) => Vec::try_from(h.to_device(tch::Device::Cpu))?,
+        None => vec![0; BINS as usize],
+    };
+    Ok((hist, zeros_seen.map_or(0, |z| z.int64_value(&[]))))
+}
+
+/// [`lower_median_by_counting`] over tensors handed over by `chunks`.
+#[cfg(test)]
+fn streaming_lower_median(chunks: &dyn Fn(&mut dyn FnMut(&Tensor)), zeros: i64, skip_zeros: bool) -> Result<f64> {
+    lower_median_by_counting(&mut |high| count_tensors(chunks, high), zeros, skip_zeros)
 }
 
 impl TSage {
@@ -221,7 +246,7 @@ impl TSage {
         if !(0.0..1.0).contains(&config.beta) || config.tau <= 0.0 {
             bail!("tsage: beta must be in [0, 1) and tau positive (got {}, {})", config.beta, config.tau);
         }
-        Ok(TSage { adam: AdamW::new(config.adamw.clone()), config, tasks: Vec::new(), momentum: BTreeMap::new(), step: None })
+        Ok(TSage { adam: AdamW::new(config.adamw.clone()), config, tasks: Vec::new(), momentum: BTreeMap::new(), log_denominator: BTreeMap::new(), step: None, cpu_kernels: true })
     }
 
     pub fn begin_step(&mut self, params: Vec<(String, Tensor)>, ctx: StepContext) -> Result<()> {
@@ -244,8 +269,8 @@ impl TSage {
                     if m.size() != shape {
                         bail!("tsage: the momentum of {name} has shape {:?}, the parameter needs {shape:?} (a checkpoint of another model or task list?)", m.size());
                     }
-                    if m.device() != p.device() {
-                        *m = m.to_device(p.device());
+                    if m.device() != p.device() || m.kind() != Kind::Float || !m.is_contiguous() {
+                        *m = m.to_device(p.device()).to_kind(Kind::Float).contiguous();
                     }
                 }
                 None => {
@@ -254,23 +279,21 @@ impl TSage {
             }
         }
         let burn_in = ctx.step < ctx.warmup_steps;
-        let log_denominator = match self.config.form {
-            Form::Lean if !burn_in => {
-                params
-                    .iter()
-                    .map(|(n, p)| {
-                        let all = row_index(&(0..t).collect::<Vec<_>>(), p.device());
-                        let m = self.momentum[n].view([t, -1]);
-                        let l = Tensor::empty([p.numel() as i64], (Kind::Float, p.device()));
-                        for (start, len) in chunks(p.numel() as i64) {
-                            l.narrow(0, start, len).copy_(&log_sum_exp_rows(&m.narrow(1, start, len), &all, self.config.tau));
-                        }
-                        (n.clone(), l)
-                    })
-                    .collect()
+        if self.config.form == Form::Lean && !burn_in {
+            // Into the buffers of the last step: allocating P floats anew each step costs
+            // page faults and leaves the allocator a hole the size of the largest parameter.
+            for (name, p) in &params {
+                let n = p.numel() as i64;
+                let l = self.log_denominator.entry(name.clone()).or_insert_with(|| Tensor::empty([n], (Kind::Float, p.device())));
+                if l.device() != p.device() {
+                    *l = l.to_device(p.device());
+                }
+                let m = self.momentum[name].view([t, -1]);
+                for (start, len) in chunks(n) {
+                    l.narrow(0, start, len).copy_(&(m.narrow(1, start, len) / self.config.tau).logsumexp([0i64].as_slice(), false));
+                }
             }
-            _ => BTreeMap::new(),
-        };
+        }
         self.step = Some(Step {
             params,
             ctx,
@@ -278,7 +301,6 @@ impl TSage {
             arrived: vec![false; self.tasks.len()],
             plain: BTreeMap::new(),
             weighted: BTreeMap::new(),
-            log_denominator,
             saw_nan: false,
             medians: BTreeMap::new(),
         });
@@ -298,7 +320,19 @@ impl TSage {
         if let Some(name) = grads.keys().find(|n| !step.params.iter().any(|(p, _)| p == *n)) {
             bail!("tsage: gradient for unknown parameter {name:?}");
         }
-        if grads.values().any(|g| g.isnan().any().int64_value(&[]) != 0) {
+        // On the CPU, every tensor of this task as float32 elements: the fused loops of
+        // `kernels` then do the work (one pass per stage instead of one per tch operation).
+        let on_cpu = self.cpu_kernels && step.params.iter().all(|(_, p)| kernels::cpu_f32(p).is_some()) && grads.values().all(|g| kernels::cpu_f32(g).is_some());
+        let elements = |x: &Tensor| -> &[f32] {
+            let (ptr, n) = kernels::cpu_f32(x).expect("checked by on_cpu");
+            // SAFETY: a contiguous float32 CPU tensor, alive for the borrow.
+            unsafe { std::slice::from_raw_parts(ptr, n) }
+        };
+        let has_nan = match on_cpu {
+            true => grads.values().any(|g| kernels::any_nan(elements(g))),
+            false => grads.values().any(|g| g.isnan().any().int64_value(&[]) != 0),
+        };
+        if has_nan {
             step.saw_nan = true;
             return Ok(());
         }
@@ -307,20 +341,25 @@ impl TSage {
             // One global median over all P elements; parameters without gradient count as 0
             // (or, with `median_of = nonzero`, not at all).
             let missing: i64 = step.params.iter().filter(|(n, _)| !grads.contains_key(n)).map(|(_, p)| p.numel() as i64).sum();
-            let median = streaming_lower_median(
-                &|visit: &mut dyn FnMut(&Tensor)| {
-                    for (name, theta) in &step.params {
-                        if let Some(g) = grads.get(name) {
-                            let (theta, g) = (flat_view(theta), flat_view(g));
-                            for (start, len) in chunks(theta.numel() as i64) {
-                                visit(&sensitivity(&theta.narrow(0, start, len), &g.narrow(0, start, len)));
-                            }
+            let with_grad = || step.params.iter().filter_map(|(name, theta)| grads.get(name).map(|g| (theta, g)));
+            let median = if on_cpu {
+                let mut count = |high: Option<u32>| -> Result<(Vec<i64>, i64)> {
+                    let mut hist = vec![0i64; 1 << 16];
+                    let zeros = with_grad().map(|(theta, g)| kernels::sensitivity_counts(elements(theta), elements(g), high, &mut hist)).sum();
+                    Ok((hist, zeros))
+                };
+                lower_median_by_counting(&mut count, missing, self.config.median_of == MedianOf::Nonzero)?
+            } else {
+                let chunks = |visit: &mut dyn FnMut(&Tensor)| {
+                    for (theta, g) in with_grad() {
+                        let (theta, g) = (flat_view(theta), flat_view(g));
+                        for (start, len) in chunks(theta.numel() as i64) {
+                            visit(&sensitivity(&theta.narrow(0, start, len), &g.narrow(0, start, len)));
                         }
                     }
-                },
-                missing,
-                self.config.median_of == MedianOf::Nonzero,
-            )?;
+                };
+                lower_median_by_counting(&mut |high| count_tensors(&chunks, high), missing, self.config.median_of == MedianOf::Nonzero)?
+            };
             step.medians.insert(task.to_string(), median);
             1.0 / (median + 1e-12)
         } else {
@@ -331,6 +370,40 @@ impl TSage {
         let t = t as i64;
         // The exact form's softmax runs over the tasks in so far: those before this one, then it.
         let before: Vec<i64> = (0..tasks).filter(|&u| step.arrived[u as usize] && u != t).collect();
+        if on_cpu {
+            let before: Vec<usize> = before.iter().map(|&u| u as usize).collect();
+            for (name, theta) in &step.params {
+                let g = grads.get(name);
+                let acc_map = if step.burn_in { &mut step.plain } else { &mut step.weighted };
+                // Nothing to fold into and nothing to fold: only the momentum decays.
+                let needs_acc = g.is_some() || (!step.burn_in && self.config.form == Form::Exact && acc_map.contains_key(name));
+                let acc = needs_acc.then(|| acc_map.entry(name.clone()).or_insert_with(|| Tensor::zeros([theta.numel() as i64], (Kind::Float, theta.device()))));
+                let fold = match (step.burn_in, self.config.form) {
+                    (true, _) => kernels::Fold::Sum,
+                    (false, Form::Exact) => kernels::Fold::Exact { before: &before, first: before.is_empty() },
+                    (false, Form::Lean) => kernels::Fold::Lean { log_denominator: elements(&self.log_denominator[name]) },
+                };
+                let m = &self.momentum[name];
+                let (m_ptr, m_len) = kernels::cpu_f32(m).expect("momentum is made contiguous float32 in begin_step");
+                let acc = acc.map(|a| kernels::cpu_f32(a).expect("made contiguous float32 here"));
+                // SAFETY: `M` and the accumulator are this optimizer's own tensors, alive and
+                // otherwise unborrowed for the call.
+                unsafe {
+                    kernels::tsage_task(
+                        elements(theta),
+                        g.map(|g| elements(g)),
+                        std::slice::from_raw_parts_mut(m_ptr, m_len),
+                        t as usize,
+                        acc.map(|(ptr, n)| std::slice::from_raw_parts_mut(ptr, n)),
+                        &fold,
+                        beta as f32,
+                        ((1.0 - beta) * scale) as f32,
+                        tau as f32,
+                    );
+                }
+            }
+            return Ok(());
+        }
         let device = step.params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
         let before = row_index(&before, device);
         for (name, theta) in &step.params {
@@ -350,7 +423,7 @@ impl TSage {
                 if !step.burn_in && self.config.form == Form::Lean {
                     if let Some(g_c) = &g_c {
                         // Weights from the previous step's M (this task's row is not updated yet).
-                        let a_t = (&m_t / tau - step.log_denominator[name].narrow(0, start, len)).exp();
+                        let a_t = (&m_t / tau - self.log_denominator[name].narrow(0, start, len)).exp();
                         let _ = weighted_chunk(&mut step.weighted, name, n, theta.device(), start, len).g_add_(&(a_t * g_c));
                     }
                 }
@@ -438,7 +511,7 @@ impl TSage {
     /// order, which every step checks).
     pub fn state(&self) -> Vec<(String, Tensor)> {
         let mut out = self.adam.state();
-        out.extend(self.momentum.iter().map(|(n, m)| (format!("momentum/{n}"), m.copy())));
+        out.extend(self.momentum.iter().map(|(n, m)| (format!("momentum/{n}"), m.shallow_clone())));
         out
     }
 
@@ -535,8 +608,10 @@ mod tests {
 
     /// The optimizer over the same steps. Tasks arrive in index order, or with `rotate` in an
     /// order that changes every step (so the task without a gradient for `p2` also comes first).
-    fn ours(cfg: &TSageConfig, one: bool, steps: u64, warmup: u64, max_norm: Option<f64>, adam: bool, rotate: bool) -> Run {
+    #[allow(clippy::too_many_arguments)]
+    fn ours(cfg: &TSageConfig, one: bool, steps: u64, warmup: u64, max_norm: Option<f64>, adam: bool, rotate: bool, cpu_kernels: bool) -> Run {
         let mut opt = TSage::new(cfg.clone()).unwrap();
+        opt.cpu_kernels = cpu_kernels;
         let ps = params();
         let tasks: Vec<String> = (0..TASKS).map(|t| format!("task{t}")).collect();
         let mut seen = Vec::new();
@@ -576,16 +651,17 @@ mod tests {
     /// The combined gradient of every step against the formulas, with a momentum and a
     /// temperature that make the task weights far from uniform (β = 0.5, τ = 0.1), tasks
     /// arriving in a changing order, and one task per step. Compared before AdamW, whose
-    /// update would hide a wrong scale (such as a missing division by T).
+    /// update would hide a wrong scale (such as a missing division by T). Both the CPU
+    /// kernels and the tch operations (the path of other devices).
     #[test]
     fn the_combined_gradient_equals_the_formulas() {
-        for form in [Form::Exact, Form::Lean] {
+        for (form, kernels) in [(Form::Exact, true), (Form::Lean, true), (Form::Exact, false), (Form::Lean, false)] {
             for (warmup, median_of, one) in [(1, MedianOf::All, false), (2, MedianOf::Nonzero, false), (1, MedianOf::All, true), (0, MedianOf::All, true)] {
                 let cfg = config(form, median_of, 0.5, 0.1);
-                let (a, b) = (ours(&cfg, one, 6, warmup, None, false, true), dense_reference(&cfg, one, 6, warmup, None, false));
+                let (a, b) = (ours(&cfg, one, 6, warmup, None, false, true, kernels), dense_reference(&cfg, one, 6, warmup, None, false));
                 for (step, (x, y)) in a.combined.iter().zip(&b.combined).enumerate() {
                     let scale = y.abs().max().double_value(&[]);
-                    assert!(max_diff(x, y) <= 1e-6 * scale.max(1.0), "{form:?} {median_of:?} one-at-a-time {one} warmup {warmup} step {step}: {x} vs {y}");
+                    assert!(max_diff(x, y) <= 1e-6 * scale.max(1.0), "{form:?} kernels {kernels} {median_of:?} one-at-a-time {one} warmup {warmup} step {step}: {x} vs {y}");
                 }
                 // The weights are far from uniform: the combined gradient is not the plain mean.
                 let last = b.combined.last().unwrap();
@@ -596,10 +672,11 @@ mod tests {
         }
     }
 
-    /// Through clipping and AdamW over several steps, with REFERENCE §4's defaults.
+    /// Through clipping and AdamW over several steps, with REFERENCE §4's defaults; the CPU
+    /// kernels and the tch operations.
     #[test]
     fn both_forms_equal_the_dense_formulas() {
-        for form in [Form::Exact, Form::Lean] {
+        for (form, kernels) in [(Form::Exact, true), (Form::Lean, true), (Form::Exact, false), (Form::Lean, false)] {
             for (warmup, clip, median_of, one) in [
                 (1, None, MedianOf::All, false),
                 (0, Some(0.5), MedianOf::All, false),
@@ -608,13 +685,13 @@ mod tests {
                 (1, None, MedianOf::All, true),
             ] {
                 let cfg = config(form, median_of, 0.999, 2.0);
-                let (a, b) = (ours(&cfg, one, 6, warmup, clip, true, false), dense_reference(&cfg, one, 6, warmup, clip, true));
+                let (a, b) = (ours(&cfg, one, 6, warmup, clip, true, false, kernels), dense_reference(&cfg, one, 6, warmup, clip, true));
                 let diff = max_diff(&a.theta, &b.theta);
-                assert!(diff < 1e-6, "{form:?} {median_of:?} one-at-a-time {one} warmup {warmup} clip {clip:?}: max diff {diff}");
+                assert!(diff < 1e-6, "{form:?} kernels {kernels} {median_of:?} one-at-a-time {one} warmup {warmup} clip {clip:?}: max diff {diff}");
             }
         }
         // The two forms differ once the weights matter (not during burn-in), and so do the medians.
-        let run = |form, median_of| ours(&config(form, median_of, 0.999, 2.0), false, 6, 1, None, true, false).theta;
+        let run = |form, median_of| ours(&config(form, median_of, 0.999, 2.0), false, 6, 1, None, true, false, true).theta;
         let diff = max_diff(&run(Form::Exact, MedianOf::All), &run(Form::Lean, MedianOf::All));
         assert!(diff > 1e-7, "exact and lean should differ: {diff}");
         let diff = max_diff(&run(Form::Exact, MedianOf::All), &run(Form::Exact, MedianOf::Nonzero));
@@ -636,6 +713,18 @@ mod tests {
                 assert_eq!(streaming_lower_median(&chunks, extra, false).unwrap(), lower_median(&with_extra), "seed {seed} extra {extra}");
                 let nonzero = all.masked_select(&all.gt(0.0));
                 assert_eq!(streaming_lower_median(&chunks, extra, true).unwrap(), lower_median(&nonzero), "seed {seed} nonzero");
+                // The CPU kernel's counts, over the values as two parameters (θ = v, G = 1).
+                let ones = vec![1f32; n];
+                let (a, b) = v.split_at(n / 3);
+                for skip_zeros in [false, true] {
+                    let mut count = |high| {
+                        let mut hist = vec![0; 1 << 16];
+                        let zeros = kernels::sensitivity_counts(a, &ones[..a.len()], high, &mut hist) + kernels::sensitivity_counts(b, &ones[a.len()..], high, &mut hist);
+                        Ok((hist, zeros))
+                    };
+                    let expect = if skip_zeros { lower_median(&nonzero) } else { lower_median(&with_extra) };
+                    assert_eq!(lower_median_by_counting(&mut count, extra, skip_zeros).unwrap(), expect, "seed {seed} extra {extra} kernel");
+                }
             }
         }
         assert_eq!(streaming_lower_median(&|_: &mut dyn FnMut(&Tensor)| {}, 0, false).unwrap(), 0.0);

@@ -122,7 +122,9 @@ pub trait Optimizer: Send {
     fn task_gradients(&mut self, task: &str, loss: f64, grads: Vec<(String, Tensor)>) -> Result<()>;
     /// Combine, clip, update the parameters in place; statistics for the log.
     fn finish_step(&mut self) -> Result<Value>;
-    /// Named copies of the state, for checkpoints (keyed by parameter name).
+    /// The state by name, for checkpoints (keyed by parameter name). The tensors may share
+    /// storage with the live state (the host writes them out before the next step); a caller
+    /// that keeps them across steps copies them.
     fn state(&self) -> Result<Vec<(String, Tensor)>>;
     /// Restore what [`Optimizer::state`] returned.
     fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()>;
