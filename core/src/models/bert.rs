@@ -262,12 +262,12 @@ impl BertModel {
             let q = split(qkv.narrow(-1, 0, h));
             let k = split(qkv.narrow(-1, h, h));
             let v = split(qkv.narrow(-1, 2 * h, h));
-            let ctx = if attn_dropout > 0.0 && dropout::parallel_mask_applies(&q) {
+            let ctx = if attn_dropout > 0.0 && dropout::own_mask_applies(&q) {
                 // What SDPA runs here (its fused CPU kernel takes no dropout, so its math path:
-                // scores, softmax, dropout, product), with the mask drawn in parallel. The math
+                // scores, softmax, dropout, product), with the mask drawn by `dropout`. The math
                 // path's guard for rows that are all −∞ is not needed: the additive mask is
                 // finite (the dtype's minimum).
-                let scores = q.matmul(&k.transpose(-2, -1)) * (head_dim as f64).sqrt().recip() + &mask;
+                let scores = (&q * (head_dim as f64).sqrt().recip()).matmul(&k.transpose(-2, -1)) + &mask;
                 apply_dropout(&scores.softmax(-1, kind), attn_dropout, true).matmul(&v)
             } else {
                 Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&mask), attn_dropout, false, None, false)
