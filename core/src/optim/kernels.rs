@@ -107,6 +107,76 @@ pub fn exp(x: f32) -> f32 {
     }
 }
 
+/// `ln x` in float32 for positive normal `x`, branch-free: `x = m·2^e` with `m` in
+/// `[√½, √2)`, then Cephes' `logf` polynomial for `ln m` (under 1e-7 relative error).
+#[inline(always)]
+pub fn ln(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let e = ((bits >> 23) & 0xff) as i32 - 127;
+    let m = f32::from_bits((bits & 0x007f_ffff) | 0x3f80_0000);
+    let big = m > std::f32::consts::SQRT_2;
+    let (m, e) = if big { (m * 0.5, e + 1) } else { (m, e) };
+    let e = e as f32;
+    let f = m - 1.0;
+    let z = f * f;
+    let p = 7.037_683_6e-2;
+    let p = p * f - 1.151_461e-1;
+    let p = p * f + 1.167_699_9e-1;
+    let p = p * f - 1.242_014_1e-1;
+    let p = p * f + 1.424_932_3e-1;
+    let p = p * f - 1.666_805_8e-1;
+    let p = p * f + 2.000_071_4e-1;
+    let p = p * f - 2.499_999_4e-1;
+    let p = p * f + 3.333_333_1e-1;
+    let y = f * z * p - 2.121_944_4e-4 * e - 0.5 * z;
+    f + y + 0.693_359_4 * e
+}
+
+/// `L = log Σ_t e^{M_t/τ}` per element of one parameter's momentum `m` (`[T, n]`, row-major)
+/// into `out` (`n`): the lean form's log-denominator, in one pass over `M`.
+pub fn log_sum_exp_rows(m: &[f32], tau: f32, out: &mut [f32]) {
+    let n = out.len();
+    if n == 0 {
+        return;
+    }
+    assert!(m.len() % n == 0);
+    let rows = m.len() / n;
+    let out = Shared(out.as_mut_ptr());
+    // SAFETY: disjoint blocks of `out`; `m` is only read.
+    par_blocks(n, |start, len| unsafe {
+        let rows: Vec<&[f32]> = (0..rows).map(|r| &m[r * n + start..r * n + start + len]).collect();
+        lse_block(&rows, tau, out.slice(start, len))
+    });
+}
+
+multiversion!(lse_block => lse_body(rows: &[&[f32]], tau: f32, out: &mut [f32]));
+#[inline(always)]
+fn lse_body(rows: &[&[f32]], tau: f32, out: &mut [f32]) {
+    const TILE: usize = if cfg!(test) { 3 } else { 512 };
+    let mut max = [0f32; 512];
+    let mut sum = [0f32; 512];
+    for start in (0..out.len()).step_by(TILE) {
+        let len = TILE.min(out.len() - start);
+        let (max, sum) = (&mut max[..len], &mut sum[..len]);
+        max.fill(f32::NEG_INFINITY);
+        sum.fill(0.0);
+        for row in rows {
+            for (mx, &m) in max.iter_mut().zip(&row[start..start + len]) {
+                *mx = mx.max(m / tau);
+            }
+        }
+        for row in rows {
+            for ((s, &mx), &m) in sum.iter_mut().zip(max.iter()).zip(&row[start..start + len]) {
+                *s += exp(m / tau - mx);
+            }
+        }
+        // The sum is in [1, T]: a positive normal float, as `ln` needs.
+        for ((o, &mx), &s) in out[start..start + len].iter_mut().zip(max.iter()).zip(sum.iter()) {
+            *o = mx + ln(s);
+        }
+    }
+}
+
 /// Whether any element is NaN.
 pub fn any_nan(x: &[f32]) -> bool {
     x.par_chunks(BLOCK).any(any_nan_block)
@@ -340,6 +410,33 @@ mod tests {
         assert_eq!(exp(100.0), f32::INFINITY);
         assert_eq!(exp(f32::INFINITY), f32::INFINITY);
         assert_eq!(exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn ln_is_within_two_ulp_of_libm() {
+        let mut worst = 0f64;
+        let mut x = 1e-30f32;
+        while x < 1e30 {
+            let (ours, libm) = (ln(x) as f64, (x as f64).ln());
+            // Relative, except near x = 1 where ln x passes through 0.
+            worst = worst.max((ours - libm).abs() / libm.abs().max(1.0));
+            x *= 1.000_37;
+        }
+        assert!(worst < 2.5e-7, "worst error {worst}");
+        assert_eq!(ln(1.0), 0.0);
+    }
+
+    #[test]
+    fn log_sum_exp_rows_matches_torch() {
+        let (t, n) = (4i64, 3 * BLOCK as i64 + 2);
+        tch::manual_seed(5);
+        let m = Tensor::randn([t, n], (Kind::Float, Device::Cpu)) * 30.0;
+        let tau = 2.0;
+        let expect = (&m / tau).logsumexp([0i64].as_slice(), false);
+        let mut out = vec![0f32; n as usize];
+        log_sum_exp_rows(&Vec::<f32>::try_from(m.view([-1])).unwrap(), tau as f32, &mut out);
+        let diff = (Tensor::from_slice(&out) - &expect).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "max diff {diff}");
     }
 
     #[test]

@@ -288,7 +288,14 @@ impl TSage {
                 if l.device() != p.device() {
                     *l = l.to_device(p.device());
                 }
-                let m = self.momentum[name].view([t, -1]);
+                let m = &self.momentum[name];
+                if let (true, Some((m_ptr, m_len)), Some((l_ptr, l_len))) = (self.cpu_kernels, kernels::cpu_f32(m), kernels::cpu_f32(l)) {
+                    // SAFETY: this optimizer's own contiguous float32 tensors, alive and
+                    // otherwise unborrowed for the call.
+                    unsafe { kernels::log_sum_exp_rows(std::slice::from_raw_parts(m_ptr, m_len), self.config.tau as f32, std::slice::from_raw_parts_mut(l_ptr, l_len)) };
+                    continue;
+                }
+                let m = m.view([t, -1]);
                 for (start, len) in chunks(n) {
                     l.narrow(0, start, len).copy_(&(m.narrow(1, start, len) / self.config.tau).logsumexp([0i64].as_slice(), false));
                 }
