@@ -65,7 +65,8 @@ pub struct OptimizerMod {
     /// undefined.
     pub task_gradients: extern "C" fn(h: Handle, task: RStr<'_>, loss: f64, grads: RSlice<'_, NamedTensor>) -> Res<()>,
     pub finish_step: extern "C" fn(h: Handle) -> Res<RString>,
-    /// Owned copies of the optimizer state, for checkpoints.
+    /// The optimizer state, for checkpoints: owned handles that may share storage with the
+    /// live state, valid until the next call that changes it (the host writes them out at once).
     pub state: extern "C" fn(h: Handle) -> Res<RVec<NamedTensor>>,
     /// Lent tensors; the plugin copies what it keeps.
     pub load_state: extern "C" fn(h: Handle, state: RSlice<'_, NamedTensor>) -> Res<()>,

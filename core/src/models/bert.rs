@@ -356,3 +356,52 @@ fn min_value(kind: Kind) -> f64 {
         _ => f32::MIN as f64,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    /// Training attention with dropout runs its own math path; with a dropout probability so
+    /// small that the mask keeps everything at scale 1 (p = 1e-9 rounds to a threshold of 0
+    /// and 1/(1−p) to 1.0f), it must equal SDPA's path without dropout, outputs and
+    /// gradients, on a padded batch.
+    #[test]
+    fn training_attention_with_dropout_equals_sdpa() {
+        tch::manual_seed(21);
+        let config: BertConfig = serde_json::from_value(serde_json::json!({
+            "vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "intermediate_size": 64, "max_position_embeddings": 16,
+            "hidden_dropout_prob": 1e-9, "attention_probs_dropout_prob": 1e-9,
+        }))
+        .unwrap();
+        let mut model = BertModel::new(config, Device::Cpu);
+        let ids = Tensor::from_slice(&[5i64, 7, 9, 11, 2, 0, 0, 3, 4, 5, 6, 7, 8, 9, 12, 13, 0, 0, 0, 0, 0]).view([3, 7]);
+        let input = BertInput { attention_mask: ids.ne(0).to_kind(Kind::Int64), token_type_ids: ids.zeros_like(), input_ids: ids };
+        let weights = Tensor::randn([3, 7, 32], (Kind::Float, Device::Cpu));
+        let mut run = |model: &BertModel| {
+            for (_, p) in model.vs.variables() {
+                let mut g = p.grad();
+                if g.defined() {
+                    let _ = g.zero_();
+                }
+            }
+            let out = model.forward(&input, Role::Query, true);
+            (&out * &weights).sum(Kind::Float).backward();
+            let grads: BTreeMap<String, Tensor> = model.vs.variables().into_iter().map(|(n, p)| (n, p.grad().copy())).collect();
+            (out.detach(), grads)
+        };
+        let (ours, our_grads) = run(&model);
+        model.config.hidden_dropout_prob = 0.0;
+        model.config.attention_probs_dropout_prob = 0.0;
+        let (sdpa, sdpa_grads) = run(&model);
+        let diff = (&ours - &sdpa).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "outputs differ by {diff}");
+        for (name, g) in &sdpa_grads {
+            let d = (g - &our_grads[name]).abs().max().double_value(&[]);
+            let scale = g.abs().max().double_value(&[]).max(1.0);
+            assert!(d < 1e-5 * scale, "gradient of {name} differs by {d} at scale {scale}");
+        }
+        assert!(sdpa_grads.values().any(|g| g.abs().sum(Kind::Float).double_value(&[]) > 0.0), "gradients reach the parameters");
+    }
+}

@@ -25,8 +25,8 @@ pub fn dropout(x: &Tensor, p: f64, train: bool) -> Tensor {
     x * mask_like(x, p)
 }
 
-/// Whether [`dropout`] draws its own mask for `x` (contiguous float32 on the CPU and under
-/// 2^32 elements); the attention of `bert` uses this to apply it to the probabilities itself.
+/// Whether [`dropout`] draws its own mask for `x` (float32 on the CPU, under 2^32 elements;
+/// the mask is made contiguous, and `x ⊙ m` broadcasts over any layout); the attention of `bert` uses this to apply it to the probabilities itself.
 pub fn own_mask_applies(x: &Tensor) -> bool {
     x.device() == Device::Cpu && x.kind() == Kind::Float && (x.numel() as u64) < (1 << 32)
 }
@@ -35,6 +35,11 @@ pub fn own_mask_applies(x: &Tensor) -> bool {
 fn mask_like(x: &Tensor, p: f64) -> Tensor {
     // One draw from torch's CPU generator per mask, so `tch::manual_seed` fixes every mask.
     let seed = Tensor::randint(i64::MAX, [1], (Kind::Int64, Device::Cpu)).int64_value(&[0]) as u64;
+    seeded_mask(x, p, seed)
+}
+
+/// The mask of [`mask_like`] for a given seed.
+fn seeded_mask(x: &Tensor, p: f64, seed: u64) -> Tensor {
     let mask = Tensor::empty(x.size(), (Kind::Float, Device::Cpu));
     let n = mask.numel();
     let threshold = (p * (1u64 << 24) as f64).round() as u32;
@@ -75,25 +80,28 @@ fn uniform24(i: u32, k1: u32, k2: u32) -> u32 {
 mod tests {
     use super::*;
 
+    // The tests draw masks from explicit seeds: torch's generator is one per process, and
+    // other tests running at the same time draw from it too. `tch::manual_seed` fixing every
+    // mask is what the trainer's exact-resume test checks.
+
     #[test]
     fn keeps_one_minus_p_scaled_and_is_reproducible() {
         let x = Tensor::ones([64, 1000], (Kind::Float, Device::Cpu));
         for p in [0.1, 0.5] {
-            tch::manual_seed(11);
-            let a = dropout(&x, p, true);
+            let a = seeded_mask(&x, p, 11);
             let kept = a.ne(0.0).to_kind(Kind::Double).mean(Kind::Double).double_value(&[]);
             // 64,000 draws: the kept share is within 5 standard deviations of 1 − p.
             let sd = (p * (1.0 - p) / 64_000.0).sqrt();
             assert!((kept - (1.0 - p)).abs() < 5.0 * sd, "p {p}: kept {kept}");
             let values = a.masked_select(&a.ne(0.0));
             assert!(values.eq(1.0 / (1.0 - p)).all().int64_value(&[]) == 1, "kept values are 1/(1-p)");
-            tch::manual_seed(11);
-            assert!(dropout(&x, p, true).equal(&a), "same seed, same mask");
-            assert!(!dropout(&x, p, true).equal(&a), "the next draw, another mask");
+            assert!(seeded_mask(&x, p, 11).equal(&a), "same seed, same mask");
+            assert!(!seeded_mask(&x, p, 12).equal(&a), "another seed, another mask");
+            // Seeds that differ only in their high 32 bits give other masks too.
+            assert!(!seeded_mask(&x, p, 11 + (1 << 32)).equal(&a), "the high half of the seed counts");
         }
         // Neighbouring elements are not correlated (the mask is not striped).
-        tch::manual_seed(12);
-        let m = dropout(&x, 0.5, true).ne(0.0).to_kind(Kind::Double).view([-1]);
+        let m = seeded_mask(&x, 0.5, 13).ne(0.0).to_kind(Kind::Double).view([-1]);
         let n = m.size()[0];
         let (a, b) = (m.narrow(0, 0, n - 1), m.narrow(0, 1, n - 1));
         let both = (&a * &b).mean(Kind::Double).double_value(&[]);
@@ -107,9 +115,8 @@ mod tests {
         assert!(dropout(&x, 0.0, true).equal(&x));
         let y = dropout(&x, 0.3, true);
         y.sum(Kind::Float).backward();
-        let grad = x.grad();
         let mask = y.detach() / x.detach();
-        assert!((grad - mask).abs().max().double_value(&[]) < 1e-5, "d/dx (x ⊙ m) = m");
+        assert!((x.grad() - mask).abs().max().double_value(&[]) < 1e-5, "d/dx (x ⊙ m) = m");
         // Other dtypes take torch's dropout.
         let d = Tensor::ones([100], (Kind::Double, Device::Cpu));
         assert_eq!(dropout(&d, 0.5, true).kind(), Kind::Double);

@@ -83,6 +83,8 @@ impl Checkpoint {
             Dtype::F64 => Kind::Double,
             Dtype::I64 => Kind::Int64,
             Dtype::I32 => Kind::Int,
+            Dtype::I16 => Kind::Int16,
+            Dtype::I8 => Kind::Int8,
             Dtype::U8 => Kind::Uint8,
             Dtype::BOOL => Kind::Bool,
             other => bail!("{}: tensor {name} has unsupported dtype {other:?}", path.display()),
@@ -133,21 +135,42 @@ impl Checkpoint {
 /// Tensors are stored contiguous, in their own dtype. A contiguous CPU tensor is written
 /// straight from its memory; any other is copied to the CPU when its turn comes, so a
 /// checkpoint never holds a second copy of the state (T-SAGE's momentum alone is T times the
-/// model).
+/// model). The format is written here, not by the safetensors crate, whose writer goes
+/// through a temporary file of its own (mode 0600, and a name our clean-up of a killed
+/// write does not know).
 pub fn save_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    use std::io::Write;
     let mut views = BTreeMap::new();
     for (name, t) in tensors {
         views.insert(name.as_str(), TensorBytes::new(t).with_context(|| format!("{}: tensor {name}", path.display()))?);
     }
+    // The header: each tensor's dtype, shape and byte range, the ranges back to back in name
+    // order; padded with spaces to a multiple of 8 bytes, as the reference writer does.
+    let mut header = serde_json::Map::new();
+    let mut offset = 0usize;
+    for (name, v) in &views {
+        header.insert(name.to_string(), serde_json::json!({"dtype": v.dtype, "shape": v.shape, "data_offsets": [offset, offset + v.len]}));
+        offset += v.len;
+    }
+    let mut text = serde_json::to_string(&header)?;
+    text.push_str(&" ".repeat((8 - text.len() % 8) % 8));
     crate::fsutil::write_atomically(path, |tmp| {
-        safetensors::serialize_to_file(views, None, tmp).map_err(|e| anyhow!("{}: cannot write: {e}", tmp.display()))
+        let file = std::fs::File::create(tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
+        let mut out = std::io::BufWriter::new(file);
+        let io = |e: std::io::Error| anyhow!("{}: cannot write: {e}", tmp.display());
+        out.write_all(&(text.len() as u64).to_le_bytes()).map_err(io)?;
+        out.write_all(text.as_bytes()).map_err(io)?;
+        for v in views.values() {
+            out.write_all(&v.bytes()).map_err(io)?;
+        }
+        out.flush().map_err(io)
     })
 }
 
-/// A tensor as safetensors sees it: its dtype, shape and bytes.
+/// A tensor as the safetensors format stores it: its dtype name, shape and bytes.
 struct TensorBytes<'a> {
     tensor: &'a Tensor,
-    dtype: Dtype,
+    dtype: &'static str,
     shape: Vec<usize>,
     len: usize,
 }
@@ -156,29 +179,23 @@ impl<'a> TensorBytes<'a> {
     fn new(tensor: &'a Tensor) -> Result<Self> {
         let kind = tensor.kind();
         let dtype = match kind {
-            Kind::Float => Dtype::F32,
-            Kind::Half => Dtype::F16,
-            Kind::BFloat16 => Dtype::BF16,
-            Kind::Double => Dtype::F64,
-            Kind::Int64 => Dtype::I64,
-            Kind::Int => Dtype::I32,
-            Kind::Uint8 => Dtype::U8,
-            Kind::Bool => Dtype::BOOL,
+            Kind::Float => "F32",
+            Kind::Half => "F16",
+            Kind::BFloat16 => "BF16",
+            Kind::Double => "F64",
+            Kind::Int64 => "I64",
+            Kind::Int => "I32",
+            Kind::Int16 => "I16",
+            Kind::Int8 => "I8",
+            Kind::Uint8 => "U8",
+            Kind::Bool => "BOOL",
             other => bail!("cannot store dtype {other:?}"),
         };
         let shape: Vec<usize> = tensor.size().iter().map(|&d| d as usize).collect();
         Ok(TensorBytes { tensor, dtype, shape, len: tensor.numel() * kind.elt_size_in_bytes() })
     }
-}
 
-impl safetensors::View for TensorBytes<'_> {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+    fn bytes(&self) -> std::borrow::Cow<'_, [u8]> {
         let t = self.tensor;
         if self.len == 0 {
             return std::borrow::Cow::Borrowed(&[]);
@@ -192,7 +209,61 @@ impl safetensors::View for TensorBytes<'_> {
         cpu.copy_data_u8(&mut bytes, cpu.numel());
         bytes.into()
     }
-    fn data_len(&self) -> usize {
-        self.len
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every dtype and shape a checkpoint holds comes back equal through our reader, tch's and
+    /// the safetensors crate's checks; views and non-contiguous tensors are written as their
+    /// values; the file gets the same mode as any other file this process creates.
+    #[test]
+    fn safetensors_round_trip() {
+        let dir = std::env::temp_dir().join(format!("rak-weights-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let base = Tensor::arange(24, (Kind::Float, Device::Cpu)).view([4, 6]);
+        let tensors: Vec<(String, Tensor)> = vec![
+            ("f32".into(), base.copy()),
+            ("transposed".into(), base.tr()),
+            ("row_view".into(), base.get(2)),
+            ("scalar".into(), Tensor::from(7i64)),
+            ("empty".into(), Tensor::zeros([0, 3], (Kind::Float, Device::Cpu))),
+            ("bf16".into(), base.to_kind(Kind::BFloat16)),
+            ("f16".into(), base.to_kind(Kind::Half)),
+            ("f64".into(), base.to_kind(Kind::Double)),
+            ("i32".into(), base.to_kind(Kind::Int)),
+            ("i16".into(), base.to_kind(Kind::Int16)),
+            ("i8".into(), base.to_kind(Kind::Int8)),
+            ("u8".into(), base.to_kind(Kind::Uint8)),
+            ("bool".into(), base.gt(10.0)),
+        ];
+        let path = dir.join("model.safetensors");
+        save_safetensors(&path, &tensors).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+        assert_eq!(header_len % 8, 0, "header padded to 8 bytes");
+        let parsed = SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(parsed.len(), tensors.len());
+        let ours = Checkpoint::open(&dir).unwrap();
+        let theirs: BTreeMap<String, Tensor> = Tensor::read_safetensors(&path).unwrap().into_iter().collect();
+        for (name, t) in &tensors {
+            let back = ours.tensor(name).unwrap();
+            assert_eq!(back.kind(), t.kind(), "{name}");
+            assert_eq!(back.size(), t.size(), "{name}");
+            assert!(back.equal(t), "{name}: {back} vs {t}");
+            assert!(theirs[name].equal(t), "{name} through tch's reader");
+        }
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let other = dir.join("other");
+            std::fs::write(&other, b"x").unwrap();
+            let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode(&path), mode(&other), "a checkpoint gets the process's usual file mode");
+        }
+        let leftovers: Vec<_> = std::fs::read_dir(&dir).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).filter(|n| n != "model.safetensors" && n != "other").collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

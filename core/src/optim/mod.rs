@@ -106,20 +106,28 @@ impl AdamW {
                 m.exp_avg = m.exp_avg.to_device(p.device());
                 m.exp_avg_sq = m.exp_avg_sq.to_device(p.device());
             }
+            // Moments loaded from a checkpoint of another model: an error, not a write past
+            // the end of a buffer.
+            if m.exp_avg.size() != p.size() || m.exp_avg_sq.size() != p.size() {
+                bail!("AdamW moments of {name} have shapes {:?} and {:?}, the parameter {:?} (a checkpoint of another model?)", m.exp_avg.size(), m.exp_avg_sq.size(), p.size());
+            }
             let decay = if c.weight_decay != 0.0 && !ctx.no_weight_decay.contains(name) { 1.0 - lr * c.weight_decay } else { 1.0 };
             if let (Some((p_ptr, n)), Some((g_ptr, _)), Some((m_ptr, _)), Some((v_ptr, _))) =
                 (kernels::cpu_f32(&p), kernels::cpu_f32(g), kernels::cpu_f32(&m.exp_avg), kernels::cpu_f32(&m.exp_avg_sq))
             {
                 let consts = kernels::AdamWStep {
                     decay: decay as f32,
-                    beta1: c.beta1 as f32,
+                    one_minus_beta1: (1.0 - c.beta1) as f32,
                     beta2: c.beta2 as f32,
+                    one_minus_beta2: (1.0 - c.beta2) as f32,
                     bias2_sqrt: bias2.sqrt() as f32,
                     eps: c.eps as f32,
                     step_size: (-lr / bias1) as f32,
                 };
                 // SAFETY: four distinct contiguous float32 CPU tensors of one shape (checked
-                // above), alive for the call.
+                // above), alive for the call. Written through their memory, the parameters'
+                // autograd version counters do not move: the step runs after backward, when
+                // no graph holds them.
                 unsafe {
                     use std::slice::{from_raw_parts, from_raw_parts_mut};
                     kernels::adamw(from_raw_parts_mut(p_ptr, n), from_raw_parts(g_ptr, n), from_raw_parts_mut(m_ptr, n), from_raw_parts_mut(v_ptr, n), consts);
@@ -142,7 +150,8 @@ impl AdamW {
         Ok(())
     }
 
-    /// Named copies of the state: `step`, `exp_avg/NAME`, `exp_avg_sq/NAME`.
+    /// The state by name: `step`, `exp_avg/NAME`, `exp_avg_sq/NAME` (views of the live
+    /// moments; see [`crate::plugin::Optimizer::state`]).
     pub fn state(&self) -> Vec<(String, Tensor)> {
         let mut out = vec![("step".to_string(), Tensor::from(self.step))];
         for (name, m) in &self.moments {

@@ -27,9 +27,11 @@
 //! (non-negative floats order as their bits), never concatenating the `P` sensitivities.
 //!
 //! On the CPU (every tensor contiguous float32) each stage is one fused pass of
-//! `optim::kernels` per parameter: the NaN check, the two counting passes, and the momentum
-//! update with the fold. Elsewhere the same arithmetic runs as tch operations over chunks of
-//! at most `CHUNK` elements, so temporaries stay small next to `P`.
+//! `optim::kernels` per parameter: the NaN check, the two counting passes, the momentum
+//! update with the fold (the exact form's weight as `w = 1/(1 + Σ_s e^{(M_s − M_t)/τ})`, no
+//! logarithm), and the lean form's `L`. Elsewhere the same arithmetic runs as tch operations
+//! over chunks of at most `CHUNK` elements, so temporaries stay small next to `P`; so does
+//! the exact form's correction at the end of a step that some task sat out.
 
 use super::{clip_grad_norm, kernels, AdamW, AdamWConfig};
 use crate::plugin::StepContext;
@@ -675,6 +677,22 @@ mod tests {
                 let plain = dense_grads(5).to_kind(Kind::Float) * Tensor::from_slice(&(0..TASKS).map(|t| present(one, 5, t) as i64 as f32).collect::<Vec<_>>()).unsqueeze(1);
                 let mean = plain.sum_dim_intlist(0, false, Kind::Float) / TASKS as f64;
                 assert!(max_diff(last, &mean) > 0.05, "{form:?}: the test's weights are too close to uniform to tell");
+            }
+        }
+    }
+
+    /// A temperature so low that `e^{(M_s − M_t)/τ}` overflows float32 for most elements, with
+    /// a task that has no gradient for one parameter (its share of `N` must shrink by
+    /// `1 − w = 1`, not become ∞/∞): still the formulas, and finite.
+    #[test]
+    fn overflowing_task_weights_stay_finite() {
+        for (form, kernels) in [(Form::Exact, true), (Form::Lean, true), (Form::Exact, false), (Form::Lean, false)] {
+            let cfg = config(form, MedianOf::All, 0.5, 0.001);
+            let (a, b) = (ours(&cfg, false, 4, 1, None, false, true, kernels), dense_reference(&cfg, false, 4, 1, None, false));
+            for (step, (x, y)) in a.combined.iter().zip(&b.combined).enumerate() {
+                assert!(x.isfinite().all().int64_value(&[]) == 1, "{form:?} kernels {kernels} step {step}: {x}");
+                let scale = y.abs().max().double_value(&[]);
+                assert!(max_diff(x, y) <= 1e-6 * scale.max(1.0), "{form:?} kernels {kernels} step {step}: {x} vs {y}");
             }
         }
     }
