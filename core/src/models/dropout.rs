@@ -45,8 +45,8 @@ fn seeded_mask(x: &Tensor, p: f64, seed: u64) -> Tensor {
     let threshold = (p * (1u64 << 24) as f64).round() as u32;
     let keep = (1.0 / (1.0 - p)) as f32;
     // One thread: the fill is bound by memory writes, and a mask written by rayon's workers
-    // raised the peak RSS of a 4-task MiniLM run by 200 MB (2,438 against 2,232 MB) for no
-    // gain in step time (3.00 against 2.95 s).
+    // raised the peak RSS of a 4-task MiniLM run by 200 MiB (2,381 against 2,180 MiB) for no
+    // gain in step time (3.00 against 2.95 s; docs/BENCHMARKS.md).
     // SAFETY: the mask's own `n` contiguous elements.
     let out = unsafe { std::slice::from_raw_parts_mut(mask.data_ptr() as *mut f32, n) };
     fill_block(out, 0, seed as u32, (seed >> 32) as u32, threshold, keep);

@@ -5,7 +5,7 @@
 //! here each is one pass over blocks of elements on rayon's pool, with the AVX-512 or AVX2 build
 //! of the loop picked at run time (the release build targets baseline x86-64; see
 //! `retrieval/src/index/simd.rs`). On 22.6M parameters and 2 cores that took T-SAGE's
-//! optimizer work per step from 1.3 s to 0.66 s, and AdamW's update from 0.11 to 0.02 s
+//! optimizer work per step from 1.30 s to 0.68 s, and AdamW's update from 0.11 to 0.02 s
 //! (docs/BENCHMARKS.md). Other devices, and tensors that are not contiguous float32, keep
 //! the tch path.
 //!
