@@ -10,7 +10,7 @@
 //! `1/(1−p)`, kept with probability `1−p` (to 2^-24). Other devices and dtypes use torch's
 //! dropout (on CUDA it is one fused kernel).
 
-use crate::optim::kernels::multiversion;
+use crate::optim::kernels::{f32_slice_mut, multiversion};
 use tch::{Device, Kind, Tensor};
 
 /// `x` with each element zeroed with probability `p` and the rest scaled by `1/(1−p)`, when
@@ -41,14 +41,13 @@ fn mask_like(x: &Tensor, p: f64) -> Tensor {
 /// The mask of [`mask_like`] for a given seed.
 fn seeded_mask(x: &Tensor, p: f64, seed: u64) -> Tensor {
     let mask = Tensor::empty(x.size(), (Kind::Float, Device::Cpu));
-    let n = mask.numel();
     let threshold = (p * (1u64 << 24) as f64).round() as u32;
     let keep = (1.0 / (1.0 - p)) as f32;
     // One thread: the fill is bound by memory writes, and a mask written by rayon's workers
     // raised the peak RSS of a 4-task MiniLM run by 200 MiB (2,381 against 2,180 MiB) for no
     // gain in step time (3.00 against 2.95 s; docs/BENCHMARKS.md).
-    // SAFETY: the mask's own `n` contiguous elements.
-    let out = unsafe { std::slice::from_raw_parts_mut(mask.data_ptr() as *mut f32, n) };
+    // SAFETY: a fresh tensor no one else holds.
+    let out = unsafe { f32_slice_mut(&mask) }.expect("a float32 CPU tensor");
     fill_block(out, 0, seed as u32, (seed >> 32) as u32, threshold, keep);
     mask
 }

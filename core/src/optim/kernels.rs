@@ -18,16 +18,34 @@ use tch::{Device, Kind, Tensor};
 /// Elements per parallel block: a few hundred KB per stream, so blocks stay in L2.
 const BLOCK: usize = if cfg!(test) { 7 } else { 1 << 16 };
 
-/// A float32 tensor's elements, when it lives on the CPU and is contiguous.
-pub fn cpu_f32(x: &Tensor) -> Option<(*mut f32, usize)> {
-    if x.device() != Device::Cpu || x.kind() != Kind::Float || !x.is_contiguous() {
+/// Whether the loops here can take `x`: float32, contiguous, on the CPU.
+pub fn is_cpu_f32(x: &Tensor) -> bool {
+    x.device() == Device::Cpu && x.kind() == Kind::Float && x.is_contiguous()
+}
+
+/// `x`'s elements, when [`is_cpu_f32`].
+///
+/// # Safety
+/// Nothing writes the elements while the slice lives.
+pub unsafe fn f32_slice(x: &Tensor) -> Option<&[f32]> {
+    f32_slice_mut(x).map(|s| &*s)
+}
+
+/// `x`'s elements, writable, when [`is_cpu_f32`].
+///
+/// # Safety
+/// No other reference to the elements (through this tensor or another sharing its storage)
+/// lives while the slice does.
+#[allow(clippy::mut_from_ref)]
+pub unsafe fn f32_slice_mut(x: &Tensor) -> Option<&mut [f32]> {
+    if !is_cpu_f32(x) {
         return None;
     }
     // An empty tensor may have no storage: a dangling, aligned pointer is what a slice of
     // length 0 needs.
     Some(match x.numel() {
-        0 => (std::ptr::NonNull::<f32>::dangling().as_ptr(), 0),
-        n => (x.data_ptr() as *mut f32, n),
+        0 => &mut [],
+        n => std::slice::from_raw_parts_mut(x.data_ptr() as *mut f32, n),
     })
 }
 

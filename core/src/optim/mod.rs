@@ -112,9 +112,12 @@ impl AdamW {
                 bail!("AdamW moments of {name} have shapes {:?} and {:?}, the parameter {:?} (a checkpoint of another model?)", m.exp_avg.size(), m.exp_avg_sq.size(), p.size());
             }
             let decay = if c.weight_decay != 0.0 && !ctx.no_weight_decay.contains(name) { 1.0 - lr * c.weight_decay } else { 1.0 };
-            if let (Some((p_ptr, n)), Some((g_ptr, _)), Some((m_ptr, _)), Some((v_ptr, _))) =
-                (kernels::cpu_f32(&p), kernels::cpu_f32(g), kernels::cpu_f32(&m.exp_avg), kernels::cpu_f32(&m.exp_avg_sq))
-            {
+            // SAFETY: four distinct tensors of one shape (checked above): the parameter and the
+            // moments written by nothing else, the gradient only read. Written through their
+            // memory, the parameters' autograd version counters do not move: the step runs
+            // after backward, when no graph holds them.
+            let fused = unsafe { (kernels::f32_slice_mut(&p), kernels::f32_slice(g), kernels::f32_slice_mut(&m.exp_avg), kernels::f32_slice_mut(&m.exp_avg_sq)) };
+            if let (Some(pv), Some(gv), Some(mv), Some(vv)) = fused {
                 let consts = kernels::AdamWStep {
                     decay: decay as f32,
                     one_minus_beta1: (1.0 - c.beta1) as f32,
@@ -124,14 +127,7 @@ impl AdamW {
                     eps: c.eps as f32,
                     step_size: (-lr / bias1) as f32,
                 };
-                // SAFETY: four distinct contiguous float32 CPU tensors of one shape (checked
-                // above), alive for the call. Written through their memory, the parameters'
-                // autograd version counters do not move: the step runs after backward, when
-                // no graph holds them.
-                unsafe {
-                    use std::slice::{from_raw_parts, from_raw_parts_mut};
-                    kernels::adamw(from_raw_parts_mut(p_ptr, n), from_raw_parts(g_ptr, n), from_raw_parts_mut(m_ptr, n), from_raw_parts_mut(v_ptr, n), consts);
-                }
+                kernels::adamw(pv, gv, mv, vv, consts);
                 continue;
             }
             if decay != 1.0 {

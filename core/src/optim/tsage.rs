@@ -291,10 +291,9 @@ impl TSage {
                     *l = l.to_device(p.device());
                 }
                 let m = &self.momentum[name];
-                if let (true, Some((m_ptr, m_len)), Some((l_ptr, l_len))) = (self.cpu_kernels, kernels::cpu_f32(m), kernels::cpu_f32(l)) {
-                    // SAFETY: this optimizer's own contiguous float32 tensors, alive and
-                    // otherwise unborrowed for the call.
-                    unsafe { kernels::log_sum_exp_rows(std::slice::from_raw_parts(m_ptr, m_len), self.config.tau as f32, std::slice::from_raw_parts_mut(l_ptr, l_len)) };
+                // SAFETY: this optimizer's own tensors, `M` only read, `L` written by nothing else.
+                if let (true, Some(m), Some(l)) = (self.cpu_kernels, unsafe { kernels::f32_slice(m) }, unsafe { kernels::f32_slice_mut(l) }) {
+                    kernels::log_sum_exp_rows(m, self.config.tau as f32, l);
                     continue;
                 }
                 let m = m.view([t, -1]);
@@ -331,12 +330,11 @@ impl TSage {
         }
         // On the CPU, every tensor of this task as float32 elements: the fused loops of
         // `kernels` then do the work (one pass per stage instead of one per tch operation).
-        let on_cpu = self.cpu_kernels && step.params.iter().all(|(_, p)| kernels::cpu_f32(p).is_some()) && grads.values().all(|g| kernels::cpu_f32(g).is_some());
-        let elements = |x: &Tensor| -> &[f32] {
-            let (ptr, n) = kernels::cpu_f32(x).expect("checked by on_cpu");
-            // SAFETY: a contiguous float32 CPU tensor, alive for the borrow.
-            unsafe { std::slice::from_raw_parts(ptr, n) }
-        };
+        let on_cpu = self.cpu_kernels && step.params.iter().all(|(_, p)| kernels::is_cpu_f32(p)) && grads.values().all(kernels::is_cpu_f32);
+        fn elements(x: &Tensor) -> &[f32] {
+            // SAFETY: parameters, gradients and `L` are only read during the call.
+            unsafe { kernels::f32_slice(x) }.expect("checked by on_cpu")
+        }
         let has_nan = match on_cpu {
             true => grads.values().any(|g| kernels::any_nan(elements(g))),
             false => grads.values().any(|g| g.isnan().any().int64_value(&[]) != 0),
@@ -392,24 +390,11 @@ impl TSage {
                     (false, Form::Exact) => kernels::Fold::Exact { before: &before, first: before.is_empty() },
                     (false, Form::Lean) => kernels::Fold::Lean { log_denominator: elements(&self.log_denominator[name]) },
                 };
-                let m = &self.momentum[name];
-                let (m_ptr, m_len) = kernels::cpu_f32(m).expect("momentum is made contiguous float32 in begin_step");
-                let acc = acc.map(|a| kernels::cpu_f32(a).expect("made contiguous float32 here"));
-                // SAFETY: `M` and the accumulator are this optimizer's own tensors, alive and
-                // otherwise unborrowed for the call.
-                unsafe {
-                    kernels::tsage_task(
-                        elements(theta),
-                        g.map(|g| elements(g)),
-                        std::slice::from_raw_parts_mut(m_ptr, m_len),
-                        t as usize,
-                        acc.map(|(ptr, n)| std::slice::from_raw_parts_mut(ptr, n)),
-                        &fold,
-                        beta as f32,
-                        ((1.0 - beta) * scale) as f32,
-                        tau as f32,
-                    );
-                }
+                // SAFETY: `M` and the accumulator are this optimizer's own tensors, written by
+                // nothing else during the call.
+                let m = unsafe { kernels::f32_slice_mut(&self.momentum[name]) }.expect("momentum is made contiguous float32 in begin_step");
+                let acc = acc.map(|a| unsafe { kernels::f32_slice_mut(a) }.expect("made contiguous float32 here"));
+                kernels::tsage_task(elements(theta), g.map(|g| elements(g)), m, t as usize, acc, &fold, beta as f32, ((1.0 - beta) * scale) as f32, tau as f32);
             }
             return Ok(());
         }
