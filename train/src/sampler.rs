@@ -35,64 +35,56 @@ pub fn task_batch_sizes(counts: &[usize], total: usize, c: f64) -> Result<Vec<us
     if c <= 0.0 || !c.is_finite() {
         bail!("the temperature c must be positive (got {c})");
     }
-    let sum: f64 = counts.iter().map(|&n| n as f64).sum();
-    let rates: Vec<f64> = counts.iter().map(|&n| (n as f64 / sum).powf(1.0 / c)).collect();
-    let rate_sum: f64 = rates.iter().sum();
-    let quotas: Vec<f64> = rates.iter().map(|r| total as f64 * r / rate_sum).collect();
-    let mut sizes: Vec<usize> = quotas.iter().map(|q| (q.floor() as usize).max(1)).collect();
-    let remainder = |i: usize| quotas[i] - quotas[i].floor();
-    // Largest remainders first; ties go to the earlier task.
-    let mut by_remainder: Vec<usize> = (0..counts.len()).collect();
-    by_remainder.sort_by(|&a, &b| remainder(b).total_cmp(&remainder(a)).then(a.cmp(&b)));
-    let assigned: usize = sizes.iter().sum();
-    if assigned < total {
-        for &i in by_remainder.iter().cycle().take(total - assigned) {
-            sizes[i] += 1;
-        }
-    } else {
-        // The minimum of one pushed the sum over: take back from the tasks whose quotas were
-        // rounded least favourably, never below one.
-        let mut excess = assigned - total;
-        while excess > 0 {
-            let i = *by_remainder.iter().rev().filter(|&&i| sizes[i] > 1).max_by(|&&a, &&b| sizes[a].cmp(&sizes[b])).expect("total >= tasks");
-            sizes[i] -= 1;
-            excess -= 1;
-        }
-    }
-    // A task never gets more than it has (a sub-batch would repeat examples, and a repeated
-    // passage is a false in-batch negative): hand the excess to tasks with room.
     let available: usize = counts.iter().sum();
     if total > available {
         bail!("a batch of {total} is larger than all {available} training examples");
     }
-    loop {
-        let excess: usize = sizes.iter().zip(counts).map(|(&s, &n)| s.saturating_sub(n)).sum();
-        if excess == 0 {
-            break;
-        }
-        for (s, &n) in sizes.iter_mut().zip(counts) {
-            *s = (*s).min(n);
-        }
-        let mut left = excess;
-        for &i in by_remainder.iter().cycle().take(counts.len() * excess) {
-            if left == 0 {
-                break;
-            }
-            if sizes[i] < counts[i] {
-                sizes[i] += 1;
-                left -= 1;
-            }
-        }
+    let sum: f64 = counts.iter().map(|&n| n as f64).sum();
+    let rates: Vec<f64> = counts.iter().map(|&n| (n as f64 / sum).powf(1.0 / c)).collect();
+    let rate_sum: f64 = rates.iter().sum();
+    let quotas: Vec<f64> = rates.iter().map(|r| total as f64 * r / rate_sum).collect();
+    // Floors, at least one, never more than the task has (a sub-batch would repeat examples,
+    // and a repeated passage is a false in-batch negative).
+    let mut sizes: Vec<usize> = quotas.iter().zip(counts).map(|(q, &n)| (q.floor() as usize).clamp(1, n)).collect();
+    // What each task is still owed against its quota, measured from the size it has now: a
+    // task already raised to its minimum of one is owed less than nothing, so it is the last
+    // to get a leftover slot and the first to give one back.
+    let owed = |sizes: &[usize], i: usize| quotas[i] - sizes[i] as f64;
+    let mut assigned: usize = sizes.iter().sum();
+    while assigned < total {
+        // The most owed task with room; ties go to the earlier task.
+        let i = (0..counts.len())
+            .filter(|&i| sizes[i] < counts[i])
+            .max_by(|&a, &b| owed(&sizes, a).total_cmp(&owed(&sizes, b)).then(b.cmp(&a)))
+            .expect("total <= available leaves a task with room");
+        sizes[i] += 1;
+        assigned += 1;
+    }
+    while assigned > total {
+        // The minimum of one pushed the sum over: take back from the least owed task above one.
+        let i = (0..counts.len())
+            .filter(|&i| sizes[i] > 1)
+            .min_by(|&a, &b| owed(&sizes, a).total_cmp(&owed(&sizes, b)).then(b.cmp(&a)))
+            .expect("total >= tasks leaves a task above one");
+        sizes[i] -= 1;
+        assigned -= 1;
     }
     Ok(sizes)
 }
 
 /// A task's shuffled pass over its examples; the order of cycle `k` is a function of
-/// (seed, task, k), so the state is two numbers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// (seed, task, k), so the state is a position (and the few examples taken early).
+///
+/// When a cycle ends inside a sub-batch, the sub-batch is completed from the next cycle with
+/// examples it does not already hold (`early`, taken ahead of their place in that cycle and
+/// skipped when the cursor reaches them), so a sub-batch never repeats an example and every
+/// cycle still yields each example exactly once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Cursor {
     cycle: u64,
     pos: usize,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    early: Vec<usize>,
 }
 
 fn cycle_order(seed: u64, task: usize, cycle: u64, n: usize) -> Vec<usize> {
@@ -120,7 +112,7 @@ pub struct TacoSamplerState {
 impl TacoSampler {
     pub fn new(counts: &[usize], batch_size: usize, c: f64, seed: u64) -> Result<Self> {
         let sizes = task_batch_sizes(counts, batch_size, c)?;
-        let cursors = vec![Cursor { cycle: 0, pos: 0 }; counts.len()];
+        let cursors = vec![Cursor { cycle: 0, pos: 0, early: Vec::new() }; counts.len()];
         let orders = counts.iter().enumerate().map(|(t, &n)| cycle_order(seed, t, 0, n)).collect();
         Ok(TacoSampler { seed, counts: counts.to_vec(), sizes, cursors, orders })
     }
@@ -140,21 +132,34 @@ impl TacoSampler {
         (0..self.counts.len()).map(|t| SubBatch { task: t, examples: self.take(t, self.sizes[t]) }).collect()
     }
 
-    /// `k` examples of task `t`, continuing into a fresh shuffle when a cycle ends (a
-    /// sub-batch never holds one example twice unless the task has fewer than `k`).
+    /// `k` examples of task `t` (`k` is at most the task's count), all different: the rest of
+    /// the current cycle, then, if that is too few, examples of the next cycle's shuffle that
+    /// the sub-batch does not hold yet.
     fn take(&mut self, t: usize, k: usize) -> Vec<usize> {
+        let n = self.counts[t];
         let mut out = Vec::with_capacity(k);
-        while out.len() < k {
-            let c = &mut self.cursors[t];
-            if c.pos == self.counts[t] {
-                c.cycle += 1;
-                c.pos = 0;
-                self.orders[t] = cycle_order(self.seed, t, c.cycle, self.counts[t]);
+        let c = &mut self.cursors[t];
+        while out.len() < k && c.pos < n {
+            let x = self.orders[t][c.pos];
+            c.pos += 1;
+            match c.early.iter().position(|&e| e == x) {
+                Some(i) => {
+                    c.early.swap_remove(i);
+                }
+                None => out.push(x),
             }
-            let c = &mut self.cursors[t];
-            let take = (k - out.len()).min(self.counts[t] - c.pos);
-            out.extend_from_slice(&self.orders[t][c.pos..c.pos + take]);
-            c.pos += take;
+        }
+        if out.len() < k {
+            debug_assert!(c.early.is_empty(), "examples taken early lie ahead of the cursor");
+            *c = Cursor { cycle: c.cycle + 1, pos: 0, early: Vec::new() };
+            self.orders[t] = cycle_order(self.seed, t, c.cycle, n);
+            if out.is_empty() {
+                return self.take(t, k);
+            }
+            let tail = out.clone();
+            let fill: Vec<usize> = self.orders[t].iter().copied().filter(|x| !tail.contains(x)).take(k - out.len()).collect();
+            c.early = fill.clone();
+            out.extend(fill);
         }
         out
     }
@@ -168,8 +173,8 @@ impl TacoSampler {
             bail!("sampler state holds {} tasks, this run has {}", state.cursors.len(), self.counts.len());
         }
         for (t, c) in state.cursors.iter().enumerate() {
-            if c.pos > self.counts[t] {
-                bail!("sampler state is past the end of task {t} ({} > {} examples)", c.pos, self.counts[t]);
+            if c.pos > self.counts[t] || c.early.iter().any(|&e| e >= self.counts[t]) {
+                bail!("sampler state is past the end of task {t} ({} examples)", self.counts[t]);
             }
             self.orders[t] = cycle_order(self.seed, t, c.cycle, self.counts[t]);
         }
@@ -298,12 +303,60 @@ mod tests {
     }
 
     #[test]
+    fn leftover_slots_go_to_the_tasks_owed_most() {
+        // Quotas 1.30 × 4 and 0.80: the small task is raised to one, so the sixth slot goes to
+        // a large task, not to the small one (ranked by its original 0.80 it would get 2).
+        assert_eq!(task_batch_sizes(&[1000, 1000, 1000, 1000, 143], 6, 4.0).unwrap(), vec![2, 1, 1, 1, 1]);
+        // Taking back after the minimum: quotas 2.93, 2.93, 0.14 -> floors 2, 2, 1 = 5 = B.
+        let s = task_batch_sizes(&[10_000, 10_000, 1], 5, 1.0).unwrap();
+        assert_eq!(s, vec![2, 2, 1]);
+        // Over many shapes: sums to B, each at least one and at most its count, and no task
+        // ends more than one above its quota while another is a slot or more below its own.
+        for (counts, b, c) in [(vec![7, 300, 2, 41], 12, 2.0), (vec![5, 1, 1, 900], 7, 4.0), (vec![3, 3, 1000, 20, 20], 9, 1.0)] {
+            let s = task_batch_sizes(&counts, b, c).unwrap();
+            assert_eq!(s.iter().sum::<usize>(), b);
+            assert!(s.iter().zip(&counts).all(|(&x, &n)| x >= 1 && x <= n), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn taco_sub_batches_never_repeat_an_example_across_a_cycle_boundary() {
+        // The review's case: 10 examples in sub-batches of 4 cross a cycle every 2.5 steps.
+        let mut s = TacoSampler::new(&[10], 4, 4.0, 1).unwrap();
+        let mut seen = Vec::new();
+        for step in 0..50 {
+            let mut ex = s.next_step()[0].examples.clone();
+            seen.extend(ex.clone());
+            ex.sort();
+            ex.dedup();
+            assert_eq!(ex.len(), 4, "step {step} repeats an example");
+        }
+        // 200 examples taken = 20 cycles: each example exactly 20 times.
+        for x in 0..10 {
+            assert_eq!(seen.iter().filter(|&&e| e == x).count(), 20, "example {x}");
+        }
+        // Several tasks and seeds, sub-batches as large as the task allows.
+        for seed in 0..20 {
+            let mut s = TacoSampler::new(&[5, 3, 40], 9, 1.0, seed).unwrap();
+            for _ in 0..30 {
+                for sub in s.next_step() {
+                    let mut ex = sub.examples.clone();
+                    ex.sort();
+                    ex.dedup();
+                    assert_eq!(ex.len(), sub.examples.len(), "seed {seed}: {:?}", sub.examples);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn taco_sampler_resumes_exactly() {
         let mut a = TacoSampler::new(&[17, 5, 9], 7, 4.0, 3).unwrap();
         for _ in 0..5 {
             a.next_step();
         }
         let state = a.state();
+        assert!(state.cursors.iter().any(|c| !c.early.is_empty()), "the resume point should lie just after a cycle boundary");
         let json = serde_json::to_string(&state).unwrap();
         let mut b = TacoSampler::new(&[17, 5, 9], 7, 4.0, 3).unwrap();
         b.load_state(&serde_json::from_str(&json).unwrap()).unwrap();
