@@ -6,10 +6,12 @@ fn main() {
     compile_onednn_shim(&libtorch.lib_dir);
 }
 
-/// The small C++ file that calls libtorch's oneDNN linear operators by name (see its header).
+/// The small C++ files: libtorch's oneDNN linear operators called by name, and the autograd
+/// controls tch lacks (see their headers).
 /// Built against the same headers and C++ ABI as torch-sys builds its own C++.
 fn compile_onednn_shim(lib_dir: &std::path::Path) {
     println!("cargo:rerun-if-changed=csrc/onednn.cpp");
+    println!("cargo:rerun-if-changed=csrc/autograd.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let include = lib_dir.parent().expect("libtorch lib dir has a parent").join("include");
     let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
@@ -23,5 +25,6 @@ fn compile_onednn_shim(lib_dir: &std::path::Path) {
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
         .flag("-DGLOG_USE_GLOG_EXPORT")
         .file("csrc/onednn.cpp")
+        .file("csrc/autograd.cpp")
         .compile("rak_onednn");
 }

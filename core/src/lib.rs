@@ -5,12 +5,14 @@
 //! - [`optim`]: optimizer math shared by the optimizer plugins.
 //! - [`models`]: BERT and T5 in tch with Hugging Face names; checkpoints; tokenizers.
 //! - [`encoders`], [`readers`]: the models behind the built-in encoder and reader plugins.
+//! - [`autograd`]: clearing gradients, bf16 autocast on the CPU and CUDA.
 //! - [`fsutil`]: atomic writes.
 //! - [`malloc`]: glibc allocator settings for tensor workloads.
 //!
 //! It is not the CLI (that is `rak-host`), not the retrieval pipeline (`rak-retrieval`), and
 //! it loads no plugins itself.
 
+pub mod autograd;
 pub mod encoders;
 pub mod fsutil;
 pub mod malloc;

@@ -61,10 +61,12 @@ impl AdamWConfig {
     }
 }
 
-/// One parameter's moments.
+/// One parameter's moments and its own step count (torch keeps one per parameter: a
+/// parameter that missed steps is bias-corrected by the steps it took part in).
 struct Moments {
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
+    step: i64,
 }
 
 /// AdamW moments by parameter name, following `torch.optim.AdamW` (decoupled weight decay,
@@ -73,22 +75,19 @@ struct Moments {
 /// `no_weight_decay` get none.
 pub struct AdamW {
     pub config: AdamWConfig,
-    step: i64,
     moments: BTreeMap<String, Moments>,
 }
 
 impl AdamW {
     pub fn new(config: AdamWConfig) -> Self {
-        AdamW { config, step: 0, moments: BTreeMap::new() }
+        AdamW { config, moments: BTreeMap::new() }
     }
 
-    /// One update of `params` from `grads` (by name). A parameter without a gradient is left
-    /// untouched and its moments are not advanced, as PyTorch does.
+    /// One update of `params` from `grads` (by name). A parameter without a gradient (absent
+    /// or undefined) is left untouched: no decay, no momentum, its step count not advanced,
+    /// as PyTorch does.
     pub fn step(&mut self, params: &[(String, Tensor)], grads: &BTreeMap<String, Tensor>, ctx: &StepContext) -> Result<()> {
-        self.step += 1;
         let c = self.config.clone();
-        let bias1 = 1.0 - c.beta1.powi(self.step as i32);
-        let bias2 = 1.0 - c.beta2.powi(self.step as i32);
         let _guard = tch::no_grad_guard();
         for (name, p) in params {
             let Some(g) = grads.get(name).filter(|g| g.defined()) else { continue };
@@ -100,7 +99,7 @@ impl AdamW {
             let m = self
                 .moments
                 .entry(name.clone())
-                .or_insert_with(|| Moments { exp_avg: Tensor::zeros_like(&p), exp_avg_sq: Tensor::zeros_like(&p) });
+                .or_insert_with(|| Moments { exp_avg: Tensor::zeros_like(&p), exp_avg_sq: Tensor::zeros_like(&p), step: 0 });
             if m.exp_avg.device() != p.device() {
                 // Restored from a checkpoint, which keeps state on the CPU.
                 m.exp_avg = m.exp_avg.to_device(p.device());
@@ -111,6 +110,9 @@ impl AdamW {
             if m.exp_avg.size() != p.size() || m.exp_avg_sq.size() != p.size() {
                 bail!("AdamW moments of {name} have shapes {:?} and {:?}, the parameter {:?} (a checkpoint of another model?)", m.exp_avg.size(), m.exp_avg_sq.size(), p.size());
             }
+            m.step += 1;
+            let bias1 = 1.0 - c.beta1.powi(m.step as i32);
+            let bias2 = 1.0 - c.beta2.powi(m.step as i32);
             let decay = if c.weight_decay != 0.0 && !ctx.no_weight_decay.contains(name) { 1.0 - lr * c.weight_decay } else { 1.0 };
             // SAFETY: four distinct tensors of one shape (checked above): the parameter and the
             // moments written by nothing else, the gradient only read. Written through their
@@ -146,25 +148,30 @@ impl AdamW {
         Ok(())
     }
 
-    /// The state by name: `step`, `exp_avg/NAME`, `exp_avg_sq/NAME` (views of the live
+    /// The state by name: `step/NAME`, `exp_avg/NAME`, `exp_avg_sq/NAME` (views of the live
     /// moments; see [`crate::plugin::Optimizer::state`]).
     pub fn state(&self) -> Vec<(String, Tensor)> {
-        let mut out = vec![("step".to_string(), Tensor::from(self.step))];
+        let mut out = Vec::with_capacity(3 * self.moments.len());
         for (name, m) in &self.moments {
+            out.push((format!("step/{name}"), Tensor::from(m.step)));
             out.push((format!("exp_avg/{name}"), m.exp_avg.shallow_clone()));
             out.push((format!("exp_avg_sq/{name}"), m.exp_avg_sq.shallow_clone()));
         }
         out
     }
 
-    /// Restore what [`AdamW::state`] returned; entries with other prefixes are an error.
+    /// Restore what [`AdamW::state`] returned; entries with other prefixes are an error. A
+    /// checkpoint of an older version holds one global `step`, which every parameter gets.
     pub fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
-        let mut step = None;
+        let mut global_step = None;
+        let mut steps = BTreeMap::new();
         let mut avg = BTreeMap::new();
         let mut sq = BTreeMap::new();
         for (name, t) in state {
             if name == "step" {
-                step = Some(t.int64_value(&[]));
+                global_step = Some(t.int64_value(&[]));
+            } else if let Some(p) = name.strip_prefix("step/") {
+                steps.insert(p.to_string(), t.int64_value(&[]));
             } else if let Some(p) = name.strip_prefix("exp_avg/") {
                 avg.insert(p.to_string(), t.copy());
             } else if let Some(p) = name.strip_prefix("exp_avg_sq/") {
@@ -173,12 +180,18 @@ impl AdamW {
                 bail!("unknown AdamW state entry {name:?}");
             }
         }
-        let Some(step) = step else { bail!("AdamW state has no `step` entry") };
         if avg.keys().ne(sq.keys()) {
             bail!("AdamW state has first and second moments for different parameters");
         }
-        self.step = step;
-        self.moments = avg.into_iter().zip(sq.into_values()).map(|((n, exp_avg), exp_avg_sq)| (n, Moments { exp_avg, exp_avg_sq })).collect();
+        let mut moments = BTreeMap::new();
+        for ((name, exp_avg), exp_avg_sq) in avg.into_iter().zip(sq.into_values()) {
+            let Some(step) = steps.remove(&name).or(global_step) else { bail!("AdamW state has no step count for {name:?}") };
+            moments.insert(name, Moments { exp_avg, exp_avg_sq, step });
+        }
+        if let Some(name) = steps.keys().next() {
+            bail!("AdamW state has a step count for {name:?} but no moments");
+        }
+        self.moments = moments;
         Ok(())
     }
 }
@@ -271,6 +284,36 @@ mod tests {
             let before = if name == "w" { start.shallow_clone() } else { start.get(0) };
             assert!((x.to_kind(Kind::Double) - before).abs().max().double_value(&[]) > 0.01, "{name} moved");
         }
+    }
+
+    /// As torch.optim.AdamW: a parameter that gets no gradient in a step is not touched (no
+    /// decay, no momentum), and its bias correction counts only the steps it took part in.
+    #[test]
+    fn a_parameter_without_a_gradient_is_left_alone_and_keeps_its_own_step_count() {
+        let ctx = StepContext { lr: 0.1, ..Default::default() };
+        let p = vec![("a".to_string(), Tensor::from_slice(&[1.0f32, 2.0])), ("b".to_string(), Tensor::from_slice(&[1.0f32, 2.0]))];
+        let g = |v: f32| Tensor::from_slice(&[v, -v]);
+        let mut opt = AdamW::new(AdamWConfig::default());
+        opt.step(&p, &[("a".to_string(), g(0.5)), ("b".to_string(), g(0.5))].into(), &ctx).unwrap();
+        let b_after_one = p[1].1.copy();
+        // Step 2: only `a` has a gradient (`b`'s undefined, as autograd leaves an unreached one).
+        opt.step(&p, &[("a".to_string(), g(0.5)), ("b".to_string(), Tensor::new())].into(), &ctx).unwrap();
+        assert!(p[1].1.equal(&b_after_one), "b moved without a gradient: {:?}", p[1].1);
+        // Step 3: `b`'s first moment and bias correction are those of its second step, as a
+        // lone parameter stepped twice.
+        opt.step(&p, &[("a".to_string(), g(0.5)), ("b".to_string(), g(0.25))].into(), &ctx).unwrap();
+        let alone = vec![("b".to_string(), Tensor::from_slice(&[1.0f32, 2.0]))];
+        let mut solo = AdamW::new(AdamWConfig::default());
+        solo.step(&alone, &[("b".to_string(), g(0.5))].into(), &ctx).unwrap();
+        solo.step(&alone, &[("b".to_string(), g(0.25))].into(), &ctx).unwrap();
+        assert!(p[1].1.allclose(&alone[0].1, 1e-7, 1e-7, false), "{:?} vs {:?}", p[1].1, alone[0].1);
+        let state: BTreeMap<String, i64> = opt.state().into_iter().filter(|(n, _)| n.starts_with("step/")).map(|(n, t)| (n, t.int64_value(&[]))).collect();
+        assert_eq!(state, [("step/a".to_string(), 3), ("step/b".to_string(), 2)].into());
+        // An older checkpoint's global step still loads.
+        let mut old = AdamW::new(AdamWConfig::default());
+        let legacy: Vec<(String, Tensor)> = vec![("step".into(), Tensor::from(4i64)), ("exp_avg/a".into(), g(0.1)), ("exp_avg_sq/a".into(), g(0.1).square())];
+        old.load_state(legacy).unwrap();
+        assert_eq!(old.state()[0].1.int64_value(&[]), 4);
     }
 
     #[test]
