@@ -207,20 +207,21 @@ fn lse_body(rows: &[&[f32]], tau: f32, out: &mut [f32]) {
     }
 }
 
-/// Whether any element is NaN.
-pub fn any_nan(x: &[f32]) -> bool {
-    x.par_chunks(BLOCK).any(any_nan_block)
+/// Whether any element is NaN or infinite.
+pub fn any_non_finite(x: &[f32]) -> bool {
+    x.par_chunks(BLOCK).any(any_non_finite_block)
 }
 
-multiversion!(any_nan_block => any_nan_body(x: &[f32]) -> bool);
+multiversion!(any_non_finite_block => any_non_finite_body(x: &[f32]) -> bool);
 #[inline(always)]
-fn any_nan_body(x: &[f32]) -> bool {
-    // An OR over the block, which vectorises; an early exit would not.
-    let mut nan = false;
+fn any_non_finite_body(x: &[f32]) -> bool {
+    // An OR over the block, which vectorises; an early exit would not. NaN and ±inf are the
+    // floats whose exponent bits are all ones.
+    let mut bad = false;
     for v in x {
-        nan |= v.is_nan();
+        bad |= v.to_bits() & 0x7f80_0000 == 0x7f80_0000;
     }
-    nan
+    bad
 }
 
 /// Histogram of the bit patterns of `|θ ⊙ g|` (non-negative floats order as their bits): with
@@ -478,12 +479,16 @@ mod tests {
     }
 
     #[test]
-    fn nan_is_found_in_any_block() {
-        let mut x = vec![1.0f32; 3 * BLOCK + 5];
-        assert!(!any_nan(&x));
-        x[2 * BLOCK + 3] = f32::NAN;
-        assert!(any_nan(&x));
-        assert!(!any_nan(&[]));
+    fn non_finite_values_are_found_in_any_block() {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut x = vec![1.0f32; 3 * BLOCK + 5];
+            x[BLOCK - 1] = f32::MAX;
+            x[BLOCK] = -f32::MIN_POSITIVE / 2.0;
+            assert!(!any_non_finite(&x));
+            x[2 * BLOCK + 3] = bad;
+            assert!(any_non_finite(&x), "{bad}");
+        }
+        assert!(!any_non_finite(&[]));
     }
 
     /// Against torch's AdamW arithmetic as the tch path writes it.

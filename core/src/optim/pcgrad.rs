@@ -27,7 +27,8 @@ pub enum Reduction {
 #[serde(default, deny_unknown_fields)]
 pub struct PcGradConfig {
     pub reduction: Reduction,
-    /// Seed of the projection orders.
+    /// Mixed into the run's stream (`StepContext::seed`) for the projection orders: runs
+    /// with other seeds draw other orders, and this picks another stream within one run.
     pub seed: u64,
 }
 
@@ -58,6 +59,13 @@ fn splitmix(state: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The seed of the projection orders: the run's stream (`StepContext::seed`) mixed with the
+/// plugin's own `seed` setting.
+pub fn order_seed(run_seed: u64, config_seed: u64) -> u64 {
+    let mut state = run_seed ^ config_seed.wrapping_mul(0xA076_1D64_78BD_642F);
+    splitmix(&mut state)
+}
+
 /// The order in which task `i` of `t` visits the tasks at `step`: a Fisher-Yates shuffle of
 /// `0..t` seeded from (seed, step, i).
 pub fn projection_order(seed: u64, step: u64, i: usize, t: usize) -> Vec<usize> {
@@ -82,7 +90,7 @@ impl Weighting for PcGrad {
             // Coefficients of task i's projected gradient over the original gradients.
             let mut c = vec![0.0; t];
             c[i] = 1.0;
-            for j in projection_order(self.config.seed, view.ctx.step, i, t) {
+            for j in projection_order(order_seed(view.ctx.seed, self.config.seed), view.ctx.step, i, t) {
                 if !view.present[j] || k[j][j] <= 0.0 {
                     continue;
                 }
@@ -116,5 +124,20 @@ impl Weighting for PcGrad {
             bail!("pcgrad keeps no state, got {name:?}");
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs seeded differently draw other projection orders (the orders once came from the
+    /// plugin's setting alone, the same in every run).
+    #[test]
+    fn projection_orders_follow_the_run_seed() {
+        let orders = |run_seed| -> Vec<Vec<usize>> { (0..20).map(|step| projection_order(order_seed(run_seed, 0), step, 1, 4)).collect() };
+        assert_eq!(orders(42), orders(42));
+        assert_ne!(orders(42), orders(43));
+        assert_ne!(order_seed(42, 0), order_seed(42, 1), "the setting picks another stream");
     }
 }

@@ -93,7 +93,6 @@ struct Step {
     plain: BTreeMap<String, Tensor>,
     /// After burn-in: `N`, the running softmax-weighted mean of the task gradients, flat.
     weighted: BTreeMap<String, Tensor>,
-    saw_nan: bool,
     /// Each task's sensitivity median this step (for the log: a median near 0, when most
     /// parameters get no gradient, makes the normalisation scale huge).
     medians: BTreeMap<String, f64>,
@@ -309,7 +308,6 @@ impl TSage {
             arrived: vec![false; self.tasks.len()],
             plain: BTreeMap::new(),
             weighted: BTreeMap::new(),
-            saw_nan: false,
             medians: BTreeMap::new(),
         });
         Ok(())
@@ -335,13 +333,16 @@ impl TSage {
             // SAFETY: parameters, gradients and `L` are only read during the call.
             unsafe { kernels::f32_slice(x) }.expect("checked by on_cpu")
         }
-        let has_nan = match on_cpu {
-            true => grads.values().any(|g| kernels::any_nan(elements(g))),
-            false => grads.values().any(|g| g.isnan().any().int64_value(&[]) != 0),
-        };
-        if has_nan {
-            step.saw_nan = true;
-            return Ok(());
+        // A NaN or an infinity would reach every later step through the momentum (0 · inf is
+        // NaN): refuse it before anything is folded in, and abandon the step.
+        let non_finite = grads.iter().find(|(_, g)| match on_cpu {
+            true => kernels::any_non_finite(elements(g)),
+            false => g.isfinite().all().int64_value(&[]) == 0,
+        });
+        if let Some((name, _)) = non_finite {
+            let name = name.clone();
+            self.step = None;
+            bail!("tsage: task {task:?}: the gradient of {name} is not finite (NaN or infinite); the step is abandoned, nothing updated");
         }
         let sensitivity = |theta: &Tensor, g: &Tensor| (theta.to_kind(Kind::Float) * g.to_kind(Kind::Float)).abs();
         let scale = if self.config.median_normalise {
@@ -452,14 +453,11 @@ impl TSage {
     pub fn finish_step(&mut self) -> Result<serde_json::Value> {
         let Some(mut step) = self.step.take() else { bail!("tsage: finish_step before begin_step") };
         let burn_in = step.burn_in;
-        if step.saw_nan {
-            return Ok(serde_json::json!({"grad_norm": null, "burn_in": burn_in, "nan_skipped": true, "sensitivity_medians": step.medians}));
-        }
         let _guard = tch::no_grad_guard();
         let mut combined = self.combined_gradient(&mut step);
         let norm = step.ctx.max_grad_norm.map(|max| clip_grad_norm(&mut combined, max));
         self.adam.step(&step.params, &combined, &step.ctx)?;
-        Ok(serde_json::json!({"grad_norm": norm, "burn_in": burn_in, "nan_skipped": false, "sensitivity_medians": step.medians}))
+        Ok(serde_json::json!({"grad_norm": norm, "burn_in": burn_in, "sensitivity_medians": step.medians}))
     }
 
     /// The step's combined gradient per parameter, in the parameter's shape (before clipping):
@@ -765,22 +763,26 @@ mod tests {
     }
 
     #[test]
-    fn a_nan_gradient_skips_the_step_and_leaves_that_task_s_momentum() {
-        let mut opt = TSage::new(TSageConfig::default()).unwrap();
-        let ps = params();
-        let before = flat(&ps);
-        let tasks: Vec<String> = (0..TASKS).map(|t| format!("task{t}")).collect();
-        let ctx = StepContext { step: 5, total_steps: 10, warmup_steps: 1, lr: 0.01, tasks: tasks.clone(), ..Default::default() };
-        opt.begin_step(ps.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), ctx).unwrap();
-        opt.task_gradients("task0", grads(0, 0)).unwrap();
-        let mut bad = grads(0, 1);
-        bad[0].1 = bad[0].1.fill_(f64::NAN);
-        opt.task_gradients("task1", bad).unwrap();
-        let stats = opt.finish_step().unwrap();
-        assert_eq!(stats["nan_skipped"], true);
-        assert!(flat(&ps).equal(&before), "no update");
-        assert_eq!(opt.momentum["p0"].get(1).abs().sum(Kind::Float).double_value(&[]), 0.0, "task1's momentum untouched");
-        assert!(opt.momentum["p0"].get(0).abs().sum(Kind::Float).double_value(&[]) > 0.0, "task0's momentum updated");
+    fn a_non_finite_gradient_is_refused_and_abandons_the_step() {
+        for (bad_value, cpu_kernels) in [(f64::NAN, true), (f64::INFINITY, true), (f64::NEG_INFINITY, true), (f64::INFINITY, false)] {
+            let mut opt = TSage::new(TSageConfig::default()).unwrap();
+            opt.cpu_kernels = cpu_kernels;
+            let ps = params();
+            let before = flat(&ps);
+            let tasks: Vec<String> = (0..TASKS).map(|t| format!("task{t}")).collect();
+            let ctx = StepContext { step: 5, total_steps: 10, warmup_steps: 1, lr: 0.01, tasks: tasks.clone(), ..Default::default() };
+            opt.begin_step(ps.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), ctx).unwrap();
+            opt.task_gradients("task0", grads(0, 0)).unwrap();
+            let mut bad = grads(0, 1);
+            let _ = bad[0].1.get(3).fill_(bad_value);
+            let err = opt.task_gradients("task1", bad).unwrap_err().to_string();
+            assert!(err.contains("task1") && err.contains("p0") && err.contains("not finite"), "{err}");
+            assert!(opt.finish_step().is_err(), "{bad_value}: the step was abandoned");
+            assert!(flat(&ps).equal(&before), "no update");
+            let m = &opt.momentum["p0"];
+            assert_eq!(m.get(1).abs().sum(Kind::Float).double_value(&[]), 0.0, "task1's momentum untouched");
+            assert!(m.isfinite().all().int64_value(&[]) == 1, "{bad_value}: the momentum stays finite");
+        }
     }
 
     #[test]

@@ -222,7 +222,7 @@ pub(crate) fn tensor_vec(name: &str, t: &Tensor, len: usize) -> Result<Vec<f64>>
 mod tests {
     use super::super::cgd::{Cgd, CgdConfig};
     use super::super::gradnorm::{GradNorm, GradNormConfig};
-    use super::super::pcgrad::{projection_order, PcGrad, PcGradConfig, Reduction};
+    use super::super::pcgrad::{order_seed, projection_order, PcGrad, PcGradConfig, Reduction};
     use super::*;
     use crate::optim::testutil::*;
 
@@ -296,7 +296,7 @@ mod tests {
                 let mut total = Tensor::zeros([g.size()[1]], (Kind::Double, tch::Device::Cpu));
                 for i in (0..TASKS).filter(|&i| pres[i]) {
                     let mut gi = g.get(i as i64).copy();
-                    for j in projection_order(cfg.seed, step, i, TASKS).into_iter().filter(|&j| pres[j]) {
+                    for j in projection_order(order_seed(0, cfg.seed), step, i, TASKS).into_iter().filter(|&j| pres[j]) {
                         let gj = g.get(j as i64);
                         let inner = dotv(&gi, &gj);
                         if inner < 0.0 {

@@ -105,6 +105,10 @@ pub struct StepContext {
     pub lr_scale: BTreeMap<String, f64>,
     /// Parameters exempt from weight decay (biases and LayerNorm weights, by convention).
     pub no_weight_decay: BTreeSet<String>,
+    /// A random stream for the optimizer's own draws (PCGrad's projection orders), derived
+    /// by the trainer from the run's seed, the optimizer's purpose and the stage: another
+    /// seed, another stream.
+    pub seed: u64,
 }
 
 /// Updates parameters from per-task gradients, one step at a time (see
