@@ -404,3 +404,79 @@ fn rewritten_checkpoint_is_not_reused() {
     run_ok(encode_cmd(&model, &corpus, &fresh, &args));
     assert_ne!(std::fs::read(fresh.join("embeddings.npy")).unwrap(), before);
 }
+
+/// The identity of the checkpoint is taken before the model loads (a finished output loads
+/// none). A checkpoint rewritten between the two (here by the `faulty` encoder itself, as it
+/// loads) must not have its new weights' embeddings filed under the old digest.
+#[test]
+fn a_checkpoint_rewritten_while_loading_is_refused() {
+    let dir = TempDir::new("encode-rewrite-on-load");
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(model.join("weights.bin"), b"the weights the identity names").unwrap();
+    let corpus = small_corpus(dir.path(), 6, 13, 8);
+    let out = dir.path().join("emb");
+    let mut cmd = Command::new(host_bin());
+    cmd.args(["--plugin", p(&faulty_plugin()), "encode", "--encoder", "faulty", "--model", p(&model), "--input", p(&corpus), "--output", p(&out)])
+        .args(["--encoder-settings", r#"{"fault": "rewrite_on_load"}"#])
+        .env_remove("RAK_PLUGIN_PATH");
+    let o = cmd.output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("changed while the encoder was being loaded"), "{err}");
+    assert!(!out.join("embeddings.npy").exists() && !out.join("encode.json").exists(), "nothing filed under the old identity");
+}
+
+/// The input is keyed by its content: a corpus rewritten in place to the same size and line
+/// count is a new input, not the one an existing output was made from.
+#[test]
+fn an_input_rewritten_to_the_same_size_is_a_new_input() {
+    let dir = TempDir::new("encode-input-content");
+    let corpus = small_corpus(dir.path(), 10, 13, 8);
+    let out = dir.path().join("emb");
+    run_ok(encode_cmd(&minilm_dir(), &corpus, &out, &["--part-size", "4"]));
+    let text = std::fs::read_to_string(&corpus).unwrap();
+    // Swap two letters of one passage: same bytes, same lines, another text.
+    let mut bytes = text.into_bytes();
+    let at = (text_start(&bytes)..bytes.len() - 1).find(|&i| bytes[i].is_ascii_alphabetic() && bytes[i + 1].is_ascii_alphabetic() && bytes[i] != bytes[i + 1]).unwrap();
+    bytes.swap(at, at + 1);
+    std::fs::write(&corpus, &bytes).unwrap();
+    let again = encode_cmd(&minilm_dir(), &corpus, &out, &["--part-size", "4"]).output().unwrap();
+    let err = stderr(&again);
+    assert_eq!(again.status.code(), Some(1), "embeddings of the old text must not be reused:\n{err}");
+    assert!(err.contains("made differently"), "{err}");
+}
+
+/// Where the first passage's text begins in a JSONL corpus.
+fn text_start(bytes: &[u8]) -> usize {
+    let key = b"\"text\"";
+    bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len()
+}
+
+/// libtorch's exceptions carry a C++ backtrace of twenty-odd frames. Raised inside a plugin,
+/// the user sees the message and where libtorch raised it, in a few lines; `--debug` shows
+/// the frames.
+#[test]
+fn a_libtorch_error_in_a_plugin_is_reported_in_a_few_lines() {
+    let dir = TempDir::new("encode-libtorch-error");
+    let corpus = small_corpus(dir.path(), 4, 13, 8);
+    let run = |debug: bool| {
+        let mut cmd = Command::new(host_bin());
+        cmd.args(["--plugin", p(&faulty_plugin()), "encode", "--encoder", "faulty", "--model", p(dir.path()), "--input", p(&corpus)])
+            .args(["--output", p(&dir.path().join(format!("emb-{debug}"))), "--encoder-settings", r#"{"fault": "libtorch"}"#])
+            .env_remove("RAK_PLUGIN_PATH")
+            .env_remove("RAK_DEBUG");
+        if debug {
+            cmd.arg("--debug");
+        }
+        let o = cmd.output().unwrap();
+        assert_eq!(o.status.code(), Some(1));
+        stderr(&o)
+    };
+    let err = run(false);
+    let error_lines: Vec<&str> = err.lines().skip_while(|l| !l.starts_with("error:")).collect();
+    assert!(error_lines.len() <= 3, "{err}");
+    assert!(err.contains("faulty") && err.contains("cannot be multiplied") && err.contains("[libtorch: "), "{err}");
+    assert!(!err.contains("frame #"), "{err}");
+    assert!(run(true).contains("frame #"), "--debug keeps the backtrace");
+}

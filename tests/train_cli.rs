@@ -1,7 +1,6 @@
 //! `host train` end to end on a small real slice of mini-KILT with all-MiniLM-L6-v2: a killed
 //! run resumes to exactly the uninterrupted result; bad inputs are clear errors.
 
-use rak_core::plugin::Encoder;
 use rak_e2e::*;
 use serde_json::Value;
 use std::collections::HashSet;
@@ -260,7 +259,8 @@ fn ance_episodes_mine_with_the_model_and_resume_exactly() {
 
     let (src0, bm25) = saved_negatives(&whole.join("negatives-episode-0.json"));
     let (src1, ance) = saved_negatives(&whole.join("negatives-episode-1.json"));
-    assert!(src0.starts_with("bm25") && src1.starts_with("ance episode 1"), "{src0} / {src1}");
+    let (key0, key1): (Value, Value) = (serde_json::from_str(&src0).unwrap(), serde_json::from_str(&src1).unwrap());
+    assert!(key0["miner"]["bm25"].is_object() && key1["miner"]["ance"]["checkpoint"]["model"].is_string(), "{src0} / {src1}");
     assert_eq!(bm25.keys().collect::<Vec<_>>(), ance.keys().collect::<Vec<_>>());
     let mut gold: std::collections::HashMap<String, HashSet<String>> = Default::default();
     for task in ["squad", "fever"] {
@@ -330,6 +330,46 @@ fn ance_episodes_mine_with_the_model_and_resume_exactly() {
     assert!(!again.join("episode-1/stage_done").exists() && !again.join("negatives-episode-1.json").exists());
 }
 
+/// Each cache of a run is keyed on everything it depends on: the run's BM25 index on the
+/// corpus's content, the saved negatives on the corpus, the examples and the fill of empty
+/// lists (its seed and count). A corpus rewritten in place, another seed or another number of
+/// hard negatives is never served an earlier run's cache, even with --overwrite-output-dir
+/// in the same folder.
+#[test]
+fn caches_are_keyed_on_what_they_depend_on() {
+    let dir = TempDir::new("train-caches");
+    let train = TRAIN.replace("max_steps = 8", "max_steps = 1");
+    let recipe = small_task_data(dir.path(), 6, &train);
+    let out = dir.path().join("out");
+    let key = || -> Value { serde_json::from_str(&saved_negatives(&out.join("negatives-episode-0.json")).0).unwrap() };
+    let o = run(&mut train_cmd(&recipe, &out, &[]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let first = key();
+
+    // Another seed: the fill of empty negative lists is drawn from it.
+    let o = run(&mut train_cmd(&recipe, &out, &["--overwrite-output-dir", "--seed", "8"]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_ne!(key()["fill"], first["fill"], "the negatives of seed 7 were reused for seed 8");
+    assert!(!stderr(&o).contains("rebuilding"), "the same corpus keeps its index: {}", stderr(&o));
+
+    // Another number of hard negatives.
+    let more = dir.path().join("more.toml");
+    std::fs::write(&more, std::fs::read_to_string(&recipe).unwrap().replace("hard_negatives = 1", "hard_negatives = 2")).unwrap();
+    let o = run(&mut train_cmd(&more, &out, &["--overwrite-output-dir"]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(key()["fill"]["count"], 2);
+
+    // The corpus rewritten in place (same path): the index is rebuilt and the negatives mined
+    // again from the new text.
+    let corpus = dir.path().join("corpus.jsonl");
+    let text = std::fs::read_to_string(&corpus).unwrap();
+    std::fs::write(&corpus, text.replacen("\"text\": \"", "\"text\": \"zyzzyva ", 1)).unwrap();
+    let o = run(&mut train_cmd(&recipe, &out, &["--overwrite-output-dir"]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("rebuilding"), "the index of the old corpus was reused: {}", stderr(&o));
+    assert_ne!(key()["corpus_sha256"], first["corpus_sha256"]);
+}
+
 /// `host analyze` on a small T-SAGE run: the JSON's task-specific and not-activated shares
 /// equal a direct computation from the saved momentum; the plots are PNG files; the
 /// commitment rate between two checkpoints is reported; fresh gradients work too.
@@ -395,7 +435,7 @@ fn every_recipe_parses_and_names_known_plugins_and_settings() {
             if path.extension().and_then(|e| e.to_str()) != Some("toml") {
                 continue;
             }
-            let recipe = rak_host::commands::train::read_recipe(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+            let recipe = rak_train::recipe::read_recipe(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
             let optim = recipe.train.optim.clone().expect("every recipe names its optimizer");
             registry.optimizer(&optim, &Value::Object(recipe.train.optim_settings.clone())).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
             let encoder = recipe.model.encoder.clone().expect("every recipe names its encoder");
@@ -413,9 +453,11 @@ fn every_recipe_parses_and_names_known_plugins_and_settings() {
 /// Every encoder trains with every optimizer: two steps each on a small real slice (MiniLM for
 /// `dpr` and `taser`, the fixture T5 for `taco`), finite losses, a saved model.
 #[test]
-fn every_encoder_trains_with_every_optimizer() {
+fn every_encoder_trains_with_every_optimizer_in_float32_and_bf16() {
     let dir = TempDir::new("train-matrix");
-    let train = "learning_rate = 5e-5\nper_device_train_batch_size = 4\nmax_steps = 2\nlogging_steps = 1\nsave_steps = 100\nhard_negatives = 1\nnegative_depth = 10\nwarmup_ratio = 0.5\nseed = 3";
+    // No warm-up: T-SAGE (burn-in = warm-up) and every other optimizer act from step 0, at a
+    // learning rate that moves weights visibly in 3 steps.
+    let train = "learning_rate = 1e-4\nper_device_train_batch_size = 4\nmax_steps = 3\nlogging_steps = 1\nsave_steps = 100\nhard_negatives = 1\nnegative_depth = 10\nwarmup_ratio = 0.0\nseed = 3";
     let recipe = small_task_data(dir.path(), 6, train);
     let t5 = root().join("tests/fixtures/t5/t5-v1_1");
     let encoders = [("dpr", minilm_dir()), ("taser", minilm_dir()), ("taco", t5)];
@@ -428,23 +470,65 @@ fn every_encoder_trains_with_every_optimizer() {
         ("gradnorm", "{}"),
     ];
     for (encoder, model) in &encoders {
+        let start: std::collections::HashMap<String, tch::Tensor> = weights(model).into_iter().collect();
         for (i, (optim, settings)) in optimizers.iter().enumerate() {
-            let out = dir.path().join(format!("{encoder}-{i}"));
-            let bad = dir.path().join(format!("{encoder}-{i}.toml"));
+            let what = format!("{encoder} + {optim} {settings}");
+            let config = dir.path().join(format!("{encoder}-{i}.toml"));
             let text = std::fs::read_to_string(&recipe).unwrap().replace("encoder = \"dpr\"", &format!("encoder = \"{encoder}\""));
             let settings: Value = serde_json::from_str(settings).unwrap();
             let inline: Vec<String> = settings.as_object().unwrap().iter().map(|(k, v)| format!("{k} = {v}")).collect();
-            std::fs::write(&bad, text.replace("[train]", &format!("[train]\noptim = \"{optim}\"\noptim_settings = {{ {} }}", inline.join(", ")))).unwrap();
-            let mut c = Command::new(host_bin());
-            c.args(["train", "--model", p(model), "--config", p(&bad), "--output-dir", p(&out)]).env_remove("RAK_PLUGIN_PATH");
-            let o = run(&mut c);
-            assert!(o.status.success(), "{encoder} + {optim} {settings}: {}", stderr(&o));
-            let log = losses(&out);
-            assert_eq!(log.len(), 2, "{encoder} + {optim}");
-            for step in &log {
-                assert!(step.as_object().unwrap().values().all(|l| l.as_f64().is_some_and(f64::is_finite)), "{encoder} + {optim}: {step}");
+            std::fs::write(&config, text.replace("[train]", &format!("[train]\noptim = \"{optim}\"\noptim_settings = {{ {} }}", inline.join(", ")))).unwrap();
+            // The update each precision made: trained minus starting weights, over the tensors
+            // both hold (TASER's experts are new), flattened in name order.
+            let mut updates = Vec::new();
+            let mut step_losses: Vec<Vec<f64>> = Vec::new();
+            for bf16 in [false, true] {
+                let out = dir.path().join(format!("{encoder}-{i}-{}", if bf16 { "bf16" } else { "f32" }));
+                let mut c = Command::new(host_bin());
+                c.args(["train", "--model", p(model), "--config", p(&config), "--output-dir", p(&out)]).env_remove("RAK_PLUGIN_PATH");
+                if bf16 {
+                    c.arg("--bf16");
+                }
+                let o = run(&mut c);
+                assert!(o.status.success(), "{what} bf16 {bf16}: {}", stderr(&o));
+                let log = losses(&out);
+                assert_eq!(log.len(), 3, "{what} bf16 {bf16}");
+                for step in &log {
+                    assert!(step.as_object().unwrap().values().all(|l| l.as_f64().is_some_and(f64::is_finite)), "{what}: {step}");
+                }
+                step_losses.push(log.iter().flat_map(|step| step.as_object().unwrap().values().map(|l| l.as_f64().unwrap()).collect::<Vec<_>>()).collect());
+                let trained = weights(&out);
+                let mut delta = Vec::new();
+                for (name, w) in &trained {
+                    assert_eq!(w.kind(), tch::Kind::Float, "{what} bf16 {bf16}: {name} saved as {:?}", w.kind());
+                    assert!(w.isfinite().all().int64_value(&[]) == 1, "{what} bf16 {bf16}: {name} is not finite");
+                    if let Some(w0) = start.get(name) {
+                        delta.push((w - w0.to_kind(tch::Kind::Float)).flatten(0, -1));
+                    }
+                }
+                let delta = tch::Tensor::cat(&delta, 0);
+                let moved = delta.norm().double_value(&[]);
+                assert!(moved > 1e-3, "{what} bf16 {bf16}: the weights barely moved (update norm {moved:e})");
+                updates.push(delta);
             }
-            assert!(out.join("model.safetensors").exists(), "{encoder} + {optim}: no model saved");
+            // AdamW's first steps move every element by about lr whatever its gradient's size,
+            // so both precisions move the weights by about as much. Where the embeddings are
+            // unit length (dpr here), bf16 rounds the scores by little against their spread:
+            // the losses stay within a few percent and the update goes the same way (not
+            // closer: where a gradient is mostly rounding noise, bf16 can flip its sign). The
+            // other two score with raw inner products in the tens (TASER's default [CLS], the
+            // random fixture T5), where bf16's rounding alone moves the loss by tenths; all
+            // three are held to PyTorch's own autocast in train_parity.
+            let (a, b) = (&updates[0], &updates[1]);
+            let cosine = (a * b).sum(tch::Kind::Double).double_value(&[]) / (a.norm().double_value(&[]) * b.norm().double_value(&[]));
+            let ratio = b.norm().double_value(&[]) / a.norm().double_value(&[]);
+            let loss_gap = step_losses[0].iter().zip(&step_losses[1]).map(|(x, y)| (x - y).abs() / x.abs().max(0.1)).fold(0.0, f64::max);
+            println!("{what}: bf16 against float32: update cosine {cosine:.4}, norm ratio {ratio:.4}, largest relative loss gap {loss_gap:.4}");
+            assert!((0.8..1.25).contains(&ratio), "{what}: the bf16 update's norm is {ratio:.4} x float32's");
+            if *encoder == "dpr" {
+                assert!(cosine > 0.3, "{what}: the bf16 update does not go float32's way (cosine {cosine:.4})");
+                assert!(loss_gap < 0.05, "{what}: bf16 losses {:?} against float32's {:?}", step_losses[1], step_losses[0]);
+            }
         }
     }
 }

@@ -36,7 +36,7 @@ use rak_train::data::{Example, TaskData};
 use rak_train::trainer::{exempt_from_decay, SamplerKind, StepOutcome, TaskGroup, Trainer, TrainerConfig};
 use serde_json::{json, Value};
 use std::collections::{BTreeSet, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use tch::{Kind, Tensor};
 
@@ -284,6 +284,7 @@ fn check(name: &str) {
         layerwise_lr_decay: false,
         max_skipped_steps: 0,
         score_scale: 1.0,
+        bf16: false,
     };
     // The sampler needs examples (with negatives, as hard_negatives > 0); train_step does not
     // read them: it takes the groups as given.
@@ -306,7 +307,7 @@ fn check(name: &str) {
     let out = std::env::temp_dir().join(format!("rak-train-parity-{name}-{}", std::process::id()));
     // The gradients the trainer handed the optimizer at step 0, by task.
     let mut step0_grads: Vec<(String, Vec<(String, Tensor)>)> = Vec::new();
-    let mut trainer = Trainer::new(config, encoder.as_mut(), &mut optimizer, tasks, HashMap::new(), &out).unwrap();
+    let mut trainer = Trainer::new(config.clone(), encoder.as_mut(), &mut optimizer, tasks.clone(), HashMap::new(), &out).unwrap();
 
     let (want_losses, loss_errors) = (&want["losses"], &want["f32_error/losses"]);
     let mut loss = Compare::default();
@@ -321,10 +322,11 @@ fn check(name: &str) {
             max_grad_norm: None,
             lr_scale: Default::default(),
             no_weight_decay: no_weight_decay.clone(),
+            seed: 0,
         };
         let losses = match trainer.train_step(&params, &groups, ctx).unwrap() {
             StepOutcome::Updated { losses, .. } => losses,
-            StepOutcome::Skipped { task, loss } => panic!("{name} step {step}: task {task} has a non-finite loss {loss}"),
+            StepOutcome::Skipped { task, why } => panic!("{name} step {step}: task {task} has {why}"),
         };
         for (i, (task, l)) in losses.iter().enumerate() {
             assert_eq!(task, &task_names[i]);
@@ -368,6 +370,7 @@ fn check(name: &str) {
         }
     }
     drop(trainer);
+    let bf16 = bf16_step0(name, &want, &reg, plugin, &settings, &groups, TrainerConfig { bf16: true, ..config }, tasks, &out, &loss_values_at_step0(&want));
 
     // Final weights: every element within TOL, except where AdamW's step is rounding noise: an
     // element whose step-0 gradient (both tasks) is below eps in PyTorch (and not exactly 0 on
@@ -428,10 +431,20 @@ fn check(name: &str) {
         ("losses (every step and task)", &loss),
         ("step-0 per-task gradients", &grad),
         ("weights after the steps (elements with a gradient above eps)", &weight),
+        ("step 0 under bf16 autocast: query embeddings, losses, gradient norms (tolerance from PyTorch's bf16 - float32)", &bf16),
     ];
     let mut failures = Vec::new();
     for (what, c) in all {
         println!("{}", c.report(name, what));
+        // The random fixture T5s are chaotic in bf16: weights multiplied by (1 + 1e-4 noise),
+        // which moves PyTorch's float32 losses by 0.002, move its bf16 losses by up to 0.26
+        // (t5-v1_0) and 1.1 (t5-v1_1), so no bf16 implementation can be held to another's
+        // values on them (ours stays within 3.3x PyTorch's bf16 - float32 distance). For them
+        // the bf16 step is checked to run with autocast on (the loss differs from float32's),
+        // and `train_cli` checks that it trains; MiniLM is held to PyTorch's values.
+        if name.starts_with("taco") && std::ptr::eq(c, &bf16) {
+            continue;
+        }
         failures.extend(c.failures.iter().take(10).map(|f| format!("{what}: {f}")));
     }
     println!("{noisy_line}");
@@ -443,6 +456,61 @@ fn check(name: &str) {
         "{name}: differences from PyTorch beyond tolerance:\n  {}",
         failures.join("\n  ")
     );
+}
+
+fn loss_values_at_step0(want: &HashMap<String, Tensor>) -> Vec<f64> {
+    let l = &want["losses"];
+    (0..l.size()[1]).map(|t| l.double_value(&[0, t])).collect()
+}
+
+/// Step 0 with `--bf16` (float32 weights, the forward under bf16 autocast) on a fresh encoder,
+/// against PyTorch's `torch.autocast("cpu", torch.bfloat16)` on the same batch: the query
+/// embeddings, the losses and the norms of the task gradients, each within twice the distance
+/// of PyTorch's own bf16 result from its float32 one (what autocast moves it by), and never
+/// less than bf16's resolution on the value (2^-8 of it: one value's distance can be small by
+/// chance, as TASER's fever loss, 5e-7).
+#[allow(clippy::too_many_arguments)]
+fn bf16_step0(
+    name: &str,
+    want: &HashMap<String, Tensor>,
+    reg: &Registry,
+    plugin: &str,
+    settings: &Value,
+    groups: &[TaskGroup],
+    config: TrainerConfig,
+    tasks: Vec<TaskData>,
+    out: &Path,
+    f32_losses: &[f64],
+) -> Compare {
+    // Passed as Compare's "float32 error", which it doubles.
+    let resolution = |x: f64| x.abs() * f64::powi(2.0, -9);
+    let err = |key: &str| want[&format!("bf16_error/{key}")].double_value(&[0]).max(resolution(want[&format!("bf16/{key}")].abs().max().double_value(&[])));
+    let mut c = Compare::default();
+    let mut encoder: Box<dyn Encoder> = reg.encoder(plugin, settings).unwrap();
+    {
+        let _autocast = rak_core::autograd::Autocast::bf16(tch::Device::Cpu).unwrap();
+        for g in groups {
+            let q: Vec<&str> = g.queries.iter().map(String::as_str).collect();
+            let ours = encoder.encode(&q, Role::Query, Some(&g.task), true).unwrap().to_kind(Kind::Float);
+            c.see(format!("bf16 query/{}", g.task), &ours, &want[&format!("bf16/query/{}", g.task)], err(&format!("query/{}", g.task)));
+        }
+    }
+    let params = encoder.parameters().unwrap();
+    let record: Arc<Mutex<Option<Recorded>>> = Arc::new(Mutex::new(Some(Vec::new())));
+    let mut optimizer = Recording { inner: reg.optimizer("adamw", &json!({})).unwrap(), record: record.clone() };
+    let mut trainer = Trainer::new(config, encoder.as_mut(), &mut optimizer, tasks, HashMap::new(), out).unwrap();
+    let ctx = StepContext { lr: 0.0, tasks: groups.iter().map(|g| g.task.clone()).collect(), ..Default::default() };
+    let StepOutcome::Updated { .. } = trainer.train_step(&params, groups, ctx).unwrap() else { panic!("{name}: the bf16 step was skipped") };
+    let rec = record.lock().unwrap().take().unwrap();
+    let want_losses = &want["bf16/losses"];
+    for (t, (task, loss, grads)) in rec.iter().enumerate() {
+        assert_ne!(*loss, f32_losses[t], "{name} {task}: the bf16 loss equals float32's exactly: autocast was not on");
+        c.see_diff(format!("bf16 loss/{task}"), (loss - want_losses.double_value(&[t as i64])).abs(), want["bf16_error/losses"].double_value(&[t as i64]).max(resolution(*loss)));
+        let norm = grads.iter().filter_map(|(_, g)| g.as_ref()).map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[])).sum::<f64>().sqrt();
+        let theirs = want[&format!("bf16/grad_norm/{task}")].double_value(&[0]);
+        c.see_diff(format!("bf16 grad_norm/{task} ({norm:.4} against {theirs:.4})"), (norm - theirs).abs(), err(&format!("grad_norm/{task}")));
+    }
+    c
 }
 
 /// `dpr` on all-MiniLM-L6-v2 (mean pooling, normalised, titled passages as pairs).

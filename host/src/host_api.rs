@@ -6,7 +6,7 @@
 //! held only to look an id up, so the services can be used from several threads. Every
 //! service is a call into the same library functions the built-in subcommands use.
 
-use crate::commands::encode::settings_identity;
+use rak_retrieval::digest::settings_identity;
 use crate::commands::Bar;
 use crate::registry::Registry;
 use abi_stable::prefix_type::WithMetadata;
@@ -76,12 +76,17 @@ pub struct Services<'r> {
     registry: &'r Registry,
     objects: Mutex<HashMap<u64, Object>>,
     next_id: AtomicU64,
+    /// The services' own work (encoding, indexing, ...).
     progress: Bar,
+    /// The command plugin's bar (`progress` events), drawn beside the services'.
+    plugin_progress: Bar,
 }
 
 impl<'r> Services<'r> {
     pub fn new(registry: &'r Registry) -> Self {
-        Services { registry, objects: Mutex::new(HashMap::new()), next_id: AtomicU64::new(1), progress: Bar::default() }
+        let progress = Bar::default();
+        let plugin_progress = progress.beside();
+        Services { registry, objects: Mutex::new(HashMap::new()), next_id: AtomicU64::new(1), progress, plugin_progress }
     }
 
     /// Run `f` with the `HostApi` of these services. A plugin may keep the API (or objects
@@ -164,9 +169,9 @@ impl<'r> Services<'r> {
 
     fn progress_event(&self, request: &Value) -> Result<Value> {
         match request["event"].as_str() {
-            Some("start") => self.progress.start(request["what"].as_str().unwrap_or(""), request["total"].as_u64().unwrap_or(0)),
-            Some("inc") => self.progress.inc(request["n"].as_u64().unwrap_or(1)),
-            Some("finish") => self.progress.finish(),
+            Some("start") => self.plugin_progress.start(request["what"].as_str().unwrap_or(""), request["total"].as_u64().unwrap_or(0)),
+            Some("inc") => self.plugin_progress.inc(request["n"].as_u64().unwrap_or(1)),
+            Some("finish") => self.plugin_progress.finish(),
             other => bail!("progress: unknown event {other:?} (known: start, inc, finish)"),
         }
         Ok(Value::Null)

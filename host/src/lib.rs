@@ -4,6 +4,7 @@
 pub mod augment;
 pub mod commands;
 pub mod elf;
+pub mod errors;
 pub mod host_api;
 pub mod loader;
 pub mod plot;

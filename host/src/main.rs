@@ -15,6 +15,9 @@ struct Cli {
     /// Load this plugin file (repeatable); searched before RAK_PLUGIN_PATH and the host's folder.
     #[arg(long = "plugin", global = true, value_name = "PATH")]
     plugins: Vec<PathBuf>,
+    /// Show errors whole, libtorch's C++ backtraces included.
+    #[arg(long, global = true, env = "RAK_DEBUG")]
+    debug: bool,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -61,10 +64,11 @@ fn main() -> ExitCode {
     }));
     rak_core::malloc::keep_freed_buffers();
     let cli = Cli::parse();
+    let debug = cli.debug;
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", rak_host::errors::tidy(&format!("{e:#}"), debug));
             ExitCode::FAILURE
         }
     }

@@ -2,6 +2,7 @@
 //! eval`.
 //!
 //! - [`data`]: data sets and runs: BEIR, KILT, DPR, MS MARCO, TREC runs, mini-KILT.
+//! - [`digest`]: SHA-256 of file contents, what caches and resumable outputs are keyed on.
 //! - [`eval`]: retrieval metrics (trec_eval measures, KILT page R-precision, DPR answer accuracy).
 //! - [`index`]: exact inner product, HNSW maximum inner product, BM25 (tantivy).
 //! - [`npy`]: `.npy` float32 matrices and `ids.txt`, the embedding files.
@@ -12,6 +13,7 @@
 //! the ABI and the models only.
 
 pub mod data;
+pub mod digest;
 pub mod eval;
 pub mod index;
 pub mod npy;

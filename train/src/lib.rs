@@ -1,5 +1,5 @@
 //! `rak-train`: the trainer behind `host train` (and command plugins such as `aar-train`):
-//! multitask samplers, contrastive losses, learning-rate schedules, BM25 and ANCE hard
+//! a run's life cycle from recipe to final model (`run`, `recipe`), multitask samplers, contrastive losses, learning-rate schedules, BM25 and ANCE hard
 //! negatives, checkpoints and exact resume, and the task-specialisation analysis behind
 //! `host analyze`.
 //!
@@ -11,7 +11,9 @@ pub mod analyze;
 pub mod data;
 pub mod loss;
 pub mod negatives;
+pub mod recipe;
 pub mod rng;
+pub mod run;
 pub mod sampler;
 pub mod schedule;
 pub mod trainer;

@@ -114,6 +114,24 @@ pub fn fill_empty(tasks: &mut [TaskData], count: usize, seed: u64) -> usize {
 /// (`{"source": s, "depth": d, "negatives": {"task": {"query id": [ids]}}}`), atomically.
 /// `source` says what produced them (e.g. `bm25 k1=0.9 b=0.4`), so a change of retriever
 /// settings is noticed by [`load`].
+/// SHA-256 over every task's examples as negatives depend on them: task, query id, query text
+/// and gold passages (which are left out of the negatives), in order.
+pub fn examples_digest(tasks: &[TaskData]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for t in tasks {
+        for e in &t.examples {
+            // Each field framed by its length, so no two different lists hash alike.
+            for field in [t.name.as_str(), e.query_id.as_str(), e.query.as_str()].into_iter().chain(e.positives.iter().map(String::as_str)) {
+                h.update((field.len() as u64).to_le_bytes());
+                h.update(field.as_bytes());
+            }
+            h.update(u64::MAX.to_le_bytes());
+        }
+    }
+    rak_retrieval::digest::hex(&h.finalize())
+}
+
 pub fn save(path: &Path, tasks: &[TaskData], depth: usize, source: &str) -> Result<()> {
     let map: BTreeMap<&str, BTreeMap<&str, &Vec<String>>> = tasks
         .iter()

@@ -16,6 +16,7 @@ use crate::sampler::{SubBatch, TacoSampler, TacoSamplerState, TaskPerBatchSample
 use crate::schedule::linear_warmup_decay;
 use anyhow::{bail, Context, Result};
 use rak_core::abi::Role;
+use rak_core::autograd::Autocast;
 use rak_core::plugin::{Encoder, Optimizer, StepContext};
 use rak_retrieval::pipeline::Progress;
 use serde::{Deserialize, Serialize};
@@ -23,7 +24,7 @@ use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 /// How batches are composed.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -60,10 +61,37 @@ pub struct TrainerConfig {
     /// Factor on the query-passage scores in the loss (1: the raw dot product).
     #[serde(default = "one")]
     pub score_scale: f64,
+    /// Mixed precision as Hugging Face's Trainer with `bf16=True`: float32 weights and
+    /// optimizer state, the encoders' forward (and so their backward) under bf16 autocast.
+    #[serde(default)]
+    pub bf16: bool,
 }
 
 fn one() -> f64 {
     1.0
+}
+
+#[cfg(test)]
+mod decay_tests {
+    use super::exempt_from_decay;
+
+    #[test]
+    fn decay_exemptions_follow_transformers_names() {
+        for name in [
+            "encoder.layer.0.attention.self.query.bias",
+            "embeddings.LayerNorm.weight",
+            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+            "encoder.block.0.layer.1.layer_norm.weight",
+            "decoder.final_layer_norm.weight",
+            "model.norm.weight",
+            "layers.0.input_rmsnorm.weight",
+        ] {
+            assert!(exempt_from_decay(name), "{name}");
+        }
+        for name in ["encoder.layer.0.attention.self.query.weight", "shared.weight", "encoder.normalizer.weight", "norms_table"] {
+            assert!(!exempt_from_decay(name), "{name}");
+        }
+    }
 }
 
 /// The sampler in use.
@@ -142,8 +170,8 @@ pub struct TaskGroup {
 pub enum StepOutcome {
     /// The parameters were updated; per-task losses and the optimizer's statistics.
     Updated { losses: Vec<(String, f64)>, stats: Value },
-    /// A task's loss was not finite: no update.
-    Skipped { task: String, loss: f64 },
+    /// A task's loss or gradient was not finite: no update.
+    Skipped { task: String, why: String },
 }
 
 /// Files of a checkpoint directory (besides the model the encoder saves).
@@ -270,24 +298,39 @@ impl<'a> Trainer<'a> {
     /// update). This is the seam the parity tests drive with fixed inputs.
     pub fn train_step(&mut self, params: &[(String, Tensor)], groups: &[TaskGroup], ctx: StepContext) -> Result<StepOutcome> {
         self.optimizer.begin_step(shallow(params), ctx)?;
+        let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
         let mut losses = Vec::with_capacity(groups.len());
         let group_size = 1 + self.config.hard_negatives;
         for g in groups {
             let queries: Vec<&str> = g.queries.iter().map(String::as_str).collect();
             let passages: Vec<&str> = g.passages.iter().map(String::as_str).collect();
             let task = self.config.task_names.then_some(g.task.as_str());
-            let q = self.encoder.encode(&queries, Role::Query, task, true)?;
-            let p = self.encoder.encode(&passages, Role::Passage, None, true)?;
+            let (q, p) = {
+                let _autocast = self.config.bf16.then(|| Autocast::bf16(device)).transpose()?;
+                let q = self.encoder.encode(&queries, Role::Query, task, true)?;
+                let p = self.encoder.encode(&passages, Role::Passage, None, true)?;
+                // The loss in float32, as the embeddings' gradients then are.
+                (q.to_kind(Kind::Float), p.to_kind(Kind::Float))
+            };
             let loss = nce_loss(&q, &p, group_size, self.config.score_scale, self.exchange.as_ref())?;
             let value = loss.double_value(&[]);
             if !value.is_finite() {
-                zero_grads(params);
-                return Ok(StepOutcome::Skipped { task: g.task.clone(), loss: value });
+                clear_grads(params)?;
+                return Ok(StepOutcome::Skipped { task: g.task.clone(), why: format!("a non-finite loss ({value})") });
             }
             loss.backward();
             let grads: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.grad())).collect();
+            // Checked before the optimizer sees them: a NaN or an infinity would reach every
+            // later step through its state.
+            if let Some((name, _)) = grads.iter().find(|(_, g)| !all_finite(g)) {
+                let why = format!("a non-finite gradient of {name} (loss {value})");
+                clear_grads(params)?;
+                return Ok(StepOutcome::Skipped { task: g.task.clone(), why });
+            }
             self.optimizer.task_gradients(&g.task, value, grads)?;
-            zero_grads(params);
+            // Cleared, not zeroed: a parameter the next task's graph does not reach then has no
+            // gradient, and the optimizer leaves it alone (as torch's `zero_grad()` does).
+            clear_grads(params)?;
             losses.push((g.task.clone(), value));
         }
         let stats = self.optimizer.finish_step()?;
@@ -319,6 +362,7 @@ impl<'a> Trainer<'a> {
         let mut window: BTreeMap<String, (f64, u64)> = BTreeMap::new();
         // The optimizer's statistics of the last step taken (task weights, clipping), for the log.
         let mut last_stats = Value::Null;
+        let optimizer_seed = Rng::derive(self.config.seed, &[5]).next_u64();
         let started = std::time::Instant::now();
         let first = self.state.step;
         progress.start("train", self.config.max_steps);
@@ -336,6 +380,7 @@ impl<'a> Trainer<'a> {
                 max_grad_norm: self.config.max_grad_norm,
                 lr_scale: lr_scale.clone(),
                 no_weight_decay: no_weight_decay.clone(),
+                seed: optimizer_seed,
             };
             let groups: Vec<TaskGroup> = self
                 .sampler
@@ -351,12 +396,12 @@ impl<'a> Trainer<'a> {
                     last_stats = stats;
                     losses
                 }
-                StepOutcome::Skipped { task, loss } => {
-                    progress.log(&format!("warning: step {}: task {task:?} has a non-finite loss ({loss}); the step is skipped", step + 1));
+                StepOutcome::Skipped { task, why } => {
+                    progress.log(&format!("warning: step {}: task {task:?} has {why}; the step is skipped", step + 1));
                     self.state.skipped_steps += 1;
                     if self.state.skipped_steps > self.config.max_skipped_steps {
                         bail!(
-                            "{} steps had a non-finite loss (more than max_skipped_steps = {}); stopping. Lower the learning rate or check the data",
+                            "{} steps had a non-finite loss or gradient (more than max_skipped_steps = {}); stopping. Lower the learning rate or check the data",
                             self.state.skipped_steps,
                             self.config.max_skipped_steps
                         );
@@ -415,18 +460,30 @@ fn shallow(params: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
     params.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()
 }
 
-fn zero_grads(params: &[(String, Tensor)]) {
-    for (_, t) in params {
-        let mut g = t.grad();
-        if g.defined() {
-            let _ = g.zero_();
-        }
+fn clear_grads(params: &[(String, Tensor)]) -> Result<()> {
+    params.iter().try_for_each(|(_, t)| rak_core::autograd::clear_grad(t))
+}
+
+/// Whether an (undefined, or any) gradient holds no NaN or infinity.
+fn all_finite(g: &Tensor) -> bool {
+    if !g.defined() {
+        return true;
+    }
+    // SAFETY: the gradient is only read, and nothing writes it during the call.
+    match unsafe { rak_core::optim::kernels::f32_slice(g) } {
+        Some(x) => !rak_core::optim::kernels::any_non_finite(x),
+        None => g.isfinite().all().int64_value(&[]) != 0,
     }
 }
 
-/// Hugging Face's convention: no weight decay on biases and normalisation weights.
+/// No weight decay, by the name rule of transformers' `Trainer.get_decay_parameter_names`:
+/// the lower-cased name contains `bias` (T5's `relative_attention_bias.weight` too),
+/// `layernorm` or `rmsnorm`, or has a component `norm` or ending in `_norm`. (Its other rule,
+/// parameters of `nn.LayerNorm` modules, names BERT's `LayerNorm`, which the first covers.)
+/// The training fixture checks this against transformers' own function.
 pub fn exempt_from_decay(name: &str) -> bool {
-    name.ends_with("bias") || name.contains("LayerNorm") || name.contains("layer_norm")
+    let lower = name.to_lowercase();
+    ["bias", "layernorm", "rmsnorm"].iter().any(|p| lower.contains(p)) || lower.split('.').any(|c| c == "norm" || c.ends_with("_norm"))
 }
 
 fn open_log(path: &Path) -> Result<std::fs::File> {

@@ -291,8 +291,11 @@ impl Attention {
     /// (T5 does not scale by 1/sqrt(d_kv): the init of `q` absorbs it).
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, dropout: f64, keep_logits: bool) -> (Tensor, Option<Tensor>) {
         let logits = q.matmul(&k.transpose(-1, -2));
-        let scores = &logits + bias;
-        let probs = apply_dropout(&scores.softmax(-1, scores.kind()), dropout, dropout > 0.0);
+        // As transformers: the bias added in the logits' precision (in place there: bf16 logits
+        // under autocast, whatever the bias's), the softmax taken in float32 and its result
+        // put back in that precision.
+        let scores = (&logits + bias).to_kind(logits.kind());
+        let probs = apply_dropout(&scores.softmax(-1, Kind::Float).to_kind(scores.kind()), dropout, dropout > 0.0);
         let (b, _, t, _) = q.size4().unwrap();
         let out = probs.matmul(v).transpose(1, 2).contiguous().view([b, t, self.n_heads * self.d_kv]);
         (linear(&out, &self.o), keep_logits.then_some(logits))

@@ -7,7 +7,7 @@
 //! optimizer itself weighed tasks by), or else from fresh gradients: `--batches` batches of
 //! each task's training queries, NCE with in-batch negatives, dropout on as in training.
 
-use super::train::{read_recipe, Recipe};
+use rak_train::recipe::{read_recipe, Recipe};
 use super::Bar;
 use crate::registry::Registry;
 use anyhow::{bail, Context, Result};

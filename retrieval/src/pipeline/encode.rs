@@ -102,30 +102,17 @@ fn part_paths(out: &Path, part: usize) -> (PathBuf, PathBuf) {
     (dir.join(format!("part-{part:06}.npy")), dir.join(format!("part-{part:06}.ids.txt")))
 }
 
-/// What a run's parts were made with; a restart must match it.
-fn manifest(job: &EncodeJob, lines: usize) -> Result<Value> {
-    let meta = std::fs::metadata(&job.input).with_context(|| format!("{}: cannot read", job.input.display()))?;
+/// What a run's parts were made with; a restart must match it. The input is keyed by its
+/// content: a file rewritten in place, even to the same size and line count, is a new input.
+fn manifest(job: &EncodeJob, input_sha256: &str, lines: usize) -> Result<Value> {
     Ok(json!({
-        "input": std::fs::canonicalize(&job.input)?,
-        "input_bytes": meta.len(),
+        "input_sha256": input_sha256,
         "lines": lines,
         "encoder": job.encoder_identity,
         "role": job.role,
         "task": job.task,
         "part_size": job.part_size,
     }))
-}
-
-fn count_records(path: &Path) -> Result<usize> {
-    use std::io::BufRead;
-    let file = std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
-    let mut n = 0;
-    for line in std::io::BufReader::with_capacity(1 << 20, file).lines() {
-        if !line.with_context(|| format!("{}: cannot read", path.display()))?.trim().is_empty() {
-            n += 1;
-        }
-    }
-    Ok(n)
 }
 
 /// `(id, text)` records, streamed.
@@ -148,11 +135,11 @@ pub fn encode_file(job: &EncodeJob, encoder: EncoderSource<'_>, progress: &dyn P
         bail!("batch size and part size must be positive");
     }
     let final_npy = job.output.join("embeddings.npy");
-    let lines = count_records(&job.input)?;
+    let (input_sha256, lines) = crate::digest::file_digest_and_lines(&job.input)?;
     if lines == 0 {
         bail!("{}: empty input (no records)", job.input.display());
     }
-    let manifest = manifest(job, lines)?;
+    let manifest = manifest(job, &input_sha256, lines)?;
     let manifest_path = parts_dir(&job.output).join("manifest.json");
     // `encode.json` is written last: its presence (with this run's settings) means done.
     let done_path = job.output.join("encode.json");

@@ -1,7 +1,9 @@
 //! `faulty`: an encoder that misbehaves in the way its settings ask, for the host's fault
 //! tests. `{"fault": "undefined"}` returns an undefined tensor, `"short"` one row too few,
 //! `"panic"` panics on the `panic_at`-th encode call (1-based) halfway through updating its
-//! state; otherwise it returns each text's length in every column of a `[n, 4]` tensor.
+//! state, `"libtorch"` makes libtorch throw (a panicking tch call with shapes that do not
+//! multiply), `"rewrite_on_load"` rewrites `weights.bin` in its `model` folder while it is being
+//! created (a trainer saving over the checkpoint at that moment); otherwise it returns each text's length in every column of a `[n, 4]` tensor.
 
 use anyhow::Result;
 use rak_core::abi::Role;
@@ -23,7 +25,7 @@ impl PluginInfo for Faulty {
 
     fn settings_schema() -> Value {
         json!({
-            "fault": {"type": "string", "default": "none", "help": "none, undefined, short or panic"},
+            "fault": {"type": "string", "default": "none", "help": "none, undefined, short, panic, libtorch or rewrite_on_load"},
             "panic_at": {"type": "int", "default": 1, "help": "which encode call panics"},
         })
     }
@@ -31,6 +33,10 @@ impl PluginInfo for Faulty {
     fn create(settings: Value) -> Result<Self> {
         let fault = settings["fault"].as_str().unwrap_or("none").to_string();
         let panic_at = settings["panic_at"].as_u64().unwrap_or(1);
+        if fault == "rewrite_on_load" {
+            let model = settings["model"].as_str().ok_or_else(|| anyhow::anyhow!("faulty: rewrite_on_load needs a model folder"))?;
+            std::fs::write(Path::new(model).join("weights.bin"), format!("rewritten by process {}", std::process::id()))?;
+        }
         Ok(Faulty { fault, panic_at, calls: 0, calls_done: 0 })
     }
 }
@@ -40,6 +46,9 @@ impl Encoder for Faulty {
         self.calls += 1;
         if self.fault == "panic" && self.calls == self.panic_at {
             panic!("faulty: panic on call {}", self.calls);
+        }
+        if self.fault == "libtorch" {
+            let _ = Tensor::ones([2, 3], (tch::Kind::Float, tch::Device::Cpu)).matmul(&Tensor::ones([4, 4], (tch::Kind::Float, tch::Device::Cpu)));
         }
         assert_eq!(self.calls, self.calls_done + 1, "state is consistent");
         self.calls_done = self.calls;

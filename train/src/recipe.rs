@@ -1,0 +1,134 @@
+//! The TOML recipe of a training run (`host train --config`, `configs/minikilt/*.toml`): the
+//! model, the data and the hyper-parameters, in Hugging Face's names where it has them.
+//! Relative paths are taken from the current folder.
+
+use crate::trainer::SamplerKind;
+use anyhow::{bail, Context, Result};
+use rak_retrieval::index::Bm25Params;
+use serde::Deserialize;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// The recipe file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    #[serde(default)]
+    pub model: ModelSection,
+    pub data: DataSection,
+    #[serde(default)]
+    pub train: TrainSection,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    pub encoder: Option<String>,
+    pub path: Option<PathBuf>,
+    /// Extra encoder settings (e.g. `task_markers`, `max_length`).
+    #[serde(default)]
+    pub settings: serde_json::Map<String, Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// BEIR corpus.jsonl shared by every task.
+    pub corpus: PathBuf,
+    /// Folder holding `<task>/queries.<split>.jsonl` and `<task>/qrels.<split>.tsv`.
+    pub task_dir: PathBuf,
+    pub tasks: Vec<String>,
+    #[serde(default = "default_split")]
+    pub split: String,
+    /// A BM25 index of the corpus for hard negatives (built under the output folder if absent).
+    pub bm25_index: Option<PathBuf>,
+}
+
+fn default_split() -> String {
+    "train".into()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainSection {
+    pub optim: Option<String>,
+    pub optim_settings: serde_json::Map<String, Value>,
+    pub learning_rate: f64,
+    pub per_device_train_batch_size: usize,
+    pub num_train_epochs: f64,
+    pub max_steps: Option<u64>,
+    pub warmup_ratio: f64,
+    pub max_grad_norm: Option<f64>,
+    pub seed: u64,
+    pub logging_steps: u64,
+    pub save_steps: u64,
+    /// `taco` (every task in every step) or `task_per_batch` (MT-DPR).
+    pub sampler: String,
+    /// TACO's c in `(N_t/ΣN)^(1/c)`.
+    pub temperature: f64,
+    /// Hard negatives per query (BM25 top-k minus gold).
+    pub hard_negatives: usize,
+    /// How deep in BM25's ranking negatives are drawn from.
+    pub negative_depth: usize,
+    /// BM25's constants for the negatives (Pyserini's defaults).
+    pub bm25_k1: f32,
+    pub bm25_b: f32,
+    /// Factor on the scores in the loss (1: REFERENCE §1's raw dot product).
+    pub score_scale: f64,
+    /// ANCE episodes after the BM25 stage, and how deep in the model's ranking their
+    /// negatives are drawn from.
+    pub ance_episodes: u32,
+    pub ance_depth: usize,
+    /// Length of each ANCE stage in epochs (TACO: 20 warm-up epochs, then 3 per episode);
+    /// default: the same length as the BM25 stage (`max_steps` or `num_train_epochs`).
+    pub ance_num_train_epochs: Option<f64>,
+    /// Encode queries with their task's name (the encoder makes it a prefix, a marker or a
+    /// `?`, or ignores it).
+    pub task_names: bool,
+    pub layerwise_lr_decay: bool,
+    pub max_skipped_steps: u64,
+}
+
+impl Default for TrainSection {
+    fn default() -> Self {
+        TrainSection {
+            optim: None,
+            optim_settings: Default::default(),
+            learning_rate: 2e-5,
+            per_device_train_batch_size: 32,
+            num_train_epochs: 1.0,
+            max_steps: None,
+            warmup_ratio: 0.1,
+            max_grad_norm: Some(1.0),
+            seed: 42,
+            logging_steps: 10,
+            save_steps: 500,
+            sampler: "taco".into(),
+            temperature: 4.0,
+            hard_negatives: 1,
+            negative_depth: 100,
+            bm25_k1: Bm25Params::default().k1,
+            bm25_b: Bm25Params::default().b,
+            score_scale: 1.0,
+            ance_episodes: 0,
+            ance_depth: 200,
+            ance_num_train_epochs: None,
+            task_names: true,
+            layerwise_lr_decay: false,
+            max_skipped_steps: 10,
+        }
+    }
+}
+
+pub fn read_recipe(path: &Path) -> Result<Recipe> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
+pub fn sampler_kind(t: &TrainSection) -> Result<SamplerKind> {
+    Ok(match t.sampler.as_str() {
+        "taco" => SamplerKind::Taco { temperature: t.temperature },
+        "task_per_batch" => SamplerKind::TaskPerBatch,
+        other => bail!("sampler {other:?}: expected taco or task_per_batch"),
+    })
+}
