@@ -230,6 +230,17 @@ fn bad_training_inputs_are_clear_errors() {
     // A loss that becomes non-finite: steps are skipped with a warning, then the run stops.
     let o = run(&mut train_cmd(&recipe, &dir.path().join("out3"), &["--learning-rate", "1e30", "--max-steps", "20"]));
     fails(&o, &["non-finite loss", "max_skipped_steps"]);
+    // A finite loss with an infinite gradient (the `faulty` encoder's): never handed to the
+    // optimizer (an infinity in its state would last the whole run), the step is skipped with
+    // a warning naming the parameter, and it counts toward max_skipped_steps.
+    let inf = dir.path().join("inf.toml");
+    let text = std::fs::read_to_string(&recipe).unwrap().replace("encoder = \"dpr\"", "encoder = \"faulty\"").replace("max_length = 64", "fault = \"inf_gradient\"");
+    std::fs::write(&inf, text.replace("[train]", "[train]\nmax_skipped_steps = 2").replace("save_steps = 2", "save_steps = 100")).unwrap();
+    for optim in ["adamw", "tsage"] {
+        let o = run(train_cmd(&inf, &dir.path().join(format!("out-inf-{optim}")), &["--optim", optim]).args(["--plugin", p(&faulty_plugin())]));
+        fails(&o, &["non-finite gradient of w", "3 steps had a non-finite loss or gradient", "max_skipped_steps = 2"]);
+        assert_eq!(stderr(&o).matches("is skipped").count(), 3, "{}", stderr(&o));
+    }
 }
 
 /// `negatives-episode-E.json`: every example's negatives by task and query id.

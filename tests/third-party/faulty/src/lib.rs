@@ -1,7 +1,9 @@
 //! `faulty`: an encoder that misbehaves in the way its settings ask, for the host's fault
 //! tests. `{"fault": "undefined"}` returns an undefined tensor, `"short"` one row too few,
 //! `"panic"` panics on the `panic_at`-th encode call (1-based) halfway through updating its
-//! state, `"libtorch"` makes libtorch throw (a panicking tch call with shapes that do not
+//! state, `"inf_gradient"` trains a one-element parameter whose gradient is infinite (the
+//! embeddings are the lengths plus `sqrt(w - w)`: finite values, an infinite derivative),
+//! `"libtorch"` makes libtorch throw (a panicking tch call with shapes that do not
 //! multiply), `"rewrite_on_load"` rewrites `weights.bin` in its `model` folder while it is being
 //! created (a trainer saving over the checkpoint at that moment); otherwise it returns each text's length in every column of a `[n, 4]` tensor.
 
@@ -18,6 +20,8 @@ pub struct Faulty {
     calls: u64,
     /// Kept equal to `calls` except inside a call that panics.
     calls_done: u64,
+    /// `inf_gradient`'s parameter.
+    w: Tensor,
 }
 
 impl PluginInfo for Faulty {
@@ -25,7 +29,7 @@ impl PluginInfo for Faulty {
 
     fn settings_schema() -> Value {
         json!({
-            "fault": {"type": "string", "default": "none", "help": "none, undefined, short, panic, libtorch or rewrite_on_load"},
+            "fault": {"type": "string", "default": "none", "help": "none, undefined, short, panic, inf_gradient, libtorch or rewrite_on_load"},
             "panic_at": {"type": "int", "default": 1, "help": "which encode call panics"},
         })
     }
@@ -37,7 +41,8 @@ impl PluginInfo for Faulty {
             let model = settings["model"].as_str().ok_or_else(|| anyhow::anyhow!("faulty: rewrite_on_load needs a model folder"))?;
             std::fs::write(Path::new(model).join("weights.bin"), format!("rewritten by process {}", std::process::id()))?;
         }
-        Ok(Faulty { fault, panic_at, calls: 0, calls_done: 0 })
+        let w = Tensor::ones([1], (tch::Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+        Ok(Faulty { fault, panic_at, calls: 0, calls_done: 0, w })
     }
 }
 
@@ -57,12 +62,13 @@ impl Encoder for Faulty {
         Ok(match self.fault.as_str() {
             "undefined" => Tensor::new(),
             "short" => rows.narrow(0, 0, (texts.len() as i64 - 1).max(0)),
+            "inf_gradient" => rows + (&self.w - self.w.detach()).sqrt(),
             _ => rows,
         })
     }
 
     fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        Ok(Vec::new())
+        Ok(if self.fault == "inf_gradient" { vec![("w".to_string(), self.w.shallow_clone())] } else { Vec::new() })
     }
 
     fn info(&self) -> Result<Value> {
