@@ -153,6 +153,8 @@ type Recorded = Vec<(String, f64, Vec<(String, Option<Tensor>)>)>;
 struct Recording {
     inner: Box<dyn Optimizer>,
     record: Arc<Mutex<Option<Recorded>>>,
+    /// Ask for the summed gradient (one backward pass) instead of each task's.
+    joint: bool,
 }
 
 impl Optimizer for Recording {
@@ -174,6 +176,9 @@ impl Optimizer for Recording {
     }
     fn load_state(&mut self, state: Vec<(String, Tensor)>) -> anyhow::Result<()> {
         self.inner.load_state(state)
+    }
+    fn needs_task_gradients(&self) -> anyhow::Result<bool> {
+        Ok(!self.joint)
     }
 }
 
@@ -264,6 +269,7 @@ fn check(name: &str) {
     let mut optimizer = Recording {
         inner: reg.optimizer(opt["name"].as_str().unwrap(), &opt["settings"]).unwrap(),
         record: record.clone(),
+        joint: false,
     };
     let steps = meta["steps"].as_u64().unwrap();
     let lr = meta["lr"].as_f64().unwrap();
@@ -285,6 +291,7 @@ fn check(name: &str) {
         max_skipped_steps: 0,
         score_scale: 1.0,
         bf16: false,
+        in_batch_negatives: Default::default(),
     };
     // The sampler needs examples (with negatives, as hard_negatives > 0); train_step does not
     // read them: it takes the groups as given.
@@ -370,6 +377,7 @@ fn check(name: &str) {
         }
     }
     drop(trainer);
+    let whole = whole_step_paths(name, &reg, plugin, &settings, &groups, &config, &tasks, &out, &step0_grads);
     let bf16 = bf16_step0(name, &want, &reg, plugin, &settings, &groups, TrainerConfig { bf16: true, ..config }, tasks, &out, &loss_values_at_step0(&want));
 
     // Final weights: every element within TOL, except where AdamW's step is rounding noise: an
@@ -431,6 +439,7 @@ fn check(name: &str) {
         ("losses (every step and task)", &loss),
         ("step-0 per-task gradients", &grad),
         ("weights after the steps (elements with a gradient above eps)", &weight),
+        ("step 0 in one pass: the summed losses' gradient against the per-task gradients' sum; losses with the whole step's in-batch negatives against the formula", &whole),
         ("step 0 under bf16 autocast: query embeddings, losses, gradient norms (tolerance from PyTorch's bf16 - float32)", &bf16),
     ];
     let mut failures = Vec::new();
@@ -456,6 +465,75 @@ fn check(name: &str) {
         "{name}: differences from PyTorch beyond tolerance:\n  {}",
         failures.join("\n  ")
     );
+}
+
+/// Step 0 of a fresh encoder, what the trainer handed the optimizer.
+#[allow(clippy::too_many_arguments)]
+fn recorded_step(reg: &Registry, plugin: &str, settings: &Value, groups: &[TaskGroup], config: TrainerConfig, tasks: Vec<TaskData>, out: &Path, joint: bool) -> Recorded {
+    let mut encoder: Box<dyn Encoder> = reg.encoder(plugin, settings).unwrap();
+    let params = encoder.parameters().unwrap();
+    let record: Arc<Mutex<Option<Recorded>>> = Arc::new(Mutex::new(Some(Vec::new())));
+    let mut optimizer = Recording { inner: reg.optimizer("adamw", &json!({})).unwrap(), record: record.clone(), joint };
+    let mut trainer = Trainer::new(config, encoder.as_mut(), &mut optimizer, tasks, HashMap::new(), out).unwrap();
+    let ctx = StepContext { lr: 0.0, tasks: groups.iter().map(|g| g.task.clone()).collect(), ..Default::default() };
+    let StepOutcome::Updated { losses, .. } = trainer.train_step(&params, groups, ctx).unwrap() else { panic!("the step was skipped") };
+    let mut rec = record.lock().unwrap().take().unwrap();
+    // The losses as the trainer reports them (per task, also in the joint pass).
+    if joint {
+        assert_eq!(rec.len(), 1, "one summed gradient");
+        assert_eq!(rec[0].0, rak_core::plugin::ALL_TASKS);
+        rec.extend(losses.into_iter().map(|(t, l)| (t, l, Vec::new())));
+    }
+    rec
+}
+
+/// The two other ways through a step, against the per-task step the PyTorch parity holds:
+/// - an optimizer that takes the summed gradient (adamw; one backward pass over every task)
+///   gets the sum of the per-task gradients;
+/// - with the whole step's passages as in-batch negatives, each task's loss is the NCE of its
+///   queries against every task's passages (its positives at its own rows), computed here
+///   from the embeddings.
+#[allow(clippy::too_many_arguments)]
+fn whole_step_paths(
+    name: &str,
+    reg: &Registry,
+    plugin: &str,
+    settings: &Value,
+    groups: &[TaskGroup],
+    config: &TrainerConfig,
+    tasks: &[TaskData],
+    out: &Path,
+    per_task: &[(String, Vec<(String, Tensor)>)],
+) -> Compare {
+    let mut c = Compare::default();
+    let joint = recorded_step(reg, plugin, settings, groups, config.clone(), tasks.to_vec(), out, true);
+    for (n, g) in joint[0].2.iter().filter_map(|(n, g)| Some((n, g.as_ref()?))) {
+        let sum = per_task.iter().filter_map(|(_, grads)| grads.iter().find(|(m, _)| m == n).map(|(_, x)| x.to_kind(Kind::Double))).reduce(|a, b| a + b).unwrap();
+        // Summed in another order: within float32 rounding of the larger task gradient.
+        let scale = per_task.iter().filter_map(|(_, grads)| grads.iter().find(|(m, _)| m == n)).map(|(_, x)| x.abs().max().double_value(&[])).fold(0.0, f64::max);
+        c.see_diff(format!("joint gradient {n}"), max_abs(g, &sum), scale * 1e-6);
+    }
+    let step = TrainerConfig { in_batch_negatives: rak_train::trainer::InBatchNegatives::Step, ..config.clone() };
+    let rec = recorded_step(reg, plugin, settings, groups, step, tasks.to_vec(), out, false);
+    let mut encoder: Box<dyn Encoder> = reg.encoder(plugin, settings).unwrap();
+    let embed = |g: &TaskGroup, encoder: &mut Box<dyn Encoder>| {
+        let q: Vec<&str> = g.queries.iter().map(String::as_str).collect();
+        let p: Vec<&str> = g.passages.iter().map(String::as_str).collect();
+        (encoder.encode(&q, Role::Query, Some(&g.task), true).unwrap().detach(), encoder.encode(&p, Role::Passage, None, true).unwrap().detach())
+    };
+    let embedded: Vec<(Tensor, Tensor)> = groups.iter().map(|g| embed(g, &mut encoder)).collect();
+    let all = Tensor::cat(&embedded.iter().map(|(_, p)| p).collect::<Vec<_>>(), 0).to_kind(Kind::Double);
+    let group = 1 + config.hard_negatives as i64;
+    let mut first = 0;
+    for ((g, (q, p)), (task, loss, _)) in groups.iter().zip(&embedded).zip(&rec) {
+        assert_eq!(&g.task, task);
+        let scores = q.to_kind(Kind::Double).matmul(&all.tr()) * config.score_scale;
+        let b = q.size()[0];
+        let want: f64 = (0..b).map(|i| scores.get(i).logsumexp([0i64].as_slice(), false).double_value(&[]) - scores.double_value(&[i, first + i * group])).sum::<f64>() / b as f64;
+        c.see_diff(format!("{name} step-scope loss/{task} ({loss:.6} against {want:.6})"), (loss - want).abs(), 0.0);
+        first += p.size()[0];
+    }
+    c
 }
 
 fn loss_values_at_step0(want: &HashMap<String, Tensor>) -> Vec<f64> {
@@ -497,7 +575,7 @@ fn bf16_step0(
     }
     let params = encoder.parameters().unwrap();
     let record: Arc<Mutex<Option<Recorded>>> = Arc::new(Mutex::new(Some(Vec::new())));
-    let mut optimizer = Recording { inner: reg.optimizer("adamw", &json!({})).unwrap(), record: record.clone() };
+    let mut optimizer = Recording { inner: reg.optimizer("adamw", &json!({})).unwrap(), record: record.clone(), joint: false };
     let mut trainer = Trainer::new(config, encoder.as_mut(), &mut optimizer, tasks, HashMap::new(), out).unwrap();
     let ctx = StepContext { lr: 0.0, tasks: groups.iter().map(|g| g.task.clone()).collect(), ..Default::default() };
     let StepOutcome::Updated { .. } = trainer.train_step(&params, groups, ctx).unwrap() else { panic!("{name}: the bf16 step was skipped") };

@@ -72,6 +72,11 @@ pub struct OptimizerMod {
     pub load_state: extern "C" fn(h: Handle, state: RSlice<'_, NamedTensor>) -> Res<()>,
     #[sabi(last_prefix_field)]
     pub destroy: extern "C" fn(h: Handle),
+    /// Optional (added after the first release; a plugin without it is taken to need them):
+    /// whether the optimizer needs each task's gradient on its own. One that does not (plain
+    /// AdamW on the sum) gets one `task_gradients` call per step, named `*`, with the gradient
+    /// of the sum of the tasks' losses from one backward pass.
+    pub needs_task_gradients: extern "C" fn(h: Handle) -> Res<bool>,
 }
 
 /// Readers: local LMs that read passages. Requests and replies are JSON.

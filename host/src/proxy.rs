@@ -141,6 +141,12 @@ impl Optimizer for OptimizerProxy {
         let lent = lend_named(&state);
         self.origin.check("load_state", (self.module.load_state())(self.handle, lent.as_slice().into()))
     }
+
+    fn needs_task_gradients(&self) -> Result<bool> {
+        // A plugin built before the function existed needs them, as every optimizer did.
+        let Some(f) = self.module.needs_task_gradients() else { return Ok(true) };
+        self.origin.check("needs_task_gradients", f(self.handle))
+    }
 }
 
 impl Reader for ReaderProxy {

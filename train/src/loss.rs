@@ -48,6 +48,21 @@ pub fn nce_loss(q: &Tensor, p: &Tensor, group: usize, scale: f64, exchange: &dyn
     Ok(scores.to_kind(Kind::Float).cross_entropy_for_logits(&targets))
 }
 
+/// NCE of queries `q` (`[B, d]`) against any candidate set `candidates` (`[N, d]`), query
+/// `i`'s positive at row `first + i·group`: the loss with in-batch negatives from the whole
+/// step (every task's passages) rather than the query's own task. Single process.
+pub fn nce_loss_against(q: &Tensor, candidates: &Tensor, first: i64, group: usize, scale: f64) -> Result<Tensor> {
+    let (b, d) = q.size2()?;
+    let (n, cd) = candidates.size2()?;
+    if group == 0 || cd != d || first < 0 || first + b * group as i64 > n {
+        bail!("nce_loss_against: {b} queries of width {d} in groups of {group} from row {first} of {n} candidates of width {cd}");
+    }
+    let scores = q.matmul(&candidates.tr());
+    let scores = if scale == 1.0 { scores } else { scores * scale };
+    let targets = Tensor::arange(b, (Kind::Int64, q.device())) * group as i64 + first;
+    Ok(scores.to_kind(Kind::Float).cross_entropy_for_logits(&targets))
+}
+
 /// AAR's multi-positive loss (REFERENCE §6): for each (query, positive) pair, cross-entropy of
 /// that positive against every passage in the batch that is not one of the query's own
 /// positives; the mean over pairs. `positives[i]` lists the rows of `p` that are query `i`'s
@@ -111,6 +126,23 @@ mod tests {
         assert!((loss - want).abs() < 1e-5, "scale {scale}: {loss} vs {want}");
         }
         assert!(nce_loss(&q, &p, 3, 1.0, &Local).is_err());
+    }
+
+    /// Against `nce_loss` on a candidate block, and against the formula with candidates before
+    /// and after the query's own group.
+    #[test]
+    fn nce_against_a_larger_candidate_set() {
+        let q = t(&[1.0, 0.0, 0.5, 0.5], 2);
+        let own = t(&[1.0, 0.1, 0.0, 1.0, 0.3, 0.3, 0.2, 0.9], 4);
+        let same = nce_loss_against(&q, &own, 0, 2, 20.0).unwrap().double_value(&[]);
+        assert!((same - nce_loss(&q, &own, 2, 20.0, &Local).unwrap().double_value(&[])).abs() < 1e-6);
+        let other = t(&[0.9, 0.0, -1.0, 0.5], 2);
+        let all = Tensor::cat(&[&other, &own], 0);
+        let loss = nce_loss_against(&q, &all, 2, 2, 1.0).unwrap().double_value(&[]);
+        let s = all.matmul(&q.tr()).tr().to_kind(Kind::Double);
+        let want = (0..2).map(|i| s.get(i).logsumexp([0i64].as_slice(), false).double_value(&[]) - s.double_value(&[i, 2 + 2 * i])).sum::<f64>() / 2.0;
+        assert!((loss - want).abs() < 1e-6, "{loss} vs {want}");
+        assert!(nce_loss_against(&q, &all, 3, 2, 1.0).is_err(), "the groups run past the candidates");
     }
 
     #[test]

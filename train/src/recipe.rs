@@ -2,7 +2,7 @@
 //! model, the data and the hyper-parameters, in Hugging Face's names where it has them.
 //! Relative paths are taken from the current folder.
 
-use crate::trainer::SamplerKind;
+use crate::trainer::{InBatchNegatives, SamplerKind};
 use anyhow::{bail, Context, Result};
 use rak_retrieval::index::Bm25Params;
 use serde::Deserialize;
@@ -87,6 +87,9 @@ pub struct TrainSection {
     pub task_names: bool,
     pub layerwise_lr_decay: bool,
     pub max_skipped_steps: u64,
+    /// A query's in-batch negatives: its own task's sub-batch (`task`, TACO's code) or every
+    /// passage of the step (`step`, one batch of the union).
+    pub in_batch_negatives: InBatchNegatives,
 }
 
 impl Default for TrainSection {
@@ -116,6 +119,7 @@ impl Default for TrainSection {
             task_names: true,
             layerwise_lr_decay: false,
             max_skipped_steps: 10,
+            in_batch_negatives: InBatchNegatives::Task,
         }
     }
 }

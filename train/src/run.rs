@@ -159,6 +159,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         max_skipped_steps: t.max_skipped_steps,
         score_scale: t.score_scale,
         bf16: spec.bf16,
+        in_batch_negatives: t.in_batch_negatives,
     };
     let names: Vec<String> = tasks.iter().map(|t| format!("{} ({} queries)", t.name, t.examples.len())).collect();
     let episodes_text = if episodes > 0 { format!(", then {episodes} ANCE episodes of {episode_steps} steps") } else { String::new() };

@@ -10,14 +10,14 @@
 //! uninterrupted one would without saving generator state.
 
 use crate::data::TaskData;
-use crate::loss::{nce_loss, Exchange, Local};
+use crate::loss::{nce_loss, nce_loss_against, Exchange, Local};
 use crate::rng::Rng;
 use crate::sampler::{SubBatch, TacoSampler, TacoSamplerState, TaskPerBatchSampler, TaskPerBatchState};
 use crate::schedule::linear_warmup_decay;
 use anyhow::{bail, Context, Result};
 use rak_core::abi::Role;
 use rak_core::autograd::Autocast;
-use rak_core::plugin::{Encoder, Optimizer, StepContext};
+use rak_core::plugin::{Encoder, Optimizer, StepContext, ALL_TASKS};
 use rak_retrieval::pipeline::Progress;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -34,6 +34,18 @@ pub enum SamplerKind {
     Taco { temperature: f64 },
     /// MT-DPR: one task per batch, batches of all tasks shuffled.
     TaskPerBatch,
+}
+
+/// Which passages are a query's in-batch negatives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InBatchNegatives {
+    /// Its own task's sub-batch (TACO's code: the loss is computed per task).
+    #[default]
+    Task,
+    /// Every passage of the step, whatever its task (one batch of the union, as
+    /// sentence-transformers' MultipleNegativesRankingLoss over mixed data).
+    Step,
 }
 
 /// Everything the loop needs to know (after the command resolved flags over the config).
@@ -65,6 +77,8 @@ pub struct TrainerConfig {
     /// optimizer state, the encoders' forward (and so their backward) under bf16 autocast.
     #[serde(default)]
     pub bf16: bool,
+    #[serde(default)]
+    pub in_batch_negatives: InBatchNegatives,
 }
 
 fn one() -> f64 {
@@ -190,6 +204,9 @@ pub struct Trainer<'a> {
     sampler: Sampler,
     state: TrainerState,
     exchange: Box<dyn Exchange>,
+    /// Whether the optimizer takes each task's gradient on its own (else one backward pass
+    /// over the summed losses).
+    per_task_gradients: bool,
 }
 
 impl<'a> Trainer<'a> {
@@ -215,7 +232,8 @@ impl<'a> Trainer<'a> {
         let counts: Vec<usize> = tasks.iter().map(|t| t.examples.len()).collect();
         let sampler = Sampler::new(config.sampler, &counts, config.batch_size, config.seed)?;
         let state = TrainerState { step: 0, sampler: sampler.state(), skipped_steps: 0, episode: 0, config: config.clone() };
-        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, exchange: Box::new(Local) })
+        let per_task_gradients = optimizer.needs_task_gradients()?;
+        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, exchange: Box::new(Local), per_task_gradients })
     }
 
     /// Where embeddings from other processes would join (data-parallel runs).
@@ -298,6 +316,9 @@ impl<'a> Trainer<'a> {
     /// update). This is the seam the parity tests drive with fixed inputs.
     pub fn train_step(&mut self, params: &[(String, Tensor)], groups: &[TaskGroup], ctx: StepContext) -> Result<StepOutcome> {
         self.optimizer.begin_step(shallow(params), ctx)?;
+        if !self.per_task_gradients || self.config.in_batch_negatives == InBatchNegatives::Step {
+            return self.whole_step(params, groups);
+        }
         let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
         let mut losses = Vec::with_capacity(groups.len());
         let group_size = 1 + self.config.hard_negatives;
@@ -335,6 +356,69 @@ impl<'a> Trainer<'a> {
         }
         let stats = self.optimizer.finish_step()?;
         Ok(StepOutcome::Updated { losses, stats })
+    }
+
+    /// [`Trainer::train_step`] with every task's sub-batch encoded before any loss: the
+    /// in-batch negatives of the whole step, or an optimizer that takes the summed gradient
+    /// (one backward pass). Every task's graph is held at once, as in one batch of the union.
+    fn whole_step(&mut self, params: &[(String, Tensor)], groups: &[TaskGroup]) -> Result<StepOutcome> {
+        let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
+        let group_size = 1 + self.config.hard_negatives;
+        let mut encoded = Vec::with_capacity(groups.len());
+        {
+            let _autocast = self.config.bf16.then(|| Autocast::bf16(device)).transpose()?;
+            for g in groups {
+                let queries: Vec<&str> = g.queries.iter().map(String::as_str).collect();
+                let passages: Vec<&str> = g.passages.iter().map(String::as_str).collect();
+                let task = self.config.task_names.then_some(g.task.as_str());
+                let q = self.encoder.encode(&queries, Role::Query, task, true)?;
+                let p = self.encoder.encode(&passages, Role::Passage, None, true)?;
+                encoded.push((q.to_kind(Kind::Float), p.to_kind(Kind::Float)));
+            }
+        }
+        let step_passages = (self.config.in_batch_negatives == InBatchNegatives::Step).then(|| Tensor::cat(&encoded.iter().map(|(_, p)| p).collect::<Vec<_>>(), 0));
+        let mut losses = Vec::with_capacity(groups.len());
+        let mut first = 0;
+        for (g, (q, p)) in groups.iter().zip(&encoded) {
+            let loss = match &step_passages {
+                Some(all) => nce_loss_against(q, all, first, group_size, self.config.score_scale)?,
+                None => nce_loss(q, p, group_size, self.config.score_scale, self.exchange.as_ref())?,
+            };
+            first += p.size()[0];
+            let value = loss.double_value(&[]);
+            if !value.is_finite() {
+                return Ok(StepOutcome::Skipped { task: g.task.clone(), why: format!("a non-finite loss ({value})") });
+            }
+            losses.push((g.task.clone(), value, loss));
+        }
+        let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
+        let backward = |loss: &Tensor, keep_graph: bool| -> Result<Vec<(String, Tensor)>> {
+            let grads = Tensor::f_run_backward(&[loss], &tensors, keep_graph, false)?;
+            Ok(params.iter().map(|(n, _)| n.clone()).zip(grads).collect())
+        };
+        let check = |grads: &[(String, Tensor)], task: &str, value: f64| {
+            grads.iter().find(|(_, g)| !all_finite(g)).map(|(name, _)| StepOutcome::Skipped { task: task.to_string(), why: format!("a non-finite gradient of {name} (loss {value})") })
+        };
+        if self.per_task_gradients {
+            // Each task's gradient on its own; the graph is kept until the last task's.
+            for (i, (task, value, loss)) in losses.iter().enumerate() {
+                let grads = backward(loss, i + 1 < losses.len())?;
+                if let Some(skip) = check(&grads, task, *value) {
+                    return Ok(skip);
+                }
+                self.optimizer.task_gradients(task, *value, grads)?;
+            }
+        } else {
+            let total = losses.iter().map(|(_, _, l)| l.shallow_clone()).reduce(|a, b| a + b).context("a step with no task")?;
+            let value = losses.iter().map(|(_, v, _)| v).sum::<f64>();
+            let grads = backward(&total, false)?;
+            if let Some(skip) = check(&grads, ALL_TASKS, value) {
+                return Ok(skip);
+            }
+            self.optimizer.task_gradients(ALL_TASKS, value, grads)?;
+        }
+        let stats = self.optimizer.finish_step()?;
+        Ok(StepOutcome::Updated { losses: losses.into_iter().map(|(t, v, _)| (t, v)).collect(), stats })
     }
 
     /// Train until `max_steps`, checkpointing every `save_steps` and at the end; the final

@@ -193,6 +193,10 @@ extern "C" fn optimizer_load_state<T: Optimizer + PluginInfo>(h: Handle, state: 
     with_mut(h, "load_state", |opt: &mut T| opt.load_state(lent_named(&state)))
 }
 
+extern "C" fn optimizer_needs_task_gradients<T: Optimizer + PluginInfo>(h: Handle) -> Res<bool> {
+    with_mut(h, "needs_task_gradients", |opt: &mut T| opt.needs_task_gradients())
+}
+
 /// The root module of an optimizer plugin.
 pub fn optimizer_module<T: Optimizer + PluginInfo>() -> OptimizerModRef {
     OptimizerModRef(
@@ -205,6 +209,7 @@ pub fn optimizer_module<T: Optimizer + PluginInfo>() -> OptimizerModRef {
             state: optimizer_state::<T>,
             load_state: optimizer_load_state::<T>,
             destroy: destroy::<T>,
+            needs_task_gradients: optimizer_needs_task_gradients::<T>,
         })
         .static_as_prefix(),
     )

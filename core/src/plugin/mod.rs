@@ -132,7 +132,17 @@ pub trait Optimizer: Send {
     fn state(&self) -> Result<Vec<(String, Tensor)>>;
     /// Restore what [`Optimizer::state`] returned.
     fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()>;
+    /// Whether each task's gradient must come on its own (T-SAGE, PCGrad, CGD, GradNorm). One
+    /// that returns false is handed the gradient of the summed losses once per step, as task
+    /// [`ALL_TASKS`], from one backward pass over every task's sub-batch.
+    fn needs_task_gradients(&self) -> Result<bool> {
+        Ok(true)
+    }
 }
+
+/// The task name of a gradient that sums every task's (see
+/// [`Optimizer::needs_task_gradients`]).
+pub const ALL_TASKS: &str = "*";
 
 /// One whole step: the common case outside the trainer (tests, simple loops). `task_grads`
 /// holds `(task, loss, gradients by name)`.
@@ -170,6 +180,9 @@ macro_rules! forward_optimizer {
             }
             fn load_state(&mut self, state: Vec<(String, $crate::tch::Tensor)>) -> $crate::anyhow::Result<()> {
                 $crate::plugin::Optimizer::load_state(&mut self.0, state)
+            }
+            fn needs_task_gradients(&self) -> $crate::anyhow::Result<bool> {
+                $crate::plugin::Optimizer::needs_task_gradients(&self.0)
             }
         }
     };

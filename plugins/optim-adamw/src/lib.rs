@@ -55,6 +55,11 @@ impl Optimizer for AdamWPlugin {
     fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
         self.adam.load_state(state)
     }
+
+    /// It steps on the sum of the task gradients, which one backward pass gives.
+    fn needs_task_gradients(&self) -> Result<bool> {
+        Ok(false)
+    }
 }
 
 rak_core::export_optimizer!(AdamWPlugin);
