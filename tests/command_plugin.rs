@@ -179,3 +179,84 @@ fn a_plugin_named_without_a_slash_is_the_file_in_the_current_folder() {
     let line = text.lines().find(|l| l.starts_with("hashbow")).unwrap_or_else(|| panic!("hashbow listed:\n{text}"));
     assert!(line.contains(&format!("{}/libthird.so", dir.path().display())), "{line}");
 }
+
+/// A training run through the `train` service, with the plugin's own examples (the road
+/// `aar-train` takes): handed the same positives and negatives `host train` mined, it trains to
+/// the same model; with the multi-positive loss on queries of one positive each (where it is
+/// the NCE loss), to the same losses.
+#[test]
+fn the_train_service_with_given_examples_equals_host_train() {
+    let dir = TempDir::new("train-service");
+    let train = "optim = \"adamw\"\nlearning_rate = 1e-4\nper_device_train_batch_size = 4\nmax_steps = 3\nlogging_steps = 1\nsave_steps = 100\nhard_negatives = 1\nnegative_depth = 10\nseed = 5";
+    // squad queries have one gold passage each.
+    let recipe = task_data(dir.path(), &[("squad-a", "squad", 0, 6), ("squad-b", "squad", 6, 6)], train);
+    let cli = dir.path().join("cli");
+    let o = host(&["train", "--model", p(&minilm_dir()), "--config", p(&recipe), "--output-dir", p(&cli)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    // The examples host train loaded and mined, in its order.
+    let mined: Value = serde_json::from_str(&std::fs::read_to_string(cli.join("negatives-episode-0.json")).unwrap()).unwrap();
+    let mut examples = Vec::new();
+    for task in ["squad-a", "squad-b"] {
+        let tdir = dir.path().join("tasks").join(task);
+        let gold: std::collections::HashMap<String, String> = std::fs::read_to_string(tdir.join("qrels.train.tsv"))
+            .unwrap()
+            .lines()
+            .skip(1)
+            .map(|l| {
+                let c: Vec<&str> = l.split('\t').collect();
+                (c[0].to_string(), c[1].to_string())
+            })
+            .collect();
+        let list: Vec<Value> = std::fs::read_to_string(tdir.join("queries.train.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let q: Value = serde_json::from_str(l).unwrap();
+                let id = q["_id"].as_str().unwrap();
+                json!({"query_id": id, "query": q["text"], "positives": [gold[id]], "negatives": mined["negatives"][task][id]})
+            })
+            .collect();
+        examples.push(json!({"name": task, "examples": list}));
+    }
+    let text = std::fs::read_to_string(&recipe).unwrap();
+    let mut recipe_json: Value = serde_json::to_value(toml_to_json(&text)).unwrap();
+    let mut run = |loss: &str, out: &Path| {
+        recipe_json["train"]["loss"] = json!(loss);
+        let request = json!({"recipe": recipe_json, "model": minilm_dir(), "output_dir": out, "examples": examples});
+        let o = host(&["--plugin", p(&minipipe_plugin()), "minipipe", "train", "--request", &request.to_string()]);
+        assert!(o.status.success(), "{loss}: {}", stderr(&o));
+        let reply: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+        assert_eq!(reply["steps"], 3, "{reply}");
+        assert!(!stderr(&o).contains("bm25 negatives"), "given negatives are not mined again");
+    };
+    let weights = |d: &Path| {
+        let mut w = tch::Tensor::read_safetensors(d.join("model.safetensors")).unwrap();
+        w.sort_by(|a, b| a.0.cmp(&b.0));
+        w
+    };
+    let log = |d: &Path| -> Vec<f64> {
+        std::fs::read_to_string(d.join("trainer_log.jsonl"))
+            .unwrap()
+            .lines()
+            .flat_map(|l| serde_json::from_str::<Value>(l).unwrap()["loss"].as_object().unwrap().values().map(|v| v.as_f64().unwrap()).collect::<Vec<_>>())
+            .collect()
+    };
+    let nce = dir.path().join("service-nce");
+    run("nce", &nce);
+    assert_eq!(log(&nce), log(&cli), "the same losses at every step");
+    for ((n, a), (_, b)) in weights(&cli).iter().zip(weights(&nce).iter()) {
+        assert!(a.equal(b), "{n}: the service's model differs from host train's");
+    }
+    let multi = dir.path().join("service-multi");
+    run("multi_positive", &multi);
+    for (a, b) in log(&cli).iter().zip(log(&multi)) {
+        assert!((a - b).abs() < 1e-4, "multi-positive with one positive is NCE: {:?} against {:?}", log(&multi), log(&cli));
+    }
+}
+
+/// A TOML recipe as the JSON the `train` service takes.
+fn toml_to_json(text: &str) -> Value {
+    let v: toml::Value = toml::from_str(text).unwrap();
+    serde_json::to_value(v).unwrap()
+}

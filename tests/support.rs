@@ -174,3 +174,55 @@ pub fn slice() -> &'static Slice {
     })
 }
 
+/// Training data in mini-KILT's layout under `dir`: each `(task, source, skip, take)` is a task
+/// of `take` train queries of mini-KILT's `source` task (after skipping `skip`), with their
+/// qrels; the corpus holds their gold passages and every 40th other passage. Returns the
+/// recipe (`dpr`, `max_length = 64`) with `train` as its `[train]` section.
+pub fn task_data(dir: &Path, tasks: &[(&str, &str, usize, usize)], train: &str) -> PathBuf {
+    use std::collections::HashSet;
+    let mut gold = HashSet::new();
+    for (task, source, skip, take) in tasks {
+        let src = minikilt().join("tasks").join(source);
+        let dst = dir.join("tasks").join(task);
+        std::fs::create_dir_all(&dst).unwrap();
+        let lines: Vec<String> = std::fs::read_to_string(src.join("queries.train.jsonl")).unwrap().lines().skip(*skip).take(*take).map(String::from).collect();
+        let ids: HashSet<String> =
+            lines.iter().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["_id"].as_str().unwrap().to_string()).collect();
+        std::fs::write(dst.join("queries.train.jsonl"), lines.join("\n") + "\n").unwrap();
+        let mut qrels = vec!["query-id\tcorpus-id\tscore".to_string()];
+        for line in std::fs::read_to_string(src.join("qrels.train.tsv")).unwrap().lines().skip(1) {
+            let cols: Vec<&str> = line.split('\t').collect();
+            if ids.contains(cols[0]) {
+                gold.insert(cols[1].to_string());
+                qrels.push(line.to_string());
+            }
+        }
+        std::fs::write(dst.join("qrels.train.tsv"), qrels.join("\n") + "\n").unwrap();
+    }
+    let corpus: Vec<String> = std::fs::read_to_string(minikilt().join("corpus.jsonl"))
+        .unwrap()
+        .lines()
+        .enumerate()
+        .filter(|(i, l)| i % 40 == 0 || gold.contains(serde_json::from_str::<serde_json::Value>(l).unwrap()["_id"].as_str().unwrap()))
+        .map(|(_, l)| l.to_string())
+        .collect();
+    std::fs::write(dir.join("corpus.jsonl"), corpus.join("\n") + "\n").unwrap();
+    let names: Vec<String> = tasks.iter().map(|(t, ..)| format!("\"{t}\"")).collect();
+    let recipe = dir.join("recipe.toml");
+    std::fs::write(
+        &recipe,
+        format!(
+            "[model]\nencoder = \"dpr\"\nsettings = {{ max_length = 64 }}\n\n[data]\ncorpus = \"{}\"\ntask_dir = \"{}\"\ntasks = [{}]\n\n[train]\n{train}\n",
+            dir.join("corpus.jsonl").display(),
+            dir.join("tasks").display(),
+            names.join(", ")
+        ),
+    )
+    .unwrap();
+    recipe
+}
+
+/// Two tasks of `queries` train queries each (squad, fever); see [`task_data`].
+pub fn small_task_data(dir: &Path, queries: usize, train: &str) -> PathBuf {
+    task_data(dir, &[("squad", "squad", 0, queries), ("fever", "fever", 0, queries)], train)
+}

@@ -4,54 +4,11 @@
 use rak_e2e::*;
 use serde_json::Value;
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 fn p(path: &Path) -> &str {
     path.to_str().unwrap()
-}
-
-/// Two tasks of `queries` train queries each (squad, fever), with a corpus of their gold
-/// passages and every 40th other passage. Returns (data dir, recipe).
-fn small_task_data(dir: &Path, queries: usize, train: &str) -> PathBuf {
-    let mut gold = HashSet::new();
-    for task in ["squad", "fever"] {
-        let src = minikilt().join("tasks").join(task);
-        let dst = dir.join("tasks").join(task);
-        std::fs::create_dir_all(&dst).unwrap();
-        let lines: Vec<String> = std::fs::read_to_string(src.join("queries.train.jsonl")).unwrap().lines().take(queries).map(String::from).collect();
-        let ids: HashSet<String> =
-            lines.iter().map(|l| serde_json::from_str::<Value>(l).unwrap()["_id"].as_str().unwrap().to_string()).collect();
-        std::fs::write(dst.join("queries.train.jsonl"), lines.join("\n") + "\n").unwrap();
-        let mut qrels = vec!["query-id\tcorpus-id\tscore".to_string()];
-        for line in std::fs::read_to_string(src.join("qrels.train.tsv")).unwrap().lines().skip(1) {
-            let cols: Vec<&str> = line.split('\t').collect();
-            if ids.contains(cols[0]) {
-                gold.insert(cols[1].to_string());
-                qrels.push(line.to_string());
-            }
-        }
-        std::fs::write(dst.join("qrels.train.tsv"), qrels.join("\n") + "\n").unwrap();
-    }
-    let corpus: Vec<String> = std::fs::read_to_string(minikilt().join("corpus.jsonl"))
-        .unwrap()
-        .lines()
-        .enumerate()
-        .filter(|(i, l)| i % 40 == 0 || gold.contains(serde_json::from_str::<Value>(l).unwrap()["_id"].as_str().unwrap()))
-        .map(|(_, l)| l.to_string())
-        .collect();
-    std::fs::write(dir.join("corpus.jsonl"), corpus.join("\n") + "\n").unwrap();
-    let recipe = dir.join("recipe.toml");
-    std::fs::write(
-        &recipe,
-        format!(
-            "[model]\nencoder = \"dpr\"\nsettings = {{ max_length = 64 }}\n\n[data]\ncorpus = \"{}\"\ntask_dir = \"{}\"\ntasks = [\"squad\", \"fever\"]\n\n[train]\n{train}\n",
-            p(&dir.join("corpus.jsonl")),
-            p(&dir.join("tasks"))
-        ),
-    )
-    .unwrap();
-    recipe
 }
 
 const TRAIN: &str = "optim = \"adamw\"\nlearning_rate = 5e-5\nper_device_train_batch_size = 6\nmax_steps = 8\nlogging_steps = 1\nsave_steps = 2\nhard_negatives = 1\nnegative_depth = 20\nseed = 7";

@@ -208,6 +208,7 @@ fn check(name: &str) {
             task: t["task"].as_str().unwrap().to_string(),
             queries: strings(&t["queries"]),
             passages: strings(&t["passages"]),
+            positive_rows: None,
         })
         .collect();
     let task_names: Vec<String> = groups.iter().map(|g| g.task.clone()).collect();
@@ -292,6 +293,7 @@ fn check(name: &str) {
         score_scale: 1.0,
         bf16: false,
         in_batch_negatives: Default::default(),
+        loss: Default::default(),
     };
     // The sampler needs examples (with negatives, as hard_negatives > 0); train_step does not
     // read them: it takes the groups as given.

@@ -161,8 +161,9 @@ impl<'r> Services<'r> {
             "build_index" => self.build_index(parse(request)?),
             "search" => self.search(parse(request)?),
             "eval" => self.eval(parse(request)?),
+            "train" => self.train(parse(request)?),
             other => bail!(
-                "unknown host method {other:?} (known: version, plugins, log, progress, encode_corpus, build_index, search, eval)"
+                "unknown host method {other:?} (known: version, plugins, log, progress, encode_corpus, build_index, search, eval, train)"
             ),
         }
     }
@@ -313,6 +314,75 @@ fn parameter_digest(encoder: &dyn Encoder) -> Result<String> {
         hasher.update(&bytes);
     }
     Ok(format!("{:x}", hasher.finalize()))
+}
+
+impl Services<'_> {
+    /// A whole training run, as `host train` makes it (`rak_train::run`), with the plugin's
+    /// own examples when it gives them.
+    fn train(&self, r: TrainRequest) -> Result<Value> {
+        let recipe: rak_train::recipe::Recipe = serde_json::from_value(r.recipe).context("train: \"recipe\" (a recipe as `host train --config` reads it, as JSON)")?;
+        let examples = r.examples.map(|tasks| {
+            tasks
+                .into_iter()
+                .map(|t| rak_train::data::TaskData {
+                    name: t.name,
+                    examples: t
+                        .examples
+                        .into_iter()
+                        .map(|e| rak_train::data::Example { query_id: e.query_id, query: e.query, positives: e.positives, negatives: e.negatives })
+                        .collect(),
+                })
+                .collect()
+        });
+        let spec = rak_train::run::RunSpec {
+            encoder: r.encoder.or(recipe.model.encoder.clone()).context("train: no encoder: give \"encoder\" or recipe.model.encoder")?,
+            optim: r.optim.or(recipe.train.optim.clone()).context("train: no optimizer: give \"optim\" or recipe.train.optim")?,
+            model: r.model.or(recipe.model.path.clone()).context("train: no model: give \"model\" or recipe.model.path")?,
+            recipe,
+            output_dir: r.output_dir,
+            device: r.device.unwrap_or_else(|| "cpu".into()),
+            bf16: r.bf16.unwrap_or(false),
+            resume: rak_train::run::Resume::parse(r.resume.as_deref()),
+            overwrite: r.overwrite.unwrap_or(false),
+            examples,
+        };
+        rak_train::run::run(&spec, self.registry, &self.progress)
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TrainRequest {
+    /// The recipe (`host train --config`'s TOML structure, as JSON).
+    recipe: Value,
+    encoder: Option<String>,
+    optim: Option<String>,
+    model: Option<PathBuf>,
+    output_dir: PathBuf,
+    device: Option<String>,
+    bf16: Option<bool>,
+    /// `latest` or a checkpoint directory.
+    resume: Option<String>,
+    overwrite: Option<bool>,
+    /// The plugin's own examples (instead of the recipe's task files and mined negatives).
+    examples: Option<Vec<GivenTask>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GivenTask {
+    name: String,
+    examples: Vec<GivenExample>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GivenExample {
+    query_id: String,
+    query: String,
+    positives: Vec<String>,
+    #[serde(default)]
+    negatives: Vec<String>,
 }
 
 fn parse<T: serde::de::DeserializeOwned>(request: Value) -> Result<T> {

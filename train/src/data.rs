@@ -88,6 +88,20 @@ pub fn corpus_ids(corpus: &Path) -> Result<HashSet<String>> {
     Ok(ids)
 }
 
+/// Every passage's page, by id: pages are numbered in order of first appearance and a
+/// passage's page is its title (KILT judges pages: every passage of a gold page counts).
+pub fn corpus_pages(corpus: &Path) -> Result<HashMap<String, u32>> {
+    let mut by_title: HashMap<String, u32> = HashMap::new();
+    let mut pages = HashMap::new();
+    for p in beir::read_corpus(corpus)? {
+        let p = p?;
+        let next = by_title.len() as u32;
+        let page = *by_title.entry(p.title).or_insert(next);
+        pages.insert(p.id, page);
+    }
+    Ok(pages)
+}
+
 /// The encoder strings (`title \u{1f} text`) of the passages in `wanted`, streamed from the
 /// corpus. An empty passage text is an error naming it: it would train on nothing.
 pub fn passage_texts(corpus: &Path, wanted: &HashSet<&str>) -> Result<HashMap<String, String>> {

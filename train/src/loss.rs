@@ -66,8 +66,8 @@ pub fn nce_loss_against(q: &Tensor, candidates: &Tensor, first: i64, group: usiz
 /// AAR's multi-positive loss (REFERENCE §6): for each (query, positive) pair, cross-entropy of
 /// that positive against every passage in the batch that is not one of the query's own
 /// positives; the mean over pairs. `positives[i]` lists the rows of `p` that are query `i`'s
-/// positives.
-pub fn multi_positive_loss(q: &Tensor, p: &Tensor, positives: &[Vec<i64>], exchange: &dyn Exchange) -> Result<Tensor> {
+/// positives; scores are `scale · <q, p>` as in [`nce_loss`].
+pub fn multi_positive_loss(q: &Tensor, p: &Tensor, positives: &[Vec<i64>], scale: f64, exchange: &dyn Exchange) -> Result<Tensor> {
     let (b, _) = q.size2()?;
     if positives.len() != b as usize || positives.iter().any(|ps| ps.is_empty()) {
         bail!("multi_positive_loss: every one of the {b} queries needs at least one positive");
@@ -76,6 +76,7 @@ pub fn multi_positive_loss(q: &Tensor, p: &Tensor, positives: &[Vec<i64>], excha
     let all_p = exchange.gather(p)?;
     let (q_off, p_off) = (exchange.offset(b), exchange.offset(p.size()[0]));
     let scores = all_q.narrow(0, q_off, b).matmul(&all_p.tr()).to_kind(Kind::Float);
+    let scores = if scale == 1.0 { scores } else { scores * scale };
     let n = scores.size()[1];
     let mut losses = Vec::new();
     for (i, ps) in positives.iter().enumerate() {
@@ -149,7 +150,7 @@ mod tests {
     fn multi_positive_excludes_the_query_s_other_positives() {
         let q = t(&[1.0, 0.0], 1);
         let p = t(&[1.0, 0.0, 0.9, 0.0, 0.0, 1.0], 3);
-        let loss = multi_positive_loss(&q, &p, &[vec![0, 1]], &Local).unwrap().double_value(&[]);
+        let loss = multi_positive_loss(&q, &p, &[vec![0, 1]], 1.0, &Local).unwrap().double_value(&[]);
         // Pair (0): candidates {0, 2}; pair (1): candidates {1, 2}.
         let l0 = -(1f64.exp() / (1f64.exp() + 1.0)).ln();
         let l1 = -(0.9f64.exp() / (0.9f64.exp() + 1.0)).ln();

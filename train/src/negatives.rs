@@ -114,6 +114,20 @@ pub fn fill_empty(tasks: &mut [TaskData], count: usize, seed: u64) -> usize {
 /// (`{"source": s, "depth": d, "negatives": {"task": {"query id": [ids]}}}`), atomically.
 /// `source` says what produced them (e.g. `bm25 k1=0.9 b=0.4`), so a change of retriever
 /// settings is noticed by [`load`].
+/// Drop every negative that lies on a page of one of its query's gold passages: where pages
+/// are judged (KILT), such a passage is relevant, and training against it pushes the query
+/// away from its own page. Returns how many negatives were dropped.
+pub fn drop_gold_pages(tasks: &mut [TaskData], pages: &std::collections::HashMap<String, u32>) -> usize {
+    let mut dropped = 0;
+    for ex in tasks.iter_mut().flat_map(|t| t.examples.iter_mut()) {
+        let gold: HashSet<u32> = ex.positives.iter().filter_map(|p| pages.get(p).copied()).collect();
+        let before = ex.negatives.len();
+        ex.negatives.retain(|n| pages.get(n).is_none_or(|page| !gold.contains(page)));
+        dropped += before - ex.negatives.len();
+    }
+    dropped
+}
+
 /// SHA-256 over every task's examples as negatives depend on them: task, query id, query text
 /// and gold passages (which are left out of the negatives), in order.
 pub fn examples_digest(tasks: &[TaskData]) -> String {
@@ -128,6 +142,22 @@ pub fn examples_digest(tasks: &[TaskData]) -> String {
             }
             h.update(u64::MAX.to_le_bytes());
         }
+    }
+    rak_retrieval::digest::hex(&h.finalize())
+}
+
+/// SHA-256 over every task's examples and their negatives: what a run handed its own examples
+/// trains on.
+pub fn examples_and_negatives_digest(tasks: &[TaskData]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(examples_digest(tasks).as_bytes());
+    for e in tasks.iter().flat_map(|t| &t.examples) {
+        for n in &e.negatives {
+            h.update((n.len() as u64).to_le_bytes());
+            h.update(n.as_bytes());
+        }
+        h.update(u64::MAX.to_le_bytes());
     }
     rak_retrieval::digest::hex(&h.finalize())
 }
@@ -196,6 +226,16 @@ mod tests {
             positives: gold.iter().map(|s| s.to_string()).collect(),
             negatives: negs.iter().map(|s| s.to_string()).collect(),
         }
+    }
+
+    #[test]
+    fn negatives_on_a_gold_page_are_dropped() {
+        // p1 and n1 share page 0; n2 is on page 1; n3 is on no known page.
+        let pages: std::collections::HashMap<String, u32> = [("p1", 0), ("n1", 0), ("p2", 1), ("n2", 1)].iter().map(|(k, v)| (k.to_string(), *v)).collect();
+        let mut tasks = vec![TaskData { name: "a".into(), examples: vec![ex("q1", &["p1"], &["n1", "n2", "n3"]), ex("q2", &["p2"], &["n1", "n2"])] }];
+        assert_eq!(drop_gold_pages(&mut tasks, &pages), 2);
+        assert_eq!(tasks[0].examples[0].negatives, vec!["n2".to_string(), "n3".to_string()]);
+        assert_eq!(tasks[0].examples[1].negatives, vec!["n1".to_string()]);
     }
 
     #[test]

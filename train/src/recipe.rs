@@ -2,7 +2,7 @@
 //! model, the data and the hyper-parameters, in Hugging Face's names where it has them.
 //! Relative paths are taken from the current folder.
 
-use crate::trainer::{InBatchNegatives, SamplerKind};
+use crate::trainer::{InBatchNegatives, LossKind, SamplerKind};
 use anyhow::{bail, Context, Result};
 use rak_retrieval::index::Bm25Params;
 use serde::Deserialize;
@@ -35,8 +35,11 @@ pub struct ModelSection {
 pub struct DataSection {
     /// BEIR corpus.jsonl shared by every task.
     pub corpus: PathBuf,
-    /// Folder holding `<task>/queries.<split>.jsonl` and `<task>/qrels.<split>.tsv`.
+    /// Folder holding `<task>/queries.<split>.jsonl` and `<task>/qrels.<split>.tsv` (not
+    /// needed when a command plugin hands the run its own examples).
+    #[serde(default)]
     pub task_dir: PathBuf,
+    #[serde(default)]
     pub tasks: Vec<String>,
     #[serde(default = "default_split")]
     pub split: String,
@@ -90,6 +93,11 @@ pub struct TrainSection {
     /// A query's in-batch negatives: its own task's sub-batch (`task`, TACO's code) or every
     /// passage of the step (`step`, one batch of the union).
     pub in_batch_negatives: InBatchNegatives,
+    /// Hard negatives never come from a page of the query's gold passages (where pages are
+    /// judged, as in KILT, those passages are relevant).
+    pub exclude_gold_pages: bool,
+    /// `nce` (one positive per query) or `multi_positive` (AAR's: every positive of a query).
+    pub loss: LossKind,
 }
 
 impl Default for TrainSection {
@@ -120,6 +128,8 @@ impl Default for TrainSection {
             layerwise_lr_decay: false,
             max_skipped_steps: 10,
             in_batch_negatives: InBatchNegatives::Task,
+            exclude_gold_pages: false,
+            loss: LossKind::Nce,
         }
     }
 }

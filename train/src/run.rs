@@ -10,7 +10,7 @@
 //! `negatives-episode-E.json` (each stage's mined negatives), `bm25-index/` (when the recipe
 //! names none) and `run.json` (the episode count and the recipe a resume must match).
 
-use crate::data::{corpus_ids, load_task, passage_texts, task_sources, LoadReport, TaskData};
+use crate::data::{corpus_ids, corpus_pages, load_task, passage_texts, task_sources, LoadReport, TaskData};
 use crate::negatives;
 use crate::recipe::{sampler_kind, Recipe};
 use crate::rng::Rng;
@@ -48,6 +48,10 @@ pub struct RunSpec {
     pub resume: Resume,
     /// Start afresh over an earlier run's checkpoints (they are removed).
     pub overwrite: bool,
+    /// The examples to train on, with their positives and negatives, instead of the recipe's
+    /// task files and mined negatives (a command plugin's own, as AAR's LM-preferred
+    /// positives). The recipe's corpus still gives the passage texts.
+    pub examples: Option<Vec<TaskData>>,
 }
 
 /// Where a run starts.
@@ -130,9 +134,12 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     }
     layout.record(&identity)?;
 
-    let mut tasks = load_tasks(recipe, progress)?;
+    let mut tasks = match &spec.examples {
+        Some(given) => given_examples(given)?,
+        None => load_tasks(recipe, progress)?,
+    };
     let corpus_sha256 = file_digest(&recipe.data.corpus)?;
-    if t.hard_negatives > 0 {
+    if t.hard_negatives > 0 && spec.examples.is_none() {
         bm25_negatives(spec, &layout, &corpus_sha256, &mut tasks, progress)?;
     }
     let kind = sampler_kind(t)?;
@@ -160,6 +167,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         score_scale: t.score_scale,
         bf16: spec.bf16,
         in_batch_negatives: t.in_batch_negatives,
+        loss: t.loss,
     };
     let names: Vec<String> = tasks.iter().map(|t| format!("{} ({} queries)", t.name, t.examples.len())).collect();
     let episodes_text = if episodes > 0 { format!(", then {episodes} ANCE episodes of {episode_steps} steps") } else { String::new() };
@@ -254,9 +262,32 @@ fn encoder_settings(spec: &RunSpec, model: &Path, bf16_weights: bool) -> Value {
     settings
 }
 
+/// Examples a caller hands over: every task named once, every example with a positive.
+fn given_examples(given: &[TaskData]) -> Result<Vec<TaskData>> {
+    let mut names = HashSet::new();
+    for t in given {
+        if !names.insert(t.name.as_str()) {
+            bail!("the examples name task {:?} twice", t.name);
+        }
+        if t.examples.is_empty() {
+            bail!("task {:?} has no training examples", t.name);
+        }
+        if let Some(e) = t.examples.iter().find(|e| e.positives.is_empty()) {
+            bail!("task {:?}: query {:?} has no positive passage", t.name, e.query_id);
+        }
+    }
+    if given.is_empty() {
+        bail!("no examples to train on");
+    }
+    Ok(given.to_vec())
+}
+
 /// Every task's training examples (queries with a gold passage in the corpus).
 fn load_tasks(recipe: &Recipe, progress: &dyn Progress) -> Result<Vec<TaskData>> {
     let d = &recipe.data;
+    if d.tasks.is_empty() {
+        bail!("the recipe names no tasks (data.tasks)");
+    }
     let known = corpus_ids(&d.corpus)?;
     let mut report = LoadReport::default();
     let mut tasks = Vec::new();
@@ -283,6 +314,7 @@ fn negatives_key(spec: &RunSpec, episode: u32, corpus_sha256: &str, tasks: &[Tas
         "corpus_sha256": corpus_sha256,
         "examples_sha256": negatives::examples_digest(tasks),
         "fill": {"count": t.hard_negatives, "seed": Rng::derive(t.seed, &[FILL_SEED, episode as u64]).next_u64()},
+        "exclude_gold_pages": t.exclude_gold_pages,
     })
     .to_string()
 }
@@ -305,6 +337,7 @@ fn bm25_negatives(spec: &RunSpec, layout: &RunLayout, corpus_sha256: &str, tasks
     let mut index = Bm25Index::open(&index_dir)?;
     index.set_params(bm25)?;
     negatives::bm25_negatives(&index, tasks, t.negative_depth, progress)?;
+    exclude_gold_pages(spec, tasks, "BM25", progress)?;
     let fill_seed = Rng::derive(t.seed, &[FILL_SEED, 0]).next_u64();
     report_filled(negatives::fill_empty(tasks, t.hard_negatives, fill_seed), "BM25", progress);
     negatives::save(&saved, tasks, t.negative_depth, &key)
@@ -354,11 +387,22 @@ fn ance_negatives(
     let mut miner = plugins.encoder(&spec.encoder, &settings)?;
     progress.log(&format!("train: episode {episode}: mining negatives with {}", model.display()));
     negatives::ance_negatives(miner.as_mut(), identity, &spec.recipe.data.corpus, &work, tasks, t.ance_depth, t.task_names, progress)?;
+    exclude_gold_pages(spec, tasks, "the model", progress)?;
     let fill_seed = Rng::derive(t.seed, &[FILL_SEED, episode as u64]).next_u64();
     report_filled(negatives::fill_empty(tasks, t.hard_negatives, fill_seed), "the model", progress);
     negatives::save(&saved, tasks, t.ance_depth, &key)?;
     // The corpus embeddings and index are as large as the corpus; the negatives are kept.
     std::fs::remove_dir_all(&work).with_context(|| format!("{}: cannot remove", work.display()))
+}
+
+/// With `exclude_gold_pages`, drop the mined negatives that lie on a gold page.
+fn exclude_gold_pages(spec: &RunSpec, tasks: &mut [TaskData], retriever: &str, progress: &dyn Progress) -> Result<()> {
+    if spec.recipe.train.exclude_gold_pages {
+        let pages = corpus_pages(&spec.recipe.data.corpus)?;
+        let dropped = negatives::drop_gold_pages(tasks, &pages);
+        progress.log(&format!("train: dropped {dropped} {retriever} negatives that lie on a gold page"));
+    }
+    Ok(())
 }
 
 /// What decides a run besides the trainer's own settings (which every checkpoint records and
@@ -377,6 +421,7 @@ fn recipe_identity(spec: &RunSpec) -> Value {
         "model": path(&spec.model),
         "data": {"corpus": path(&d.corpus), "task_dir": path(&d.task_dir), "tasks": d.tasks, "split": d.split, "bm25_index": d.bm25_index.as_deref().map(path)},
         "negatives": {"bm25_k1": t.bm25_k1, "bm25_b": t.bm25_b, "negative_depth": t.negative_depth, "ance_depth": t.ance_depth, "ance_num_train_epochs": t.ance_num_train_epochs},
+        "examples": spec.examples.as_deref().map(negatives::examples_and_negatives_digest),
     })
 }
 

@@ -10,7 +10,7 @@
 //! uninterrupted one would without saving generator state.
 
 use crate::data::TaskData;
-use crate::loss::{nce_loss, nce_loss_against, Exchange, Local};
+use crate::loss::{multi_positive_loss, nce_loss, nce_loss_against, Exchange, Local};
 use crate::rng::Rng;
 use crate::sampler::{SubBatch, TacoSampler, TacoSamplerState, TaskPerBatchSampler, TaskPerBatchState};
 use crate::schedule::linear_warmup_decay;
@@ -48,6 +48,18 @@ pub enum InBatchNegatives {
     Step,
 }
 
+/// The contrastive loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossKind {
+    /// NCE with one positive per query (one of its gold passages, drawn each step).
+    #[default]
+    Nce,
+    /// AAR's (REFERENCE §6): every positive of a query in the batch, each scored against every
+    /// passage that is not one of the query's positives.
+    MultiPositive,
+}
+
 /// Everything the loop needs to know (after the command resolved flags over the config).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TrainerConfig {
@@ -79,6 +91,8 @@ pub struct TrainerConfig {
     pub bf16: bool,
     #[serde(default)]
     pub in_batch_negatives: InBatchNegatives,
+    #[serde(default)]
+    pub loss: LossKind,
 }
 
 fn one() -> f64 {
@@ -175,8 +189,11 @@ pub struct TrainerState {
 pub struct TaskGroup {
     pub task: String,
     pub queries: Vec<String>,
-    /// `queries.len() × (1 + hard_negatives)` passages, each query's positive first.
+    /// With the NCE loss, `queries.len() × (1 + hard_negatives)` passages, each query's
+    /// positive first; with the multi-positive loss, each query's positives then its negatives.
     pub passages: Vec<String>,
+    /// The multi-positive loss's rows of each query's positives in `passages`.
+    pub positive_rows: Option<Vec<Vec<i64>>>,
 }
 
 /// What [`Trainer::train_step`] did.
@@ -283,17 +300,26 @@ impl<'a> Trainer<'a> {
 
     /// The query and passage strings of one task's sub-batch: each query's positive (one of
     /// its gold passages) then `h` of its hard negatives, drawn from (seed, step, task, row).
-    fn group_texts(&self, sub: &SubBatch) -> Result<(Vec<String>, Vec<String>)> {
+    fn group_texts(&self, sub: &SubBatch) -> Result<TaskGroup> {
         let task = &self.tasks[sub.task];
         let h = self.config.hard_negatives;
+        let multi = self.config.loss == LossKind::MultiPositive;
         let mut queries = Vec::with_capacity(sub.examples.len());
         let mut passages = Vec::with_capacity(sub.examples.len() * (1 + h));
+        let mut positive_rows = Vec::new();
         for (row, &i) in sub.examples.iter().enumerate() {
             let ex = &task.examples[i];
             let mut rng = Rng::derive(self.config.seed, &[3, self.state.step, sub.task as u64, row as u64]);
             queries.push(ex.query.clone());
-            let pos = &ex.positives[rng.below(ex.positives.len() as u64) as usize];
-            let mut group = vec![pos.clone()];
+            // Drawn whatever the loss, so the negatives drawn next do not depend on it.
+            let pick = rng.below(ex.positives.len() as u64) as usize;
+            let mut group = if multi {
+                let first = passages.len() as i64;
+                positive_rows.push((first..first + ex.positives.len() as i64).collect());
+                ex.positives.clone()
+            } else {
+                vec![ex.positives[pick].clone()]
+            };
             // With fewer negatives than asked, draw with replacement (the group size is fixed).
             let negs = if ex.negatives.len() >= h {
                 rng.sample(&ex.negatives, h)
@@ -306,7 +332,22 @@ impl<'a> Trainer<'a> {
                 passages.push(text.clone());
             }
         }
-        Ok((queries, passages))
+        Ok(TaskGroup { task: task.name.clone(), queries, passages, positive_rows: multi.then_some(positive_rows) })
+    }
+
+    /// One task's loss: its queries against its own passages or, with `step = (all, first)`,
+    /// against every passage of the step (its own starting at row `first`).
+    fn task_loss(&self, g: &TaskGroup, q: &Tensor, own: &Tensor, step: Option<(&Tensor, i64)>) -> Result<Tensor> {
+        let (n, scale) = (1 + self.config.hard_negatives, self.config.score_scale);
+        match (&g.positive_rows, step) {
+            (None, None) => nce_loss(q, own, n, scale, self.exchange.as_ref()),
+            (None, Some((all, first))) => nce_loss_against(q, all, first, n, scale),
+            (Some(rows), None) => multi_positive_loss(q, own, rows, scale, self.exchange.as_ref()),
+            (Some(rows), Some((all, first))) => {
+                let rows: Vec<Vec<i64>> = rows.iter().map(|r| r.iter().map(|x| x + first).collect()).collect();
+                multi_positive_loss(q, all, &rows, scale, &Local)
+            }
+        }
     }
 
     /// One optimizer step on the given per-task groups: for each task, embed its queries (with
@@ -321,7 +362,6 @@ impl<'a> Trainer<'a> {
         }
         let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
         let mut losses = Vec::with_capacity(groups.len());
-        let group_size = 1 + self.config.hard_negatives;
         for g in groups {
             let queries: Vec<&str> = g.queries.iter().map(String::as_str).collect();
             let passages: Vec<&str> = g.passages.iter().map(String::as_str).collect();
@@ -333,7 +373,7 @@ impl<'a> Trainer<'a> {
                 // The loss in float32, as the embeddings' gradients then are.
                 (q.to_kind(Kind::Float), p.to_kind(Kind::Float))
             };
-            let loss = nce_loss(&q, &p, group_size, self.config.score_scale, self.exchange.as_ref())?;
+            let loss = self.task_loss(g, &q, &p, None)?;
             let value = loss.double_value(&[]);
             if !value.is_finite() {
                 clear_grads(params)?;
@@ -363,7 +403,6 @@ impl<'a> Trainer<'a> {
     /// (one backward pass). Every task's graph is held at once, as in one batch of the union.
     fn whole_step(&mut self, params: &[(String, Tensor)], groups: &[TaskGroup]) -> Result<StepOutcome> {
         let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
-        let group_size = 1 + self.config.hard_negatives;
         let mut encoded = Vec::with_capacity(groups.len());
         {
             let _autocast = self.config.bf16.then(|| Autocast::bf16(device)).transpose()?;
@@ -380,10 +419,7 @@ impl<'a> Trainer<'a> {
         let mut losses = Vec::with_capacity(groups.len());
         let mut first = 0;
         for (g, (q, p)) in groups.iter().zip(&encoded) {
-            let loss = match &step_passages {
-                Some(all) => nce_loss_against(q, all, first, group_size, self.config.score_scale)?,
-                None => nce_loss(q, p, group_size, self.config.score_scale, self.exchange.as_ref())?,
-            };
+            let loss = self.task_loss(g, q, p, step_passages.as_ref().map(|all| (all, first)))?;
             first += p.size()[0];
             let value = loss.double_value(&[]);
             if !value.is_finite() {
@@ -470,10 +506,7 @@ impl<'a> Trainer<'a> {
                 .sampler
                 .next_step()
                 .iter()
-                .map(|sub| {
-                    let (queries, passages) = self.group_texts(sub)?;
-                    Ok(TaskGroup { task: self.tasks[sub.task].name.clone(), queries, passages })
-                })
+                .map(|sub| self.group_texts(sub))
                 .collect::<Result<_>>()?;
             let losses = match self.train_step(&params, &groups, ctx)? {
                 StepOutcome::Updated { losses, stats } => {

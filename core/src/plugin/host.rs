@@ -104,6 +104,16 @@ impl Host {
         self.call("eval", request)
     }
 
+    /// A whole training run, as `host train` makes it: `{"recipe": RECIPE AS JSON, "output_dir",
+    /// "encoder"?, "optim"?, "model"?, "device"?, "bf16"?, "resume"?, "overwrite"?, "examples"?}`.
+    /// `examples` (`[{"name": TASK, "examples": [{"query_id", "query", "positives": [ids],
+    /// "negatives": [ids]}]}]`) replaces the recipe's task files and mined negatives; with
+    /// `recipe.train.loss = "multi_positive"` every positive of a query is trained on (AAR).
+    /// Returns `{"output_dir", "steps", "episodes", "log"}`.
+    pub fn train(&self, request: Value) -> Result<Value> {
+        self.call("train", request)
+    }
+
     /// A line for the user, printed by the host above any progress bar.
     pub fn log(&self, line: &str) -> Result<()> {
         self.call("log", json!({"message": line})).map(|_| ())

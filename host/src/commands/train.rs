@@ -91,6 +91,7 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
         bf16: args.bf16,
         resume: Resume::parse(args.resume_from_checkpoint.as_deref()),
         overwrite: args.overwrite_output_dir,
+        examples: None,
     };
     rak_train::run::run(&spec, registry, &Bar::default())
 }

@@ -11,6 +11,8 @@
 //!   host's reader service. Prints the reply.
 //! - `minipipe connect --name C --settings JSON --threads N --requests M`: M connector calls
 //!   from N threads through one host connector. Prints JSON.
+//! - `minipipe train --request JSON`: a whole training run through the host's `train`
+//!   service (its own examples when the request has them). Prints the service's reply.
 //! - `minipipe exit N`: return N as the exit code.
 
 use anyhow::{bail, Context, Result};
@@ -168,12 +170,17 @@ impl Command for MiniPipe {
     }
 
     fn run(args: &[String], host: &Host) -> Result<i32> {
-        let Some((sub, rest)) = args.split_first() else { bail!("usage: host minipipe run|grad|read|connect|exit ...") };
+        let Some((sub, rest)) = args.split_first() else { bail!("usage: host minipipe run|grad|read|connect|train|exit ...") };
         match sub.as_str() {
             "run" => run_pipeline(&flags(rest)?, host),
             "grad" => gradients(&flags(rest)?, host),
             "read" => read(&flags(rest)?, host),
             "connect" => connect(&flags(rest)?, host),
+            "train" => {
+                let request: Value = serde_json::from_str(flag(&flags(rest)?, "request")?).context("--request")?;
+                println!("{}", host.train(request)?);
+                Ok(0)
+            }
             "exit" => Ok(rest.first().context("exit N")?.parse()?),
             other => bail!("unknown minipipe subcommand {other:?}"),
         }
