@@ -80,7 +80,7 @@ fn adamw_plugin_matches_tch_adamw() {
 
     // State survives a save/load round trip into a fresh instance.
     let state = plugin.state().unwrap();
-    assert_eq!(state.len(), 1 + 2 * shapes.len());
+    assert_eq!(state.len(), 3 * shapes.len(), "a step count and two moments per parameter");
     let mut fresh = registry().optimizer("adamw", &serde_json::json!({"weight_decay": wd})).unwrap();
     fresh.load_state(state).unwrap();
     let g: Vec<Tensor> = shapes.iter().map(|s| Tensor::ones(*s, (Kind::Float, Device::Cpu))).collect();
