@@ -71,6 +71,12 @@ pub struct TSageConfig {
     pub median_of: MedianOf,
     /// Divide the combined gradient by the number of tasks, as the authors' code does.
     pub divide_by_tasks: bool,
+    /// Scale the combined gradient `Σ_t A_t ⊙ G_t` by T instead, so that uniform weights give
+    /// the plain sum the burn-in stepped on. With the authors' division the gradient drops T²
+    /// times at the end of burn-in (`ΣG/T²` for uniform weights) while AdamW's second moment
+    /// still holds the burn-in's gradients (β2 = 0.999 forgets them over about 1,000 steps):
+    /// in a short run every step after burn-in is then far smaller than naive training's.
+    pub scale_to_sum: bool,
     pub form: Form,
     #[serde(flatten)]
     pub adamw: AdamWConfig,
@@ -78,7 +84,16 @@ pub struct TSageConfig {
 
 impl Default for TSageConfig {
     fn default() -> Self {
-        TSageConfig { beta: 0.999, tau: 2.0, median_normalise: true, median_of: MedianOf::All, divide_by_tasks: true, form: Form::Exact, adamw: AdamWConfig::default() }
+        TSageConfig {
+            beta: 0.999,
+            tau: 2.0,
+            median_normalise: true,
+            median_of: MedianOf::All,
+            divide_by_tasks: true,
+            scale_to_sum: false,
+            form: Form::Exact,
+            adamw: AdamWConfig::default(),
+        }
     }
 }
 
@@ -465,7 +480,11 @@ impl TSage {
     fn combined_gradient(&self, step: &mut Step) -> BTreeMap<String, Tensor> {
         let burn_in = step.burn_in;
         let t = self.tasks.len() as f64;
-        let div = if self.config.divide_by_tasks { t } else { 1.0 };
+        let div = match (self.config.scale_to_sum, self.config.divide_by_tasks) {
+            (true, _) => 1.0 / t,
+            (false, true) => t,
+            (false, false) => 1.0,
+        };
         let combined = if burn_in {
             std::mem::take(&mut step.plain)
         } else {
@@ -782,6 +801,44 @@ mod tests {
             let m = &opt.momentum["p0"];
             assert_eq!(m.get(1).abs().sum(Kind::Float).double_value(&[]), 0.0, "task1's momentum untouched");
             assert!(m.isfinite().all().int64_value(&[]) == 1, "{bad_value}: the momentum stays finite");
+        }
+    }
+
+    /// With `scale_to_sum` and uniform weights (a huge τ), a step after burn-in is AdamW's on
+    /// the plain sum of the task gradients, as in burn-in; the authors' scale is that / T².
+    #[test]
+    fn scale_to_sum_makes_uniform_weights_the_plain_sum() {
+        let tasks: Vec<String> = (0..TASKS).map(|t| format!("task{t}")).collect();
+        let ctx = StepContext { step: 3, total_steps: 10, warmup_steps: 1, lr: 0.01, tasks: tasks.clone(), ..Default::default() };
+        for (scale_to_sum, divide_by_tasks, factor) in [(true, true, 1.0), (false, true, 1.0 / (TASKS * TASKS) as f64), (false, false, 1.0 / TASKS as f64)] {
+            // A large eps makes AdamW's step proportional to the gradient (its first step is
+            // otherwise sign(g)·lr whatever the scale), so the scale is what is compared.
+            let adamw = AdamWConfig { eps: 10.0, ..AdamWConfig::default() };
+            let cfg = TSageConfig { tau: 1e12, scale_to_sum, divide_by_tasks, adamw, ..TSageConfig::default() };
+            let (ps, plain) = (params(), params());
+            let mut opt = TSage::new(cfg.clone()).unwrap();
+            opt.begin_step(ps.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), ctx.clone()).unwrap();
+            for t in 0..TASKS {
+                opt.task_gradients(&tasks[t], grads(3, t)).unwrap();
+            }
+            opt.finish_step().unwrap();
+            // The reference: one AdamW step on factor × Σ_t G_t.
+            let mut adam = AdamW::new(cfg.adamw.clone());
+            let mut sum: BTreeMap<String, Tensor> = BTreeMap::new();
+            for t in 0..TASKS {
+                for (n, g) in grads(3, t) {
+                    let g = g * factor;
+                    let total = match sum.remove(&n) {
+                        Some(s) => s + g,
+                        None => g,
+                    };
+                    sum.insert(n, total);
+                }
+            }
+            adam.step(&plain, &sum, &ctx).unwrap();
+            let moved = (flat(&plain) - flat(&params())).abs().max().double_value(&[]);
+            let diff = (flat(&ps) - flat(&plain)).abs().max().double_value(&[]);
+            assert!(diff < moved * 1e-4, "scale_to_sum {scale_to_sum}, divide_by_tasks {divide_by_tasks}: {diff} (the step moved {moved})");
         }
     }
 

@@ -21,6 +21,7 @@ impl PluginInfo for TSagePlugin {
             "median_normalise": {"type": "bool", "default": d.median_normalise, "help": "divide each task's sensitivities by their median"},
             "median_of": {"type": "string", "default": d.median_of, "help": "all (the authors') or nonzero: the elements the median is taken over"},
             "divide_by_tasks": {"type": "bool", "default": d.divide_by_tasks, "help": "divide the combined gradient by the number of tasks (the authors' code)"},
+            "scale_to_sum": {"type": "bool", "default": d.scale_to_sum, "help": "multiply the combined gradient by the number of tasks instead: uniform weights give the plain sum burn-in steps on"},
             "form": {"type": "string", "default": "exact", "help": "exact (this step's weights) or lean (the previous step's: a one-step lag); both fold each task in as it arrives"},
         }).as_object().cloned().unwrap_or_default());
         Value::Object(schema)
