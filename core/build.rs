@@ -12,6 +12,7 @@ fn main() {
 fn compile_onednn_shim(lib_dir: &std::path::Path) {
     println!("cargo:rerun-if-changed=csrc/onednn.cpp");
     println!("cargo:rerun-if-changed=csrc/autograd.cpp");
+    println!("cargo:rerun-if-changed=csrc/guarded.h");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let include = lib_dir.parent().expect("libtorch lib dir has a parent").join("include");
     let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());

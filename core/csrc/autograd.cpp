@@ -9,29 +9,11 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 
-#include <cstring>
-#include <exception>
+#include "guarded.h"
 
 namespace {
 
-void set_error(char* err, size_t len, const char* msg) noexcept {
-  if (err != nullptr && len > 0) {
-    std::strncpy(err, msg, len - 1);
-    err[len - 1] = '\0';
-  }
-}
-
-template <typename T, typename F>
-T guarded(char* err, size_t len, T failed, F&& body) noexcept {
-  try {
-    return body();
-  } catch (const std::exception& e) {
-    set_error(err, len, e.what());
-  } catch (...) {
-    set_error(err, len, "unknown C++ exception (not a std::exception)");
-  }
-  return failed;
-}
+using rak::guarded;
 
 at::DeviceType device_type(int device) { return device == 1 ? at::kCUDA : at::kCPU; }
 
