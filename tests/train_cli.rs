@@ -310,14 +310,21 @@ fn caches_are_keyed_on_what_they_depend_on() {
     let recipe = small_task_data(dir.path(), 6, &train);
     let out = dir.path().join("out");
     let key = || -> Value { serde_json::from_str(&saved_negatives(&out.join("negatives-episode-0.json")).0).unwrap() };
+    let reused = "BM25 negatives from";
     let o = run(&mut train_cmd(&recipe, &out, &[]));
     assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains(reused), "{}", stderr(&o));
     let first = key();
+
+    // The same run again: the negatives are reused (they depend on nothing it changed).
+    let o = run(&mut train_cmd(&recipe, &out, &["--overwrite-output-dir"]));
+    assert!(o.status.success() && stderr(&o).contains(reused), "{}", stderr(&o));
 
     // Another seed: the fill of empty negative lists is drawn from it.
     let o = run(&mut train_cmd(&recipe, &out, &["--overwrite-output-dir", "--seed", "8"]));
     assert!(o.status.success(), "{}", stderr(&o));
     assert_ne!(key()["fill"], first["fill"], "the negatives of seed 7 were reused for seed 8");
+    assert!(!stderr(&o).contains(reused), "{}", stderr(&o));
     assert!(!stderr(&o).contains("rebuilding"), "the same corpus keeps its index: {}", stderr(&o));
 
     // Another number of hard negatives.
@@ -326,6 +333,7 @@ fn caches_are_keyed_on_what_they_depend_on() {
     let o = run(&mut train_cmd(&more, &out, &["--overwrite-output-dir"]));
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(key()["fill"]["count"], 2);
+    assert!(!stderr(&o).contains(reused), "{}", stderr(&o));
 
     // The corpus rewritten in place (same path): the index is rebuilt and the negatives mined
     // again from the new text.
@@ -336,6 +344,17 @@ fn caches_are_keyed_on_what_they_depend_on() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("rebuilding"), "the index of the old corpus was reused: {}", stderr(&o));
     assert_ne!(key()["corpus_sha256"], first["corpus_sha256"]);
+    // Resuming after the corpus changed again (or with exclude_gold_pages flipped) would train
+    // the checkpoint on other data: refused, naming what changed.
+    let text = std::fs::read_to_string(&corpus).unwrap();
+    std::fs::write(&corpus, text.replacen("zyzzyva ", "zyzzyvas ", 1)).unwrap();
+    fails(&run(&mut train_cmd(&recipe, &out, &["--resume-from-checkpoint", "latest"])), &["another recipe", "corpus_sha256"]);
+    std::fs::write(&corpus, &text).unwrap();
+    let flipped = dir.path().join("flipped.toml");
+    std::fs::write(&flipped, std::fs::read_to_string(&recipe).unwrap().replace("hard_negatives = 1", "hard_negatives = 1\nexclude_gold_pages = true")).unwrap();
+    fails(&run(&mut train_cmd(&flipped, &out, &["--resume-from-checkpoint", "latest"])), &["another recipe", "exclude_gold_pages"]);
+    let o = run(&mut train_cmd(&recipe, &out, &["--resume-from-checkpoint", "latest"]));
+    assert!(o.status.success(), "the same recipe and corpus resume: {}", stderr(&o));
 }
 
 /// `host analyze` on a small T-SAGE run: the JSON's task-specific and not-activated shares

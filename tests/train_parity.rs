@@ -321,6 +321,7 @@ fn check(name: &str) {
     let (want_losses, loss_errors) = (&want["losses"], &want["f32_error/losses"]);
     let mut loss = Compare::default();
     let mut grad = Compare::default();
+    let mut our_step0_losses: Vec<f64> = Vec::new();
     for step in 0..steps {
         let ctx = StepContext {
             step,
@@ -337,6 +338,9 @@ fn check(name: &str) {
             StepOutcome::Updated { losses, .. } => losses,
             StepOutcome::Skipped { task, why } => panic!("{name} step {step}: task {task} has {why}"),
         };
+        if step == 0 {
+            our_step0_losses = losses.iter().map(|(_, l)| *l).collect();
+        }
         for (i, (task, l)) in losses.iter().enumerate() {
             assert_eq!(task, &task_names[i]);
             let at = [step as i64, i as i64];
@@ -380,7 +384,7 @@ fn check(name: &str) {
     }
     drop(trainer);
     let whole = whole_step_paths(name, &reg, plugin, &settings, &groups, &config, &tasks, &out, &step0_grads);
-    let bf16 = bf16_step0(name, &want, &reg, plugin, &settings, &groups, TrainerConfig { bf16: true, ..config }, tasks, &out, &loss_values_at_step0(&want));
+    let bf16 = bf16_step0(name, &want, &reg, plugin, &settings, &groups, TrainerConfig { bf16: true, ..config }, tasks, &out, &our_step0_losses);
 
     // Final weights: every element within TOL, except where AdamW's step is rounding noise: an
     // element whose step-0 gradient (both tasks) is below eps in PyTorch (and not exactly 0 on
@@ -538,11 +542,6 @@ fn whole_step_paths(
     c
 }
 
-fn loss_values_at_step0(want: &HashMap<String, Tensor>) -> Vec<f64> {
-    let l = &want["losses"];
-    (0..l.size()[1]).map(|t| l.double_value(&[0, t])).collect()
-}
-
 /// Step 0 with `--bf16` (float32 weights, the forward under bf16 autocast) on a fresh encoder,
 /// against PyTorch's `torch.autocast("cpu", torch.bfloat16)` on the same batch: the query
 /// embeddings, the losses and the norms of the task gradients, each within twice the distance
@@ -584,7 +583,8 @@ fn bf16_step0(
     let rec = record.lock().unwrap().take().unwrap();
     let want_losses = &want["bf16/losses"];
     for (t, (task, loss, grads)) in rec.iter().enumerate() {
-        assert_ne!(*loss, f32_losses[t], "{name} {task}: the bf16 loss equals float32's exactly: autocast was not on");
+        assert_ne!(*loss, f32_losses[t], "{name} {task}: the bf16 loss equals our float32 one exactly: autocast was not on");
+        assert!((loss - f32_losses[t]).abs() > 1e-6, "{name} {task}: the bf16 loss {loss} is float32's {} to 1e-6: autocast was not on", f32_losses[t]);
         c.see_diff(format!("bf16 loss/{task}"), (loss - want_losses.double_value(&[t as i64])).abs(), want["bf16_error/losses"].double_value(&[t as i64]).max(resolution(*loss)));
         let norm = grads.iter().filter_map(|(_, g)| g.as_ref()).map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[])).sum::<f64>().sqrt();
         let theirs = want[&format!("bf16/grad_norm/{task}")].double_value(&[0]);

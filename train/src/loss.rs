@@ -14,6 +14,11 @@ pub trait Exchange {
     fn gather(&self, local: &Tensor) -> Result<Tensor>;
     /// Where this process's first row lands in [`Exchange::gather`]'s output, for `local_rows`.
     fn offset(&self, local_rows: i64) -> i64;
+    /// Whether there are no other processes (the whole step's in-batch negatives are only
+    /// implemented for one).
+    fn is_local(&self) -> bool {
+        false
+    }
 }
 
 /// One process: nothing to gather.
@@ -25,6 +30,9 @@ impl Exchange for Local {
     }
     fn offset(&self, _local_rows: i64) -> i64 {
         0
+    }
+    fn is_local(&self) -> bool {
+        true
     }
 }
 

@@ -110,10 +110,6 @@ pub fn fill_empty(tasks: &mut [TaskData], count: usize, seed: u64) -> usize {
     filled
 }
 
-/// Save every example's negatives
-/// (`{"source": s, "depth": d, "negatives": {"task": {"query id": [ids]}}}`), atomically.
-/// `source` says what produced them (e.g. `bm25 k1=0.9 b=0.4`), so a change of retriever
-/// settings is noticed by [`load`].
 /// Drop every negative that lies on a page of one of its query's gold passages: where pages
 /// are judged (KILT), such a passage is relevant, and training against it pushes the query
 /// away from its own page. Returns how many negatives were dropped.
@@ -162,6 +158,10 @@ pub fn examples_and_negatives_digest(tasks: &[TaskData]) -> String {
     rak_retrieval::digest::hex(&h.finalize())
 }
 
+/// Save every example's negatives
+/// (`{"source": s, "depth": d, "negatives": {"task": {"query id": [ids]}}}`), atomically.
+/// `source` is the key of everything that produced them (the run's `negatives_key`: miner,
+/// corpus, examples, fill), so [`load`] never serves them to a run made otherwise.
 pub fn save(path: &Path, tasks: &[TaskData], depth: usize, source: &str) -> Result<()> {
     let map: BTreeMap<&str, BTreeMap<&str, &Vec<String>>> = tasks
         .iter()

@@ -86,7 +86,7 @@ pub fn stage_seed(seed: u64, episode: u32) -> u64 {
     }
 }
 
-/// Purposes of the streams derived here (the trainer's own use 1-4).
+/// Purposes of the streams derived here (the trainer's own use 1-5).
 const STAGE_SEED: u64 = 10;
 const FILL_SEED: u64 = 11;
 
@@ -108,7 +108,8 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         }
         _ => None,
     };
-    let identity = recipe_identity(spec);
+    let corpus_sha256 = file_digest(&recipe.data.corpus)?;
+    let identity = recipe_identity(spec, &corpus_sha256);
     match &spec.resume {
         Resume::No => {
             if layout.has_earlier_run() && !spec.overwrite {
@@ -135,10 +136,9 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     layout.record(&identity)?;
 
     let mut tasks = match &spec.examples {
-        Some(given) => given_examples(given)?,
+        Some(given) => given_examples(given, t.hard_negatives)?,
         None => load_tasks(recipe, progress)?,
     };
-    let corpus_sha256 = file_digest(&recipe.data.corpus)?;
     if t.hard_negatives > 0 && spec.examples.is_none() {
         bm25_negatives(spec, &layout, &corpus_sha256, &mut tasks, progress)?;
     }
@@ -263,7 +263,7 @@ fn encoder_settings(spec: &RunSpec, model: &Path, bf16_weights: bool) -> Value {
 }
 
 /// Examples a caller hands over: every task named once, every example with a positive.
-fn given_examples(given: &[TaskData]) -> Result<Vec<TaskData>> {
+fn given_examples(given: &[TaskData], hard_negatives: usize) -> Result<Vec<TaskData>> {
     let mut names = HashSet::new();
     for t in given {
         if !names.insert(t.name.as_str()) {
@@ -274,6 +274,9 @@ fn given_examples(given: &[TaskData]) -> Result<Vec<TaskData>> {
         }
         if let Some(e) = t.examples.iter().find(|e| e.positives.is_empty()) {
             bail!("task {:?}: query {:?} has no positive passage", t.name, e.query_id);
+        }
+        if let Some(e) = t.examples.iter().find(|e| hard_negatives > 0 && e.negatives.is_empty()) {
+            bail!("task {:?}: query {:?} has no negatives, and the recipe asks for {hard_negatives} hard negatives per query (give some, or set hard_negatives = 0)", t.name, e.query_id);
         }
     }
     if given.is_empty() {
@@ -328,6 +331,7 @@ fn bm25_negatives(spec: &RunSpec, layout: &RunLayout, corpus_sha256: &str, tasks
     let saved = layout.negatives_file(0);
     let key = negatives_key(spec, 0, corpus_sha256, tasks, json!({"bm25": {"k1": bm25.k1, "b": bm25.b}}));
     if negatives::load(&saved, tasks, t.negative_depth, &key)? {
+        progress.log(&format!("train: BM25 negatives from {} (made from the same corpus, examples and settings)", saved.display()));
         return Ok(());
     }
     let index_dir = match &d.bm25_index {
@@ -409,7 +413,7 @@ fn exclude_gold_pages(spec: &RunSpec, tasks: &mut [TaskData], retriever: &str, p
 /// checks): encoder, optimizer, their settings, the starting model, the data and how negatives
 /// are mined. Kept in `run.json`, so a resume with another recipe is refused instead of
 /// continuing a checkpoint under settings it was not trained with.
-fn recipe_identity(spec: &RunSpec) -> Value {
+fn recipe_identity(spec: &RunSpec, corpus_sha256: &str) -> Value {
     let path = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()).display().to_string();
     let (d, t) = (&spec.recipe.data, &spec.recipe.train);
     json!({
@@ -419,8 +423,8 @@ fn recipe_identity(spec: &RunSpec) -> Value {
         "optim": spec.optim,
         "optim_settings": t.optim_settings,
         "model": path(&spec.model),
-        "data": {"corpus": path(&d.corpus), "task_dir": path(&d.task_dir), "tasks": d.tasks, "split": d.split, "bm25_index": d.bm25_index.as_deref().map(path)},
-        "negatives": {"bm25_k1": t.bm25_k1, "bm25_b": t.bm25_b, "negative_depth": t.negative_depth, "ance_depth": t.ance_depth, "ance_num_train_epochs": t.ance_num_train_epochs},
+        "data": {"corpus": path(&d.corpus), "corpus_sha256": corpus_sha256, "task_dir": path(&d.task_dir), "tasks": d.tasks, "split": d.split, "bm25_index": d.bm25_index.as_deref().map(path)},
+        "negatives": {"bm25_k1": t.bm25_k1, "bm25_b": t.bm25_b, "negative_depth": t.negative_depth, "ance_depth": t.ance_depth, "ance_num_train_epochs": t.ance_num_train_epochs, "exclude_gold_pages": t.exclude_gold_pages},
         "examples": spec.examples.as_deref().map(negatives::examples_and_negatives_digest),
     })
 }
@@ -482,8 +486,9 @@ impl RunLayout {
     }
 
     /// Remove what stages `from..` left (checkpoints, marks, mined negatives); with 0, every
-    /// trace of an earlier run, whatever its number of episodes (its BM25 index stays: it is
-    /// keyed on the corpus it was built from).
+    /// trace of an earlier run, whatever its number of episodes, except what does not depend
+    /// on any stage and is keyed on all it does depend on: the BM25 index (on the corpus) and
+    /// episode 0's BM25 negatives (on the corpus, examples and settings).
     fn clear_from(&self, from: u32) -> Result<()> {
         let remove_dir = |d: &Path| std::fs::remove_dir_all(d).with_context(|| format!("{}: cannot remove", d.display()));
         if from == 0 {
@@ -505,7 +510,7 @@ impl RunLayout {
             for e in entries.flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
                 let mined = name.strip_prefix("negatives-episode-").and_then(|n| n.strip_suffix(".json")).and_then(|n| n.parse::<u32>().ok());
-                if mined.is_some_and(|n| n >= from) {
+                if mined.is_some_and(|n| n > 0 && n >= from) {
                     let _ = std::fs::remove_file(e.path());
                 }
             }
@@ -550,7 +555,8 @@ impl RunLayout {
             .as_object()
             .into_iter()
             .flatten()
-            .filter(|(k, v)| earlier.get(k.as_str()) != Some(v))
+            // A key an older version did not record counts as absent (null), not as changed.
+            .filter(|(k, v)| earlier.get(k.as_str()).unwrap_or(&Value::Null) != *v)
             .map(|(k, v)| format!("  {k}: {} then, {v} now", earlier.get(k.as_str()).unwrap_or(&Value::Null)))
             .collect();
         if !differences.is_empty() {

@@ -307,15 +307,19 @@ mod tests {
         // Quotas 1.30 × 4 and 0.80: the small task is raised to one, so the sixth slot goes to
         // a large task, not to the small one (ranked by its original 0.80 it would get 2).
         assert_eq!(task_batch_sizes(&[1000, 1000, 1000, 1000, 143], 6, 4.0).unwrap(), vec![2, 1, 1, 1, 1]);
-        // Taking back after the minimum: quotas 2.93, 2.93, 0.14 -> floors 2, 2, 1 = 5 = B.
-        let s = task_batch_sizes(&[10_000, 10_000, 1], 5, 1.0).unwrap();
-        assert_eq!(s, vec![2, 2, 1]);
-        // Over many shapes: sums to B, each at least one and at most its count, and no task
-        // ends more than one above its quota while another is a slot or more below its own.
+        // Taking back after the minimum: quotas 2.9994, 0.0003, 0.0003 -> floors raised to
+        // 2, 1, 1 = 4 > B = 3: the slot comes back from the one task above one.
+        assert_eq!(task_batch_sizes(&[10_000, 1, 1], 3, 1.0).unwrap(), vec![1, 1, 1]);
+        // Over many shapes: sums to B, each at least one and at most its count, and every
+        // task above one holds less than one slot more than its quota.
         for (counts, b, c) in [(vec![7, 300, 2, 41], 12, 2.0), (vec![5, 1, 1, 900], 7, 4.0), (vec![3, 3, 1000, 20, 20], 9, 1.0)] {
             let s = task_batch_sizes(&counts, b, c).unwrap();
             assert_eq!(s.iter().sum::<usize>(), b);
             assert!(s.iter().zip(&counts).all(|(&x, &n)| x >= 1 && x <= n), "{s:?}");
+            let sum: f64 = counts.iter().map(|&n| n as f64).sum();
+            let rates: Vec<f64> = counts.iter().map(|&n| (n as f64 / sum).powf(1.0 / c)).collect();
+            let quota = |i: usize| b as f64 * rates[i] / rates.iter().sum::<f64>();
+            assert!((0..counts.len()).all(|i| s[i] == 1 || (s[i] as f64) < quota(i) + 1.0), "{s:?} against quotas {:?}", (0..counts.len()).map(quota).collect::<Vec<_>>());
         }
     }
 

@@ -402,6 +402,9 @@ impl<'a> Trainer<'a> {
     /// in-batch negatives of the whole step, or an optimizer that takes the summed gradient
     /// (one backward pass). Every task's graph is held at once, as in one batch of the union.
     fn whole_step(&mut self, params: &[(String, Tensor)], groups: &[TaskGroup]) -> Result<StepOutcome> {
+        if self.config.in_batch_negatives == InBatchNegatives::Step && !self.exchange.is_local() {
+            bail!("in_batch_negatives = \"step\" runs in one process only (gathering the other processes' passages for it is not implemented)");
+        }
         let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
         let mut encoded = Vec::with_capacity(groups.len());
         {

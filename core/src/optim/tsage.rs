@@ -357,7 +357,7 @@ impl TSage {
         if let Some((name, _)) = non_finite {
             let name = name.clone();
             self.step = None;
-            bail!("tsage: task {task:?}: the gradient of {name} is not finite (NaN or infinite); the step is abandoned, nothing updated");
+            bail!("tsage: task {task:?}: the gradient of {name} is not finite (NaN or infinite); the step is abandoned: no parameter is updated and this task's momentum is untouched (tasks handed over before it this step are already folded in)");
         }
         let sensitivity = |theta: &Tensor, g: &Tensor| (theta.to_kind(Kind::Float) * g.to_kind(Kind::Float)).abs();
         let scale = if self.config.median_normalise {
@@ -476,7 +476,8 @@ impl TSage {
     }
 
     /// The step's combined gradient per parameter, in the parameter's shape (before clipping):
-    /// the plain sum during burn-in, else `Σ_t A_t ⊙ G_t / T`.
+    /// the plain sum during burn-in, else `Σ_t A_t ⊙ G_t` (N, the weighted mean) divided by T
+    /// (the authors'), left as is (`divide_by_tasks = false`) or times T (`scale_to_sum`).
     fn combined_gradient(&self, step: &mut Step) -> BTreeMap<String, Tensor> {
         let burn_in = step.burn_in;
         let t = self.tasks.len() as f64;
@@ -800,6 +801,7 @@ mod tests {
             assert!(flat(&ps).equal(&before), "no update");
             let m = &opt.momentum["p0"];
             assert_eq!(m.get(1).abs().sum(Kind::Float).double_value(&[]), 0.0, "task1's momentum untouched");
+            assert!(m.get(0).abs().sum(Kind::Float).double_value(&[]) > 0.0, "task0, handed over first, is folded in (the streaming design)");
             assert!(m.isfinite().all().int64_value(&[]) == 1, "{bad_value}: the momentum stays finite");
         }
     }
