@@ -379,7 +379,7 @@ mod tests {
         let ids = Tensor::from_slice(&[5i64, 7, 9, 11, 2, 0, 0, 3, 4, 5, 6, 7, 8, 9, 12, 13, 0, 0, 0, 0, 0]).view([3, 7]);
         let input = BertInput { attention_mask: ids.ne(0).to_kind(Kind::Int64), token_type_ids: ids.zeros_like(), input_ids: ids };
         let weights = Tensor::randn([3, 7, 32], (Kind::Float, Device::Cpu));
-        let mut run = |model: &BertModel| {
+        let run = |model: &BertModel| {
             for (_, p) in model.vs.variables() {
                 let mut g = p.grad();
                 if g.defined() {

@@ -794,7 +794,7 @@ mod tests {
             let ctx = StepContext { step: 5, total_steps: 10, warmup_steps: 1, lr: 0.01, tasks: tasks.clone(), ..Default::default() };
             opt.begin_step(ps.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), ctx).unwrap();
             opt.task_gradients("task0", grads(0, 0)).unwrap();
-            let mut bad = grads(0, 1);
+            let bad = grads(0, 1);
             let _ = bad[0].1.get(3).fill_(bad_value);
             let err = opt.task_gradients("task1", bad).unwrap_err().to_string();
             assert!(err.contains("task1") && err.contains("p0") && err.contains("not finite"), "{err}");
