@@ -13,7 +13,7 @@
 # train splits, with taco-sSEED's BM25 negatives, trained by sentence-transformers' own trainer
 # for as long as `host train` took for taco-sSEED (whole command: negative mining included;
 # only its last session if it was interrupted and resumed: set PEER_SECONDS then), then
-# evaluated like the others. Run taco:SEED first.
+# evaluated like the others. Run taco:SEED first (PEER_OF=METHOD: that method's run instead).
 #
 # Outputs under $OUT (default runs/minikilt): METHOD-sSEED/ (the run; nothing else is written
 # inside it, so its checkpoint digest stays the same), METHOD-sSEED.eval/ (corpus embeddings,
@@ -55,8 +55,8 @@ for spec in "$@"; do
     [[ $method == single-* ]] && tasks=("${method#single-}")
     echo "== $name ($enc) $(date -u +%H:%M:%S)"
     if [[ $method == peer-st && ! -f $run/done ]]; then
-        taco=$OUT/taco-s$seed
-        [[ -f $taco/done ]] || { echo "peer-st:$seed needs taco:$seed first" >&2; exit 2; }
+        taco=$OUT/${PEER_OF:-taco}-s$seed
+        [[ -f $taco/done ]] || { echo "peer-st:$seed needs ${PEER_OF:-taco}:$seed first" >&2; exit 2; }
         # A retrain starts clean: no earlier model, evaluation, or killed run's temporary.
         rm -rf "$run" "$OUT/$name.eval" "$OUT/$name.metrics.json" "$OUT/.$name.tmp-"*
         start=$(date +%s)
