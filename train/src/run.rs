@@ -90,6 +90,11 @@ pub fn stage_seed(seed: u64, episode: u32) -> u64 {
 const STAGE_SEED: u64 = 10;
 const FILL_SEED: u64 = 11;
 
+/// The seed that fills stage `episode`'s empty negative lists.
+fn fill_seed(seed: u64, episode: u32) -> u64 {
+    Rng::derive(seed, &[FILL_SEED, episode as u64]).next_u64()
+}
+
 /// Train as `spec` says; returns a summary (output folder, steps, episodes, log file).
 pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Result<Value> {
     let (recipe, t) = (&spec.recipe, &spec.recipe.train);
@@ -316,7 +321,7 @@ fn negatives_key(spec: &RunSpec, episode: u32, corpus_sha256: &str, tasks: &[Tas
         "miner": miner,
         "corpus_sha256": corpus_sha256,
         "examples_sha256": negatives::examples_digest(tasks),
-        "fill": {"count": t.hard_negatives, "seed": Rng::derive(t.seed, &[FILL_SEED, episode as u64]).next_u64()},
+        "fill": {"count": t.hard_negatives, "seed": fill_seed(t.seed, episode)},
         "exclude_gold_pages": t.exclude_gold_pages,
     })
     .to_string()
@@ -342,8 +347,7 @@ fn bm25_negatives(spec: &RunSpec, layout: &RunLayout, corpus_sha256: &str, tasks
     index.set_params(bm25)?;
     negatives::bm25_negatives(&index, tasks, t.negative_depth, progress)?;
     exclude_gold_pages(spec, tasks, "BM25", progress)?;
-    let fill_seed = Rng::derive(t.seed, &[FILL_SEED, 0]).next_u64();
-    report_filled(negatives::fill_empty(tasks, t.hard_negatives, fill_seed), "BM25", progress);
+    report_filled(negatives::fill_empty(tasks, t.hard_negatives, fill_seed(t.seed, 0)), "BM25", progress);
     negatives::save(&saved, tasks, t.negative_depth, &key)
 }
 
@@ -392,8 +396,7 @@ fn ance_negatives(
     progress.log(&format!("train: episode {episode}: mining negatives with {}", model.display()));
     negatives::ance_negatives(miner.as_mut(), identity, &spec.recipe.data.corpus, &work, tasks, t.ance_depth, t.task_names, progress)?;
     exclude_gold_pages(spec, tasks, "the model", progress)?;
-    let fill_seed = Rng::derive(t.seed, &[FILL_SEED, episode as u64]).next_u64();
-    report_filled(negatives::fill_empty(tasks, t.hard_negatives, fill_seed), "the model", progress);
+    report_filled(negatives::fill_empty(tasks, t.hard_negatives, fill_seed(t.seed, episode)), "the model", progress);
     negatives::save(&saved, tasks, t.ance_depth, &key)?;
     // The corpus embeddings and index are as large as the corpus; the negatives are kept.
     std::fs::remove_dir_all(&work).with_context(|| format!("{}: cannot remove", work.display()))

@@ -99,29 +99,6 @@ fn one() -> f64 {
     1.0
 }
 
-#[cfg(test)]
-mod decay_tests {
-    use super::exempt_from_decay;
-
-    #[test]
-    fn decay_exemptions_follow_transformers_names() {
-        for name in [
-            "encoder.layer.0.attention.self.query.bias",
-            "embeddings.LayerNorm.weight",
-            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-            "encoder.block.0.layer.1.layer_norm.weight",
-            "decoder.final_layer_norm.weight",
-            "model.norm.weight",
-            "layers.0.input_rmsnorm.weight",
-        ] {
-            assert!(exempt_from_decay(name), "{name}");
-        }
-        for name in ["encoder.layer.0.attention.self.query.weight", "shared.weight", "encoder.normalizer.weight", "norms_table"] {
-            assert!(!exempt_from_decay(name), "{name}");
-        }
-    }
-}
-
 /// The sampler in use.
 #[derive(Debug, Clone)]
 pub enum Sampler {
@@ -335,6 +312,17 @@ impl<'a> Trainer<'a> {
         Ok(TaskGroup { task: task.name.clone(), queries, passages, positive_rows: multi.then_some(positive_rows) })
     }
 
+    /// A group's query and passage embeddings, with autograd, in float32 for the loss (under
+    /// the caller's autocast, if any).
+    fn encode_group(&mut self, g: &TaskGroup) -> Result<(Tensor, Tensor)> {
+        let queries: Vec<&str> = g.queries.iter().map(String::as_str).collect();
+        let passages: Vec<&str> = g.passages.iter().map(String::as_str).collect();
+        let task = self.config.task_names.then_some(g.task.as_str());
+        let q = self.encoder.encode(&queries, Role::Query, task, true)?;
+        let p = self.encoder.encode(&passages, Role::Passage, None, true)?;
+        Ok((q.to_kind(Kind::Float), p.to_kind(Kind::Float)))
+    }
+
     /// One task's loss: its queries against its own passages or, with `step = (all, first)`,
     /// against every passage of the step (its own starting at row `first`).
     fn task_loss(&self, g: &TaskGroup, q: &Tensor, own: &Tensor, step: Option<(&Tensor, i64)>) -> Result<Tensor> {
@@ -363,15 +351,9 @@ impl<'a> Trainer<'a> {
         let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
         let mut losses = Vec::with_capacity(groups.len());
         for g in groups {
-            let queries: Vec<&str> = g.queries.iter().map(String::as_str).collect();
-            let passages: Vec<&str> = g.passages.iter().map(String::as_str).collect();
-            let task = self.config.task_names.then_some(g.task.as_str());
             let (q, p) = {
                 let _autocast = self.config.bf16.then(|| Autocast::bf16(device)).transpose()?;
-                let q = self.encoder.encode(&queries, Role::Query, task, true)?;
-                let p = self.encoder.encode(&passages, Role::Passage, None, true)?;
-                // The loss in float32, as the embeddings' gradients then are.
-                (q.to_kind(Kind::Float), p.to_kind(Kind::Float))
+                self.encode_group(g)?
             };
             let loss = self.task_loss(g, &q, &p, None)?;
             let value = loss.double_value(&[]);
@@ -381,12 +363,9 @@ impl<'a> Trainer<'a> {
             }
             loss.backward();
             let grads: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.grad())).collect();
-            // Checked before the optimizer sees them: a NaN or an infinity would reach every
-            // later step through its state.
-            if let Some((name, _)) = grads.iter().find(|(_, g)| !all_finite(g)) {
-                let why = format!("a non-finite gradient of {name} (loss {value})");
+            if let Some(skip) = non_finite(&grads, &g.task, value) {
                 clear_grads(params)?;
-                return Ok(StepOutcome::Skipped { task: g.task.clone(), why });
+                return Ok(skip);
             }
             self.optimizer.task_gradients(&g.task, value, grads)?;
             // Cleared, not zeroed: a parameter the next task's graph does not reach then has no
@@ -410,12 +389,7 @@ impl<'a> Trainer<'a> {
         {
             let _autocast = self.config.bf16.then(|| Autocast::bf16(device)).transpose()?;
             for g in groups {
-                let queries: Vec<&str> = g.queries.iter().map(String::as_str).collect();
-                let passages: Vec<&str> = g.passages.iter().map(String::as_str).collect();
-                let task = self.config.task_names.then_some(g.task.as_str());
-                let q = self.encoder.encode(&queries, Role::Query, task, true)?;
-                let p = self.encoder.encode(&passages, Role::Passage, None, true)?;
-                encoded.push((q.to_kind(Kind::Float), p.to_kind(Kind::Float)));
+                encoded.push(self.encode_group(g)?);
             }
         }
         let step_passages = (self.config.in_batch_negatives == InBatchNegatives::Step).then(|| Tensor::cat(&encoded.iter().map(|(_, p)| p).collect::<Vec<_>>(), 0));
@@ -435,14 +409,11 @@ impl<'a> Trainer<'a> {
             let grads = Tensor::f_run_backward(&[loss], &tensors, keep_graph, false)?;
             Ok(params.iter().map(|(n, _)| n.clone()).zip(grads).collect())
         };
-        let check = |grads: &[(String, Tensor)], task: &str, value: f64| {
-            grads.iter().find(|(_, g)| !all_finite(g)).map(|(name, _)| StepOutcome::Skipped { task: task.to_string(), why: format!("a non-finite gradient of {name} (loss {value})") })
-        };
         if self.per_task_gradients {
             // Each task's gradient on its own; the graph is kept until the last task's.
             for (i, (task, value, loss)) in losses.iter().enumerate() {
                 let grads = backward(loss, i + 1 < losses.len())?;
-                if let Some(skip) = check(&grads, task, *value) {
+                if let Some(skip) = non_finite(&grads, task, *value) {
                     return Ok(skip);
                 }
                 self.optimizer.task_gradients(task, *value, grads)?;
@@ -451,7 +422,7 @@ impl<'a> Trainer<'a> {
             let total = losses.iter().map(|(_, _, l)| l.shallow_clone()).reduce(|a, b| a + b).context("a step with no task")?;
             let value = losses.iter().map(|(_, v, _)| v).sum::<f64>();
             let grads = backward(&total, false)?;
-            if let Some(skip) = check(&grads, ALL_TASKS, value) {
+            if let Some(skip) = non_finite(&grads, ALL_TASKS, value) {
                 return Ok(skip);
             }
             self.optimizer.task_gradients(ALL_TASKS, value, grads)?;
@@ -584,6 +555,13 @@ fn clear_grads(params: &[(String, Tensor)]) -> Result<()> {
     params.iter().try_for_each(|(_, t)| rak_core::autograd::clear_grad(t))
 }
 
+/// A skipped step if a task's gradient holds a NaN or an infinity. Checked before the
+/// optimizer sees them: one would reach every later step through its state.
+fn non_finite(grads: &[(String, Tensor)], task: &str, loss: f64) -> Option<StepOutcome> {
+    let (name, _) = grads.iter().find(|(_, g)| !all_finite(g))?;
+    Some(StepOutcome::Skipped { task: task.to_string(), why: format!("a non-finite gradient of {name} (loss {loss})") })
+}
+
 /// Whether an (undefined, or any) gradient holds no NaN or infinity.
 fn all_finite(g: &Tensor) -> bool {
     if !g.defined() {
@@ -659,4 +637,27 @@ pub fn latest_checkpoint(output_dir: &Path) -> Option<PathBuf> {
         })
         .max_by_key(|(s, _)| *s)
         .map(|(_, p)| p)
+}
+
+#[cfg(test)]
+mod decay_tests {
+    use super::exempt_from_decay;
+
+    #[test]
+    fn decay_exemptions_follow_transformers_names() {
+        for name in [
+            "encoder.layer.0.attention.self.query.bias",
+            "embeddings.LayerNorm.weight",
+            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+            "encoder.block.0.layer.1.layer_norm.weight",
+            "decoder.final_layer_norm.weight",
+            "model.norm.weight",
+            "layers.0.input_rmsnorm.weight",
+        ] {
+            assert!(exempt_from_decay(name), "{name}");
+        }
+        for name in ["encoder.layer.0.attention.self.query.weight", "shared.weight", "encoder.normalizer.weight", "norms_table"] {
+            assert!(!exempt_from_decay(name), "{name}");
+        }
+    }
 }
