@@ -20,7 +20,8 @@ fn registry() -> Registry {
 fn reference(name: &str) -> Tensor {
     let f = root().join(".cache/fixtures/minilm/expected.safetensors");
     assert!(f.exists(), "{} missing: run scripts/test.sh", f.display());
-    Tensor::read_safetensors(f).unwrap().into_iter().find(|(n, _)| n == name).unwrap().1
+    let found = Tensor::read_safetensors(&f).unwrap().into_iter().find(|(n, _)| n == name);
+    found.unwrap_or_else(|| panic!("{} has no {name}: stale, rerun scripts/test.sh", f.display())).1
 }
 
 fn fixture_texts() -> Vec<String> {
@@ -74,6 +75,41 @@ fn dpr_on_minilm_equals_sentence_transformers() {
     let got = enc.encode(&refs, Role::Passage, None, false).unwrap();
     let diff = max_abs(&got, &reference("st_embeddings"));
     assert!(diff < 1e-5, "max abs diff to sentence-transformers {diff}");
+}
+
+/// TACO's prefix in BERT form against transformers: each query as the pair (TASK, query),
+/// mean-pooled over every token, and with `pool_task_prefix: false` over `[CLS]` and the
+/// query's segment only (scripts/fixtures/minilm_reference.py). Passages never get a prefix.
+#[test]
+fn dpr_task_prefix_and_its_pooling_equal_transformers() {
+    let reg = registry();
+    let texts = fixture_texts();
+    let tasks = ["fever", "squad", "vitaminc", "wikidata"];
+    let encode_queries = |settings: serde_json::Value| {
+        let mut enc = reg.encoder("dpr", &settings).unwrap();
+        let rows: Vec<Tensor> = tasks
+            .iter()
+            .enumerate()
+            .map(|(k, task)| {
+                let qs: Vec<&str> = texts[32 + 8 * k..32 + 8 * (k + 1)].iter().map(String::as_str).collect();
+                enc.encode(&qs, Role::Query, Some(task), false).unwrap()
+            })
+            .collect();
+        (Tensor::cat(&rows, 0), enc)
+    };
+    let (pooled_all, _) = encode_queries(json!({"model": minilm(), "task_prefix": true}));
+    let diff = max_abs(&pooled_all, &reference("prefix_mean"));
+    assert!(diff < 1e-5, "prefix pooled with its tokens: max abs diff to transformers {diff}");
+    let (query_only, mut enc) = encode_queries(json!({"model": minilm(), "task_prefix": true, "pool_task_prefix": false}));
+    let diff = max_abs(&query_only, &reference("prefix_query_mean"));
+    assert!(diff < 1e-5, "prefix left out of the mean: max abs diff to transformers {diff}");
+    assert!(max_abs(&query_only, &pooled_all) > 1e-3, "the two poolings differ");
+    // The setting touches prefixed queries only: passages and task-less queries are as before.
+    let mut plain = reg.encoder("dpr", &json!({"model": minilm()})).unwrap();
+    for (role, task) in [(Role::Passage, Some("squad")), (Role::Query, None)] {
+        let want = plain.encode(&["Super Bowl 50"], role, task, false).unwrap();
+        assert!(max_abs(&enc.encode(&["Super Bowl 50"], role, task, false).unwrap(), &want) < 1e-6, "{role:?} {task:?}");
+    }
 }
 
 /// Train one step, save, and load the directory back with transformers and

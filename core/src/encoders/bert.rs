@@ -44,6 +44,14 @@ pub struct BertEncoderSettings {
     /// TACO-style task prefix: queries of a task become the pair `[CLS] TASK [SEP] query [SEP]`
     /// (passages are never prefixed, so one index serves every task).
     pub task_prefix: Option<bool>,
+    /// With mean pooling, whether the prefix's own tokens (`TASK [SEP]`) count in the mean
+    /// (default true, BERT's plain pair input). False pools over `[CLS]`, the query and its
+    /// `[SEP]`, the tokens an unprefixed query pools over: the prefix then conditions the query's
+    /// tokens through attention without adding the task name's word meaning ("FEVER" the
+    /// illness, "VITAMIN C") to every query of the task (docs/RESULTS.md, "The task prefix on
+    /// MiniLM"). Left out of the saved settings while unset, so older hosts read them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_task_prefix: Option<bool>,
     /// TASER: specialise every T-th block (0 or absent: plain BERT).
     pub taser_every: Option<i64>,
     /// `cpu`, `cuda`, `cuda:N`.
@@ -56,7 +64,7 @@ impl BertEncoderSettings {
     /// Fill unset fields from `other` (explicit settings win over saved ones).
     fn or(mut self, other: BertEncoderSettings) -> Self {
         macro_rules! fill { ($($f:ident),*) => { $( if self.$f.is_none() { self.$f = other.$f; } )* } }
-        fill!(model, passage_model, pooling, normalize, max_length, query_max_length, question_mark, qa_tasks, task_markers, task_prefix, taser_every, device, bf16);
+        fill!(model, passage_model, pooling, normalize, max_length, query_max_length, question_mark, qa_tasks, task_markers, task_prefix, pool_task_prefix, taser_every, device, bf16);
         self
     }
 }
@@ -228,6 +236,26 @@ impl BertEncoder {
         }
         out
     }
+
+    /// The tokens the mean runs over: every real token, less a task prefix's own tokens when
+    /// `pool_task_prefix` is false. The prefix is segment A and the query segment B, so the
+    /// query keeps `[CLS]` and its segment: the tokens it pools over without a prefix (less
+    /// those the pair's truncation cut, when the query is long).
+    fn pooling_mask(&self, enc: &Encoded, role: Role, task: Option<&str>) -> Result<Tensor> {
+        let prefixed = role == Role::Query && task.is_some() && self.settings.task_prefix.unwrap_or(false);
+        if !prefixed || self.settings.pool_task_prefix.unwrap_or(true) {
+            return Ok(enc.attention_mask.shallow_clone());
+        }
+        let keep = enc.token_type_ids.ne(0).to_kind(Kind::Int64);
+        if keep.sum(Kind::Int64).int64_value(&[]) == 0 {
+            bail!(
+                "pool_task_prefix = false: {} gives the query segment of a pair token type 0, so the prefix cannot be told from the query",
+                self.query.tokenizer.path().display()
+            );
+        }
+        let _ = keep.narrow(1, 0, 1).fill_(1); // [CLS]
+        Ok(&enc.attention_mask * keep)
+    }
 }
 
 /// A passage string as the tokenizer takes it: `(title, text)` when it carries a title.
@@ -264,7 +292,7 @@ impl crate::plugin::Encoder for BertEncoder {
         let enc = self.tokenize(texts, role, task)?;
         let _no_grad = (!train).then(tch::no_grad_guard);
         let states = self.hidden_states(&enc, role, train);
-        let mask = enc.attention_mask.to_device(self.device);
+        let mask = self.pooling_mask(&enc, role, task)?.to_device(self.device);
         Ok(pool(&states, &mask, self.pooling, self.normalize).to_kind(Kind::Float))
     }
 

@@ -25,6 +25,7 @@ impl PluginInfo for Dpr {
             "qa_tasks": {"type": "[string]", "default": ["squad", "nq", "tqa", "triviaqa", "hopo", "hotpotqa", "eli5"]},
             "task_markers": {"type": "{task: token}", "help": "MT-DPR task-type marker inserted after [CLS], e.g. {\"squad\": \"[unused0]\"}"},
             "task_prefix": {"type": "bool", "default": false, "help": "queries become [CLS] TASK [SEP] query [SEP] (TACO's prefix for BERT); passages never get one"},
+            "pool_task_prefix": {"type": "bool", "default": true, "help": "mean pooling: count the prefix's own tokens (false: pool over [CLS], the query and its [SEP] only)"},
             "device": {"type": "string", "default": "cpu"},
             "bf16": {"type": "bool", "default": false},
         })
