@@ -157,6 +157,11 @@ fn bad_training_inputs_are_clear_errors() {
     assert!(o.status.success(), "{}", stderr(&o));
     let out = dir.path().join("out-later");
 
+    // Loss weights by queries with an optimizer that weighs tasks by their gradients' sizes.
+    let weighted = dir.path().join("weighted.toml");
+    std::fs::write(&weighted, std::fs::read_to_string(&recipe).unwrap().replace("[train]\n", "[train]\ntask_loss_weight = \"queries\"\n")).unwrap();
+    fails(&run(&mut train_cmd(&weighted, &out, &["--optim", "gradnorm"])), &["task_loss_weight = \"queries\"", "gradnorm"]);
+
     // An empty passage text named by the training data.
     let corpus = dir.path().join("corpus.jsonl");
     let text = std::fs::read_to_string(&corpus).unwrap();

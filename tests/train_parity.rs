@@ -293,6 +293,7 @@ fn check(name: &str) {
         score_scale: 1.0,
         bf16: false,
         in_batch_negatives: Default::default(),
+        task_loss_weight: Default::default(),
         loss: Default::default(),
     };
     // The sampler needs examples (with negatives, as hard_negatives > 0); train_step does not
@@ -445,7 +446,7 @@ fn check(name: &str) {
         ("losses (every step and task)", &loss),
         ("step-0 per-task gradients", &grad),
         ("weights after the steps (elements with a gradient above eps)", &weight),
-        ("step 0 in one pass: the summed losses' gradient against the per-task gradients' sum; losses with the whole step's in-batch negatives against the formula", &whole),
+        ("step 0 in one pass: the summed losses' gradient against the per-task gradients' sum; losses with the whole step's in-batch negatives against the formula; losses weighted by queries against the equal weights' gradients", &whole),
         ("step 0 under bf16 autocast: query embeddings, losses, gradient norms (tolerance from PyTorch's bf16 - float32)", &bf16),
     ];
     let mut failures = Vec::new();
@@ -518,6 +519,49 @@ fn whole_step_paths(
         // Summed in another order: within float32 rounding of the larger task gradient.
         let scale = per_task.iter().filter_map(|(_, grads)| grads.iter().find(|(m, _)| m == n)).map(|(_, x)| x.abs().max().double_value(&[])).fold(0.0, f64::max);
         c.see_diff(format!("joint gradient {n}"), max_abs(g, &sum), scale * 1e-6);
+    }
+    // Losses weighted by the tasks' shares of the step's queries, on uneven sub-batches (the
+    // fixture's tasks have two queries each: the last task is cut to one): each task's
+    // gradient is its equal-weight gradient on the same groups times T·b_t/B, in the per-task
+    // path and summed in the joint one; the losses reported stay each task's own mean.
+    let group = 1 + config.hard_negatives;
+    let mut uneven = groups.to_vec();
+    let last = uneven.last_mut().unwrap();
+    last.queries.truncate(1);
+    last.passages.truncate(group);
+    let total: usize = uneven.iter().map(|g| g.queries.len()).sum();
+    let weight = |task: &str| (uneven.len() * uneven.iter().find(|g| g.task == task).unwrap().queries.len()) as f64 / total as f64;
+    let by_queries = TrainerConfig { task_loss_weight: rak_train::trainer::TaskLossWeight::Queries, ..config.clone() };
+    let equal = recorded_step(reg, plugin, settings, &uneven, config.clone(), tasks.to_vec(), out, false);
+    let weighted = recorded_step(reg, plugin, settings, &uneven, by_queries.clone(), tasks.to_vec(), out, false);
+    for ((task, loss, grads), (t_eq, loss_eq, grads_eq)) in weighted.iter().zip(&equal) {
+        assert_eq!(task, t_eq);
+        c.see_diff(format!("queries-weighted loss handed over {task}"), (loss - loss_eq).abs(), 1e-6);
+        for ((n, g), (n_eq, e)) in grads.iter().zip(grads_eq) {
+            assert_eq!(n, n_eq, "{name}: parameters in one order");
+            match (g, e) {
+                (Some(g), Some(e)) => {
+                    let want = e * weight(task);
+                    c.see_diff(format!("queries-weighted gradient {task} {n}"), max_abs(g, &want), want.abs().max().double_value(&[]) * 1e-6);
+                }
+                (None, None) => {}
+                _ => panic!("{name} {task}: {n} has a gradient under one weighting only"),
+            }
+        }
+    }
+    let weighted_joint = recorded_step(reg, plugin, settings, &uneven, by_queries, tasks.to_vec(), out, true);
+    for (n, g) in weighted_joint[0].2.iter().filter_map(|(n, g)| Some((n, g.as_ref()?))) {
+        let sum = equal
+            .iter()
+            .filter_map(|(t, _, grads)| grads.iter().find(|(m, _)| m == n).and_then(|(_, x)| x.as_ref()).map(|x| x.to_kind(Kind::Double) * weight(t)))
+            .reduce(|a, b| a + b)
+            .unwrap();
+        let scale = sum.abs().max().double_value(&[]).max(g.abs().max().double_value(&[]));
+        c.see_diff(format!("queries-weighted joint gradient {n}"), max_abs(g, &sum), scale * 1e-5);
+    }
+    for ((task, loss, _), (t_eq, loss_eq, _)) in weighted_joint[1..].iter().zip(&equal) {
+        assert_eq!(task, t_eq);
+        c.see_diff(format!("queries-weighted reported loss {task}"), (loss - loss_eq).abs(), 1e-6);
     }
     let step = TrainerConfig { in_batch_negatives: rak_train::trainer::InBatchNegatives::Step, ..config.clone() };
     let rec = recorded_step(reg, plugin, settings, groups, step, tasks.to_vec(), out, false);

@@ -2,7 +2,7 @@
 //! model, the data and the hyper-parameters, in Hugging Face's names where it has them.
 //! Relative paths are taken from the current folder.
 
-use crate::trainer::{InBatchNegatives, LossKind, SamplerKind};
+use crate::trainer::{InBatchNegatives, LossKind, SamplerKind, TaskLossWeight};
 use anyhow::{bail, Context, Result};
 use rak_retrieval::index::Bm25Params;
 use serde::Deserialize;
@@ -93,6 +93,9 @@ pub struct TrainSection {
     /// A query's in-batch negatives: its own task's sub-batch (`task`, TACO's code) or every
     /// passage of the step (`step`, one batch of the union).
     pub in_batch_negatives: InBatchNegatives,
+    /// How task losses add up: `equal` (each task's mean, summed: TACO's code) or `queries`
+    /// (weighted by the task's share of the step's queries: the mean over every query).
+    pub task_loss_weight: TaskLossWeight,
     /// Hard negatives never come from a page of the query's gold passages (where pages are
     /// judged, as in KILT, those passages are relevant).
     pub exclude_gold_pages: bool,
@@ -128,6 +131,7 @@ impl Default for TrainSection {
             layerwise_lr_decay: false,
             max_skipped_steps: 10,
             in_batch_negatives: InBatchNegatives::Task,
+            task_loss_weight: TaskLossWeight::Equal,
             exclude_gold_pages: false,
             loss: LossKind::Nce,
         }

@@ -14,7 +14,7 @@ use crate::data::{corpus_ids, corpus_pages, load_task, passage_texts, task_sourc
 use crate::negatives;
 use crate::recipe::{sampler_kind, Recipe};
 use crate::rng::Rng;
-use crate::trainer::{checkpoints, latest_checkpoint, Sampler, Trainer, TrainerConfig, LOG_FILE};
+use crate::trainer::{checkpoints, latest_checkpoint, Sampler, TaskLossWeight, Trainer, TrainerConfig, LOG_FILE};
 use anyhow::{bail, Context, Result};
 use rak_core::plugin::{Encoder, Optimizer};
 use rak_retrieval::digest::{encoder_identity, file_digest};
@@ -98,6 +98,11 @@ fn fill_seed(seed: u64, episode: u32) -> u64 {
 /// Train as `spec` says; returns a summary (output folder, steps, episodes, log file).
 pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Result<Value> {
     let (recipe, t) = (&spec.recipe, &spec.recipe.train);
+    // GradNorm and CGD weigh tasks from their gradients' sizes: they would undo the queries'
+    // weights (GradNorm) or apply them twice (CGD's gradient products, then its weighted sum).
+    if t.task_loss_weight == TaskLossWeight::Queries && matches!(spec.optim.as_str(), "gradnorm" | "cgd") {
+        bail!("task_loss_weight = \"queries\" scales the task gradients, which {} weighs itself; use \"equal\" with it", spec.optim);
+    }
     let out = &spec.output_dir;
     let episodes = t.ance_episodes;
     std::fs::create_dir_all(out).with_context(|| format!("{}: cannot create", out.display()))?;
@@ -172,6 +177,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         score_scale: t.score_scale,
         bf16: spec.bf16,
         in_batch_negatives: t.in_batch_negatives,
+        task_loss_weight: t.task_loss_weight,
         loss: t.loss,
     };
     let names: Vec<String> = tasks.iter().map(|t| format!("{} ({} queries)", t.name, t.examples.len())).collect();

@@ -48,6 +48,22 @@ pub enum InBatchNegatives {
     Step,
 }
 
+/// How the tasks' losses add up to the step's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskLossWeight {
+    /// The sum of each task's mean loss (TACO's code): every task weighs the same in every
+    /// step, whatever its sub-batch size, so the sampler's temperature sets how often a task's
+    /// examples are seen but not how much the task counts.
+    #[default]
+    Equal,
+    /// Each task's mean loss times `T · b_t / B` (its share of the step's `B` queries, times
+    /// the number of tasks `T` so that the total keeps the scale of `equal`): the mean over
+    /// every query of the step, as one batch of the union; the sampler's temperature then sets
+    /// the task mixture (temperature sampling as in multilingual training).
+    Queries,
+}
+
 /// The contrastive loss.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -91,6 +107,8 @@ pub struct TrainerConfig {
     pub bf16: bool,
     #[serde(default)]
     pub in_batch_negatives: InBatchNegatives,
+    #[serde(default)]
+    pub task_loss_weight: TaskLossWeight,
     #[serde(default)]
     pub loss: LossKind,
 }
@@ -338,6 +356,18 @@ impl<'a> Trainer<'a> {
         }
     }
 
+    /// The factor on `g`'s loss in its step (see [`TaskLossWeight`]); the losses logged and
+    /// handed to the optimizer stay each task's own mean.
+    fn task_weight(&self, g: &TaskGroup, groups: &[TaskGroup]) -> f64 {
+        match self.config.task_loss_weight {
+            TaskLossWeight::Equal => 1.0,
+            TaskLossWeight::Queries => {
+                let total: usize = groups.iter().map(|g| g.queries.len()).sum();
+                (groups.len() * g.queries.len()) as f64 / total as f64
+            }
+        }
+    }
+
     /// One optimizer step on the given per-task groups: for each task, embed its queries (with
     /// the task name when `task_names` is on) and passages (query `i`'s group at rows
     /// `i·n..(i+1)·n`, positive first), take the NCE loss, backward, and hand the loss and the
@@ -361,7 +391,7 @@ impl<'a> Trainer<'a> {
                 clear_grads(params)?;
                 return Ok(StepOutcome::Skipped { task: g.task.clone(), why: format!("a non-finite loss ({value})") });
             }
-            loss.backward();
+            (loss * self.task_weight(g, groups)).backward();
             let grads: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.grad())).collect();
             if let Some(skip) = non_finite(&grads, &g.task, value) {
                 clear_grads(params)?;
@@ -402,7 +432,7 @@ impl<'a> Trainer<'a> {
             if !value.is_finite() {
                 return Ok(StepOutcome::Skipped { task: g.task.clone(), why: format!("a non-finite loss ({value})") });
             }
-            losses.push((g.task.clone(), value, loss));
+            losses.push((g.task.clone(), value, loss * self.task_weight(g, groups)));
         }
         let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
         let backward = |loss: &Tensor, keep_graph: bool| -> Result<Vec<(String, Tensor)>> {
