@@ -72,6 +72,9 @@ for spec in "$@"; do
             --output-dir "$run" "${resume[@]}"
         echo "$(( $(date +%s) - start ))" > "$run/done"
     fi
+    # TRAIN_ONLY=1: train now, evaluate on a later run of the same command (timed runs back to
+    # back on a quiet machine, their evaluations after).
+    [[ -n ${TRAIN_ONLY:-} ]] && continue
     ev=$OUT/$name.eval
     [[ -f $OUT/$name.metrics.json ]] && continue
     mkdir -p "$ev/runs"

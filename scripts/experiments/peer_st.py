@@ -5,7 +5,7 @@ time with sentence-transformers' own trainer, the way a user of that library wou
     .venv/bin/python scripts/experiments/peer_st.py --seconds 600 \
         --negatives runs/minikilt/taco-s42/negatives-episode-0.json \
         --out runs/minikilt/peer-st-s42 [--seed 42] [--model .cache/models/all-MiniLM-L6-v2] \
-        [--data data/minikilt] [--max-steps N] [--calib-steps 8] [--threads 2]
+        [--data data/minikilt] [--max-steps N] [--threads 2]
 
 Needs sentence-transformers' `train` extra in the venv (accelerate, datasets): scripts/experiments/requirements.txt.
 
@@ -31,16 +31,15 @@ Recipe (plain multitask training, no task information anywhere):
     queries share a gold passage, and a duplicate in the batch would be a false negative),
     AdamW (the trainer's default, weight decay 0), lr 2e-5, linear warm-up over the first 10% of
     the steps then linear decay to 0, max_grad_norm 1.0 (trainer default), fp32 on CPU, 2 threads.
-  - time budget: the trainer's LR schedule needs the number of steps up front, and
-    max_steps=<huge> with a time-stopping callback would leave the run inside the warm-up (10% of
-    <huge>) for the whole budget. So the number of steps is ESTIMATED: --calib-steps real
-    training steps (same trainer, collator, loss and first batches) are timed on a throw-away
-    copy of the model, and max_steps = floor(seconds / mean seconds per step, first 2 steps not
-    counted). A callback still stops training at the step end nearest to --seconds of training
-    loop (within half a mean step), so the budget holds if the machine slows down (then the LR
-    has not fully decayed: peer_run.json records the stop reason and the final LR); if it speeds
-    up, the run ends at max_steps a little early. --max-steps N skips the estimate (to repeat a
-    run's step count exactly).
+  - time budget: the run trains for --seconds of training loop and its learning rate follows
+    the same linear warm-up and decay laid over the time budget instead of a step count: at
+    each step, lr = 2e-5 · min(f / 0.1, (1 - f) / 0.9) with f the fraction of the budget
+    elapsed (a callback sets it before the optimizer step; the trainer's own scheduler is
+    "constant"). Training stops at the step end nearest --seconds, where the rate is within a
+    step's share of 0, so the peer uses its whole budget whatever the machine's speed. (A step count estimated
+    from timed steps, as this script did up to 2026-11-26, came out 12% short: the first steps
+    are slower than the run's mean.) --max-steps N instead trains exactly N steps with the
+    step-count schedule (to repeat a run).
   - throughput depends on what else runs on the machine: peer_run.json records steps/s and the
     load averages. On a loaded 2-core machine, 2 torch threads can be slower than 1 (--threads).
   - no checkpoints, no evaluation during training; the final model is saved with
@@ -49,7 +48,7 @@ Recipe (plain multitask training, no task information anywhere):
     (steps, examples, seconds, hyper-parameters, versions), and renamed to --out.
 
 Times reported separately: data loading (corpus, queries, qrels, negatives, dataset), model
-loading, the step-time estimate, and the training loop (the budget).
+loading, and the training loop (the budget).
 """
 from __future__ import annotations
 
@@ -138,7 +137,7 @@ def load_rows(data_dir: Path, negatives_path: Path):
 class TimeBudget:
     """Stops training at the step end nearest `seconds` of training loop; prints progress; times steps."""
 
-    def __init__(self, seconds=None, print_every_s=30.0, calib=False):
+    def __init__(self, seconds=None, print_every_s=30.0, time_schedule=False):
         from transformers import TrainerCallback
 
         outer = self
@@ -147,6 +146,15 @@ class TimeBudget:
             def on_train_begin(self, args, state, control, **kw):
                 outer.t0 = time.monotonic()
                 outer.last_print = outer.t0
+
+            def on_step_begin(self, args, state, control, optimizer=None, **kw):
+                if outer.seconds is None or not outer.time_schedule:
+                    return control
+                lr = time_schedule_lr((time.monotonic() - outer.t0) / outer.seconds)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                outer.last_lr = lr
+                return control
 
             def on_step_end(self, args, state, control, **kw):
                 now = time.monotonic()
@@ -158,9 +166,7 @@ class TimeBudget:
                 if outer.seconds is not None and elapsed + 0.5 * mean_step >= outer.seconds:
                     control.should_training_stop = True
                     outer.stopped_by_time = state.global_step < state.max_steps
-                if outer.calib:
-                    log(f"estimate: step {state.global_step}/{state.max_steps} {elapsed:.1f}s")
-                elif now - outer.last_print >= outer.print_every_s:
+                if now - outer.last_print >= outer.print_every_s:
                     outer.last_print = now
                     sps = state.global_step / elapsed if elapsed > 0 else 0.0
                     log(f"step {state.global_step}/{state.max_steps}  {elapsed:.0f}s  {sps:.3f} steps/s  "
@@ -168,17 +174,20 @@ class TimeBudget:
                 return control
 
             def on_log(self, args, state, control, logs=None, **kw):
+                if logs and outer.time_schedule and "learning_rate" in logs:
+                    # The trainer logs its constant scheduler's rate; the rate in force is ours.
+                    logs["learning_rate"] = outer.last_lr
                 if logs:
                     if "loss" in logs:
                         outer.last_loss = round(float(logs["loss"]), 4)
                         outer.losses.append({"step": state.global_step, "loss": float(logs["loss"])})
-                    if "learning_rate" in logs:
+                    if "learning_rate" in logs and not outer.time_schedule:
                         outer.last_lr = float(logs["learning_rate"])
 
         self.callback = _CB()
         self.seconds = seconds
         self.print_every_s = print_every_s
-        self.calib = calib
+        self.time_schedule = time_schedule
         self.t0 = None
         self.step_ends = []
         self.stopped_by_time = False
@@ -206,7 +215,7 @@ class CountingCollator:
         return self.inner(features)
 
 
-def make_trainer(model, dataset, output_dir, seed, max_steps, callbacks):
+def make_trainer(model, dataset, output_dir, seed, max_steps, callbacks, time_schedule):
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
     from sentence_transformers.sentence_transformer import losses
     from sentence_transformers.base.sampler import BatchSamplers
@@ -216,8 +225,9 @@ def make_trainer(model, dataset, output_dir, seed, max_steps, callbacks):
         max_steps=max_steps,
         per_device_train_batch_size=BATCH_SIZE,
         learning_rate=LEARNING_RATE,
-        lr_scheduler_type="linear",
-        warmup_steps=WARMUP_RATIO,  # transformers 5: a float in [0, 1) is a ratio of the total steps
+        # The time schedule sets the rate itself before each step (TimeBudget).
+        lr_scheduler_type="constant" if time_schedule else "linear",
+        warmup_steps=0 if time_schedule else WARMUP_RATIO,  # transformers 5: a float in [0, 1) is a ratio of the total steps
         batch_sampler=BatchSamplers.NO_DUPLICATES,
         seed=seed,
         save_strategy="no",
@@ -237,19 +247,10 @@ def make_trainer(model, dataset, output_dir, seed, max_steps, callbacks):
     return trainer, counter, loss
 
 
-def estimate_seconds_per_step(model, dataset, work_dir, seed, calib_steps):
-    """Time `calib_steps` real training steps on a copy of the model; mean of steps 3..N."""
-    budget = TimeBudget(seconds=None, calib=True)
-    trainer, _, _ = make_trainer(copy.deepcopy(model), dataset, work_dir / "calib", seed, calib_steps,
-                                 [budget.callback])
-    t = time.monotonic()
-    trainer.train()
-    total = time.monotonic() - t
-    ends = [budget.t0] + budget.step_ends
-    per_step = [b - a for a, b in zip(ends, ends[1:])]
-    timed = per_step[2:] if len(per_step) > 3 else per_step
-    del trainer
-    return sum(timed) / len(timed), per_step, total
+def time_schedule_lr(fraction):
+    """The step schedule's linear warm-up (first 10%) and decay to 0, over the budget's fraction."""
+    f = min(max(fraction, 0.0), 1.0)
+    return LEARNING_RATE * min(f / WARMUP_RATIO, (1.0 - f) / (1.0 - WARMUP_RATIO))
 
 
 def _enum(v):
@@ -282,8 +283,7 @@ def main():
     ap.add_argument("--model", default=".cache/models/all-MiniLM-L6-v2")
     ap.add_argument("--data", default="data/minikilt")
     ap.add_argument("--max-steps", type=int, default=None,
-                    help="use this many steps for the LR schedule instead of estimating them")
-    ap.add_argument("--calib-steps", type=int, default=8, help="steps timed for the estimate")
+                    help="train this many steps with the step-count LR schedule (default: the schedule over --seconds)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
@@ -316,25 +316,16 @@ def run(args, out, tmp):
     model.max_seq_length = MAX_SEQ_LENGTH
     model_seconds = time.monotonic() - t
 
-    calib = None
-    if args.max_steps is not None:
-        max_steps = args.max_steps
-        log(f"max_steps {max_steps} (given)")
-    else:
-        sps, per_step, calib_total = estimate_seconds_per_step(model, dataset, tmp, args.seed, args.calib_steps)
-        max_steps = max(1, int(args.seconds / sps))
-        calib = {"steps": args.calib_steps, "seconds": round(calib_total, 3),
-                 "seconds_per_step_used": round(sps, 4), "per_step_seconds": [round(x, 3) for x in per_step]}
-        if max_steps < 10:
-            log(f"warning: only {max_steps} steps fit in {args.seconds:.0f}s; the linear warm-up's "
-                "first step has lr 0, so a run this short barely trains")
-        log(f"estimate: {sps:.3f} s/step over {args.calib_steps} steps ({calib_total:.1f}s) -> "
-            f"max_steps {max_steps} for {args.seconds:.0f}s")
+    # The time schedule needs no step count: the cap is never reached, the budget stops the run.
+    time_schedule = args.max_steps is None
+    max_steps = 10**7 if time_schedule else args.max_steps
+    log("LR schedule over the time budget" if time_schedule else f"max_steps {max_steps} (given)")
 
     load_before = os.getloadavg()
-    budget = TimeBudget(seconds=args.seconds)
-    trainer, counter, loss = make_trainer(model, dataset, tmp / "trainer", args.seed, max_steps, [budget.callback])
-    log(f"training: {len(dataset)} rows, batch {BATCH_SIZE}, max_steps {max_steps}, budget {args.seconds:.0f}s")
+    budget = TimeBudget(seconds=args.seconds, time_schedule=time_schedule)
+    trainer, counter, loss = make_trainer(model, dataset, tmp / "trainer", args.seed, max_steps, [budget.callback],
+                                          time_schedule)
+    log(f"training: {len(dataset)} rows, batch {BATCH_SIZE}, budget {args.seconds:.0f}s")
     t = time.monotonic()
     result = trainer.train()
     train_seconds = time.monotonic() - t
@@ -342,7 +333,10 @@ def run(args, out, tmp):
     loop_seconds = (budget.step_ends[-1] - budget.t0) if budget.step_ends else 0.0
     steps = trainer.state.global_step
     examples = sum(counter.sizes[:steps])
-    final_lr = trainer.lr_scheduler.get_last_lr()[0] if trainer.lr_scheduler is not None else None
+    if time_schedule:
+        final_lr = budget.last_lr
+    else:
+        final_lr = trainer.lr_scheduler.get_last_lr()[0] if trainer.lr_scheduler is not None else None
     log(f"done: {steps} steps in {loop_seconds:.1f}s ({steps / max(loop_seconds, 1e-9):.3f} steps/s), "
         f"{examples} examples, stopped by {'time' if budget.stopped_by_time else 'max_steps'}, "
         f"final lr {final_lr}")
@@ -357,8 +351,7 @@ def run(args, out, tmp):
         "what": "peer baseline: sentence-transformers' own trainer on the mini-KILT train splits, fixed wall-clock",
         "command": sys.argv,
         "steps": steps,
-        "max_steps_schedule": max_steps,
-        "max_steps_source": "given" if args.max_steps is not None else "estimated",
+        "lr_schedule": "linear warm-up and decay over the time budget" if time_schedule else f"linear over {max_steps} steps",
         "stopped_by": "time" if budget.stopped_by_time else "max_steps",
         "examples_seen": examples,
         "epochs": round(examples / len(dataset), 4),
@@ -371,11 +364,9 @@ def run(args, out, tmp):
             "trainer_train_call": round(train_seconds, 3),
             "data_loading": round(data_seconds, 3),
             "model_loading": round(model_seconds, 3),
-            "step_estimate": calib["seconds"] if calib else 0.0,
             "save": round(save_seconds, 3),
         },
         "steps_per_second": round(steps / loop_seconds, 4) if loop_seconds else None,
-        "step_estimate": calib,
         "data": {
             "data_dir": str(args.data), "tasks": TASKS, "rows": len(dataset), "per_task": stats,
             "negatives_file": str(args.negatives), "negatives_source": neg_meta,
@@ -391,8 +382,9 @@ def run(args, out, tmp):
             "loss": type(loss).__name__, "loss_scale": loss.scale,
             "similarity": getattr(loss.similarity_fct, "__name__", str(loss.similarity_fct)),
             "hard_negatives_per_query": 1, "learning_rate": targs.learning_rate,
-            "lr_scheduler_type": _enum(targs.lr_scheduler_type), "warmup_ratio": WARMUP_RATIO,
-            "warmup_steps": targs.get_warmup_steps(max_steps) if hasattr(targs, "get_warmup_steps") else None,
+            "lr_scheduler_type": "linear over the time budget" if time_schedule else _enum(targs.lr_scheduler_type),
+            "warmup_ratio": WARMUP_RATIO,
+            "warmup": f"{WARMUP_RATIO:.0%} of the " + ("time budget" if time_schedule else "steps"),
             "optimizer": _enum(targs.optim), "weight_decay": targs.weight_decay,
             "adam_betas": [targs.adam_beta1, targs.adam_beta2], "adam_epsilon": targs.adam_epsilon,
             "max_grad_norm": targs.max_grad_norm, "gradient_accumulation_steps": targs.gradient_accumulation_steps,
