@@ -15,6 +15,9 @@
 # only its last session if it was interrupted and resumed: set PEER_SECONDS then), then
 # evaluated like the others. Run taco:SEED first (PEER_OF=METHOD: that method's run instead).
 #
+# STEPS=N trains every recipe for N steps (a copy of it in $OUT with max_steps = N and a
+# checkpoint every N/4 steps): the longer ablation of docs/RESULTS.md, under its own $OUT.
+#
 # Outputs under $OUT (default runs/minikilt): METHOD-sSEED/ (the run; nothing else is written
 # inside it, so its checkpoint digest stays the same), METHOD-sSEED.eval/ (corpus embeddings,
 # index, TREC runs) and METHOD-sSEED.metrics.json. $HOST picks the binary (default
@@ -36,6 +39,11 @@ recipe_of() {
     elif [[ $1 == single-* ]]; then
         local f=$OUT/$1.toml
         sed "s/^tasks = .*/tasks = [\"${1#single-}\"]/" configs/minikilt/naive.toml > "$f"
+        echo "$f"
+    elif [[ -n ${STEPS:-} ]]; then
+        local f=$OUT/$1.toml
+        sed -e "s/^max_steps = .*/max_steps = $STEPS/" -e "s/^save_steps = .*/save_steps = $(( (STEPS + 3) / 4 ))/" \
+            "configs/minikilt/$1.toml" > "$f"
         echo "$f"
     else
         echo "configs/minikilt/$1.toml"
