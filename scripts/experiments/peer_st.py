@@ -36,9 +36,9 @@ Recipe (plain multitask training, no task information anywhere):
     each step, lr = 2e-5 · min(f / 0.1, (1 - f) / 0.9) with f the fraction of the budget
     elapsed (a callback sets it before the optimizer step; the trainer's own scheduler is
     "constant"). Training stops at the step end nearest --seconds, where the rate is within a
-    step's share of 0, so the peer uses its whole budget whatever the machine's speed. (A step count estimated
-    from timed steps, as this script did up to 2026-11-26, came out 12% short: the first steps
-    are slower than the run's mean.) --max-steps N instead trains exactly N steps with the
+    step's share of 0, so the peer uses its whole budget whatever the machine's speed. (A step
+    count estimated from timed steps, as this script did up to 2026-11-26, came out 12% short:
+    the first steps are slower than the run's mean.) --max-steps N instead trains exactly N steps with the
     step-count schedule (to repeat a run).
   - throughput depends on what else runs on the machine: peer_run.json records steps/s and the
     load averages. On a loaded 2-core machine, 2 torch threads can be slower than 1 (--threads).
@@ -53,7 +53,6 @@ loading, and the training loop (the budget).
 from __future__ import annotations
 
 import argparse
-import copy
 import csv
 import json
 import os
@@ -148,7 +147,7 @@ class TimeBudget:
                 outer.last_print = outer.t0
 
             def on_step_begin(self, args, state, control, optimizer=None, **kw):
-                if outer.seconds is None or not outer.time_schedule:
+                if not outer.time_schedule:
                     return control
                 lr = time_schedule_lr((time.monotonic() - outer.t0) / outer.seconds)
                 for group in optimizer.param_groups:
@@ -169,7 +168,8 @@ class TimeBudget:
                 if now - outer.last_print >= outer.print_every_s:
                     outer.last_print = now
                     sps = state.global_step / elapsed if elapsed > 0 else 0.0
-                    log(f"step {state.global_step}/{state.max_steps}  {elapsed:.0f}s  {sps:.3f} steps/s  "
+                    of = "" if outer.time_schedule else f"/{state.max_steps}"
+                    log(f"step {state.global_step}{of}  {elapsed:.0f}s  {sps:.3f} steps/s  "
                         f"loss {outer.last_loss}  lr {outer.last_lr}")
                 return control
 
