@@ -362,6 +362,61 @@ fn caches_are_keyed_on_what_they_depend_on() {
     assert!(o.status.success(), "the same recipe and corpus resume: {}", stderr(&o));
 }
 
+/// `exclude_answer_negatives` (DPR's rule): every query still gets its top BM25 passage that
+/// is not gold, but none that holds one of its answers, where without the setting some do; the
+/// saved negatives are keyed on it, and a run made without it is not resumed with it.
+#[test]
+fn negatives_holding_an_answer_are_left_out_when_asked() {
+    use rak_retrieval::eval::answer::has_answer;
+    let dir = TempDir::new("train-answer-negatives");
+    let train = TRAIN.replace("max_steps = 8", "max_steps = 1").replace("negative_depth = 20", "negative_depth = 1");
+    // Squad questions of few pages: the other paragraphs of a page often name the answer.
+    let plain = task_data(dir.path(), &[("squad", "squad", 0, 80)], &train);
+    let filtered = dir.path().join("filtered.toml");
+    std::fs::write(&filtered, std::fs::read_to_string(&plain).unwrap().replace("hard_negatives = 1", "hard_negatives = 1\nexclude_answer_negatives = true")).unwrap();
+    let texts: std::collections::HashMap<String, String> = std::fs::read_to_string(dir.path().join("corpus.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (v["_id"].as_str().unwrap().to_string(), v["text"].as_str().unwrap().to_string())
+        })
+        .collect();
+    let answers: std::collections::HashMap<String, Vec<String>> = std::fs::read_to_string(dir.path().join("tasks/squad/queries.train.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (v["_id"].as_str().unwrap().to_string(), v["answers"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect())
+        })
+        .collect();
+    let holding = |negatives: &std::collections::BTreeMap<String, Vec<String>>| {
+        negatives.iter().filter(|(q, ids)| answers.get(*q).is_some_and(|a| ids.iter().any(|id| has_answer(a, &texts[id])))).count()
+    };
+
+    let (out_plain, out_filtered) = (dir.path().join("plain"), dir.path().join("filtered"));
+    let o = run(&mut train_cmd(&plain, &out_plain, &[]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (_, before) = saved_negatives(&out_plain.join("negatives-episode-0.json"));
+    assert!(holding(&before) > 0, "the slice has no squad negative holding an answer: the test would prove nothing");
+
+    let o = run(&mut train_cmd(&filtered, &out_filtered, &[]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("negatives that hold one of their query's answers"), "{}", stderr(&o));
+    let (key, after) = saved_negatives(&out_filtered.join("negatives-episode-0.json"));
+    assert_eq!(holding(&after), 0, "{after:?}");
+    assert_eq!(after.len(), before.len());
+    assert!(after.values().all(|ids| ids.len() == 1), "each query keeps one negative from deeper in the ranking: {after:?}");
+    // Queries whose top negative held no answer keep it.
+    for (q, ids) in &before {
+        if !answers.get(q).is_some_and(|a| has_answer(a, &texts[&ids[0]])) {
+            assert_eq!(&after[q], ids, "{q}");
+        }
+    }
+    assert!(serde_json::from_str::<Value>(&key).unwrap()["exclude_answer_negatives"]["answers_sha256"].is_string(), "{key}");
+    fails(&run(&mut train_cmd(&filtered, &out_plain, &["--resume-from-checkpoint", "latest"])), &["another recipe", "exclude_answer_negatives"]);
+}
+
 /// `host analyze` on a small T-SAGE run: the JSON's task-specific and not-activated shares
 /// equal a direct computation from the saved momentum; the plots are PNG files; the
 /// commitment rate between two checkpoints is reported; fresh gradients work too.

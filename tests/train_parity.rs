@@ -310,6 +310,7 @@ fn check(name: &str) {
                     query: t["queries"][i].as_str().unwrap().to_string(),
                     positives: vec![t["positive_ids"][i].as_str().unwrap().to_string()],
                     negatives: vec![t["negative_ids"][i].as_str().unwrap().to_string()],
+                    answers: Vec::new(),
                 })
                 .collect(),
         })

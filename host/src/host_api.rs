@@ -329,7 +329,7 @@ impl Services<'_> {
                     examples: t
                         .examples
                         .into_iter()
-                        .map(|e| rak_train::data::Example { query_id: e.query_id, query: e.query, positives: e.positives, negatives: e.negatives })
+                        .map(|e| rak_train::data::Example { query_id: e.query_id, query: e.query, positives: e.positives, negatives: e.negatives, answers: e.answers })
                         .collect(),
                 })
                 .collect()
@@ -383,6 +383,8 @@ struct GivenExample {
     positives: Vec<String>,
     #[serde(default)]
     negatives: Vec<String>,
+    #[serde(default)]
+    answers: Vec<String>,
 }
 
 fn parse<T: serde::de::DeserializeOwned>(request: Value) -> Result<T> {

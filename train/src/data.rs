@@ -21,6 +21,9 @@ pub struct Example {
     pub positives: Vec<String>,
     /// Hard-negative passage ids (may be empty: in-batch negatives only).
     pub negatives: Vec<String>,
+    /// Gold answer strings (empty where the task has none): `exclude_answer_negatives` keeps
+    /// passages holding one out of the negatives.
+    pub answers: Vec<String>,
 }
 
 /// Where a task's training data is.
@@ -66,7 +69,7 @@ pub fn load_task(src: &TaskSource, known: &dyn Fn(&str) -> bool, report: &mut Lo
             report.queries_without_gold += 1;
             continue;
         }
-        examples.push(Example { query_id: q.id, query: q.text, positives, negatives: Vec::new() });
+        examples.push(Example { query_id: q.id, query: q.text, positives, negatives: Vec::new(), answers: q.answers });
     }
     if examples.is_empty() {
         bail!(
@@ -100,6 +103,18 @@ pub fn corpus_pages(corpus: &Path) -> Result<HashMap<String, u32>> {
         pages.insert(p.id, page);
     }
     Ok(pages)
+}
+
+/// The texts (without titles) of the passages in `wanted` that the corpus holds, streamed.
+pub fn corpus_texts(corpus: &Path, wanted: &HashSet<&str>) -> Result<HashMap<String, String>> {
+    let mut out = HashMap::with_capacity(wanted.len());
+    for p in beir::read_corpus(corpus)? {
+        let p = p?;
+        if wanted.contains(p.id.as_str()) {
+            out.insert(p.id, p.text);
+        }
+    }
+    Ok(out)
 }
 
 /// The encoder strings (`title \u{1f} text`) of the passages in `wanted`, streamed from the

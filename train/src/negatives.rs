@@ -124,6 +124,38 @@ pub fn drop_gold_pages(tasks: &mut [TaskData], pages: &std::collections::HashMap
     dropped
 }
 
+/// Drop every negative whose text holds one of its query's answers (DPR's `has_answer`:
+/// token runs after NFD and lower-casing), then keep the first `depth` of what is left.
+/// `texts` holds the text of every negative (a negative it lacks is kept). Returns how many
+/// negatives were dropped for holding an answer.
+pub fn drop_answer_holders(tasks: &mut [TaskData], texts: &std::collections::HashMap<String, String>, depth: usize) -> usize {
+    use rak_retrieval::eval::answer::AnswerMatcher;
+    let mut dropped = 0;
+    for ex in tasks.iter_mut().flat_map(|t| t.examples.iter_mut()) {
+        let answers = AnswerMatcher::new(&ex.answers);
+        let before = ex.negatives.len();
+        ex.negatives.retain(|n| texts.get(n).is_none_or(|text| !answers.matches(text)));
+        dropped += before - ex.negatives.len();
+        ex.negatives.truncate(depth);
+    }
+    dropped
+}
+
+/// SHA-256 over every example's answers, in order: what `exclude_answer_negatives` adds to
+/// the negatives' key.
+pub fn answers_digest(tasks: &[TaskData]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for e in tasks.iter().flat_map(|t| &t.examples) {
+        for a in &e.answers {
+            h.update((a.len() as u64).to_le_bytes());
+            h.update(a.as_bytes());
+        }
+        h.update(u64::MAX.to_le_bytes());
+    }
+    rak_retrieval::digest::hex(&h.finalize())
+}
+
 /// SHA-256 over every task's examples as negatives depend on them: task, query id, query text
 /// and gold passages (which are left out of the negatives), in order.
 pub fn examples_digest(tasks: &[TaskData]) -> String {
@@ -225,7 +257,29 @@ mod tests {
             query: id.into(),
             positives: gold.iter().map(|s| s.to_string()).collect(),
             negatives: negs.iter().map(|s| s.to_string()).collect(),
+            answers: Vec::new(),
         }
+    }
+
+    #[test]
+    fn negatives_holding_an_answer_are_dropped_and_the_rest_cut_to_depth() {
+        let texts: std::collections::HashMap<String, String> = [
+            ("n1", "The Broncos beat the Panthers."),
+            ("n2", "Denver's team lost."),
+            ("n3", "It was played in Santa Clara."),
+            ("n4", "A stadium."),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let mut a = ex("q1", &["p1"], &["n1", "n2", "n3", "n4"]);
+        a.answers = vec!["Panthers".into(), "santa clara".into()];
+        // No answers (a label task's would not occur either): only cut to depth.
+        let b = ex("q2", &["p2"], &["n1", "n2", "n3"]);
+        let mut tasks = vec![TaskData { name: "a".into(), examples: vec![a, b] }];
+        assert_eq!(drop_answer_holders(&mut tasks, &texts, 2), 2);
+        assert_eq!(tasks[0].examples[0].negatives, vec!["n2".to_string(), "n4".to_string()]);
+        assert_eq!(tasks[0].examples[1].negatives, vec!["n1".to_string(), "n2".to_string()]);
     }
 
     #[test]

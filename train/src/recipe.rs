@@ -99,6 +99,10 @@ pub struct TrainSection {
     /// Hard negatives never come from a page of the query's gold passages (where pages are
     /// judged, as in KILT, those passages are relevant).
     pub exclude_gold_pages: bool,
+    /// Hard negatives never hold one of the query's answers (DPR's rule, its `has_answer`):
+    /// the miner searches deeper and keeps its top passages whose text holds no gold answer
+    /// string. Tasks whose answers are labels (FEVER's SUPPORTS) are in effect unchanged.
+    pub exclude_answer_negatives: bool,
     /// `nce` (one positive per query) or `multi_positive` (AAR's: every positive of a query).
     pub loss: LossKind,
 }
@@ -133,6 +137,7 @@ impl Default for TrainSection {
             in_batch_negatives: InBatchNegatives::Task,
             task_loss_weight: TaskLossWeight::Equal,
             exclude_gold_pages: false,
+            exclude_answer_negatives: false,
             loss: LossKind::Nce,
         }
     }

@@ -10,9 +10,9 @@
 //! `negatives-episode-E.json` (each stage's mined negatives), `bm25-index/` (when the recipe
 //! names none) and `run.json` (the episode count and the recipe a resume must match).
 
-use crate::data::{corpus_ids, corpus_pages, load_task, passage_texts, task_sources, LoadReport, TaskData};
+use crate::data::{corpus_ids, corpus_pages, corpus_texts, load_task, passage_texts, task_sources, LoadReport, TaskData};
 use crate::negatives;
-use crate::recipe::{sampler_kind, Recipe};
+use crate::recipe::{sampler_kind, Recipe, TrainSection};
 use crate::rng::Rng;
 use crate::trainer::{checkpoints, latest_checkpoint, Sampler, TaskLossWeight, Trainer, TrainerConfig, LOG_FILE};
 use anyhow::{bail, Context, Result};
@@ -323,14 +323,32 @@ fn load_tasks(recipe: &Recipe, progress: &dyn Progress) -> Result<Vec<TaskData>>
 /// gold, which are left out of the negatives), and how empty lists are filled.
 fn negatives_key(spec: &RunSpec, episode: u32, corpus_sha256: &str, tasks: &[TaskData], miner: Value) -> String {
     let t = &spec.recipe.train;
-    json!({
+    let mut key = json!({
         "miner": miner,
         "corpus_sha256": corpus_sha256,
         "examples_sha256": negatives::examples_digest(tasks),
         "fill": {"count": t.hard_negatives, "seed": fill_seed(t.seed, episode)},
         "exclude_gold_pages": t.exclude_gold_pages,
-    })
-    .to_string()
+    });
+    // Only when on, so the negatives that runs without it saved stay valid.
+    if t.exclude_answer_negatives {
+        key["exclude_answer_negatives"] = json!({"margin": ANSWER_FILTER_MARGIN, "answers_sha256": negatives::answers_digest(tasks)});
+    }
+    key.to_string()
+}
+
+/// How much deeper than its depth a miner searches when `exclude_answer_negatives` may drop
+/// hits, so that a query still gets its top `depth` passages without an answer (DPR's rule:
+/// the highest-ranked BM25 passage that does not hold the answer).
+const ANSWER_FILTER_MARGIN: usize = 100;
+
+/// How deep a miner searches for negatives that are then cut to `depth`.
+fn mining_depth(t: &TrainSection, depth: usize) -> usize {
+    if t.exclude_answer_negatives {
+        depth + ANSWER_FILTER_MARGIN
+    } else {
+        depth
+    }
 }
 
 /// Episode 0's negatives: BM25's top `negative_depth` minus gold, loaded from
@@ -351,8 +369,9 @@ fn bm25_negatives(spec: &RunSpec, layout: &RunLayout, corpus_sha256: &str, tasks
     };
     let mut index = Bm25Index::open(&index_dir)?;
     index.set_params(bm25)?;
-    negatives::bm25_negatives(&index, tasks, t.negative_depth, progress)?;
+    negatives::bm25_negatives(&index, tasks, mining_depth(t, t.negative_depth), progress)?;
     exclude_gold_pages(spec, tasks, "BM25", progress)?;
+    exclude_answer_holders(spec, tasks, t.negative_depth, "BM25", progress)?;
     report_filled(negatives::fill_empty(tasks, t.hard_negatives, fill_seed(t.seed, 0)), "BM25", progress);
     negatives::save(&saved, tasks, t.negative_depth, &key)
 }
@@ -400,8 +419,9 @@ fn ance_negatives(
     }
     let mut miner = plugins.encoder(&spec.encoder, &settings)?;
     progress.log(&format!("train: episode {episode}: mining negatives with {}", model.display()));
-    negatives::ance_negatives(miner.as_mut(), identity, &spec.recipe.data.corpus, &work, tasks, t.ance_depth, t.task_names, progress)?;
+    negatives::ance_negatives(miner.as_mut(), identity, &spec.recipe.data.corpus, &work, tasks, mining_depth(t, t.ance_depth), t.task_names, progress)?;
     exclude_gold_pages(spec, tasks, "the model", progress)?;
+    exclude_answer_holders(spec, tasks, t.ance_depth, "the model", progress)?;
     report_filled(negatives::fill_empty(tasks, t.hard_negatives, fill_seed(t.seed, episode)), "the model", progress);
     negatives::save(&saved, tasks, t.ance_depth, &key)?;
     // The corpus embeddings and index are as large as the corpus; the negatives are kept.
@@ -418,6 +438,18 @@ fn exclude_gold_pages(spec: &RunSpec, tasks: &mut [TaskData], retriever: &str, p
     Ok(())
 }
 
+/// With `exclude_answer_negatives`, drop the mined negatives whose text holds one of the
+/// query's answers and cut the rest to `depth`.
+fn exclude_answer_holders(spec: &RunSpec, tasks: &mut [TaskData], depth: usize, retriever: &str, progress: &dyn Progress) -> Result<()> {
+    if spec.recipe.train.exclude_answer_negatives {
+        let wanted: HashSet<&str> = tasks.iter().flat_map(|t| &t.examples).flat_map(|e| &e.negatives).map(String::as_str).collect();
+        let texts = corpus_texts(&spec.recipe.data.corpus, &wanted)?;
+        let dropped = negatives::drop_answer_holders(tasks, &texts, depth);
+        progress.log(&format!("train: dropped {dropped} {retriever} negatives that hold one of their query's answers"));
+    }
+    Ok(())
+}
+
 /// What decides a run besides the trainer's own settings (which every checkpoint records and
 /// checks): encoder, optimizer, their settings, the starting model, the data and how negatives
 /// are mined. Kept in `run.json`, so a resume with another recipe is refused instead of
@@ -425,7 +457,7 @@ fn exclude_gold_pages(spec: &RunSpec, tasks: &mut [TaskData], retriever: &str, p
 fn recipe_identity(spec: &RunSpec, corpus_sha256: &str) -> Value {
     let path = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()).display().to_string();
     let (d, t) = (&spec.recipe.data, &spec.recipe.train);
-    json!({
+    let mut identity = json!({
         "encoder": spec.encoder,
         "encoder_settings": spec.recipe.model.settings,
         "bf16": spec.bf16,
@@ -435,7 +467,12 @@ fn recipe_identity(spec: &RunSpec, corpus_sha256: &str) -> Value {
         "data": {"corpus": path(&d.corpus), "corpus_sha256": corpus_sha256, "task_dir": path(&d.task_dir), "tasks": d.tasks, "split": d.split, "bm25_index": d.bm25_index.as_deref().map(path)},
         "negatives": {"bm25_k1": t.bm25_k1, "bm25_b": t.bm25_b, "negative_depth": t.negative_depth, "ance_depth": t.ance_depth, "ance_num_train_epochs": t.ance_num_train_epochs, "exclude_gold_pages": t.exclude_gold_pages},
         "examples": spec.examples.as_deref().map(negatives::examples_and_negatives_digest),
-    })
+    });
+    // Only when on, so that runs made before the setting existed still resume.
+    if t.exclude_answer_negatives {
+        identity["negatives"]["exclude_answer_negatives"] = json!(true);
+    }
+    identity
 }
 
 fn report_filled(filled: usize, retriever: &str, progress: &dyn Progress) {
