@@ -402,7 +402,7 @@ fn negatives_holding_an_answer_are_left_out_when_asked() {
 
     let o = run(&mut train_cmd(&filtered, &out_filtered, &[]));
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stderr(&o).contains("negatives that hold one of their query's answers"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("negatives that hold one of their answers"), "{}", stderr(&o));
     let (key, after) = saved_negatives(&out_filtered.join("negatives-episode-0.json"));
     assert_eq!(holding(&after), 0, "{after:?}");
     assert_eq!(after.len(), before.len());

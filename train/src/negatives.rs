@@ -127,18 +127,18 @@ pub fn drop_gold_pages(tasks: &mut [TaskData], pages: &std::collections::HashMap
 /// Drop every negative whose text holds one of its query's answers (DPR's `has_answer`:
 /// token runs after NFD and lower-casing), then keep the first `depth` of what is left.
 /// `texts` holds the text of every negative (a negative it lacks is kept). Returns how many
-/// negatives were dropped for holding an answer.
+/// queries had an answer among their first `depth` negatives (which deeper ones replace).
 pub fn drop_answer_holders(tasks: &mut [TaskData], texts: &std::collections::HashMap<String, String>, depth: usize) -> usize {
     use rak_retrieval::eval::answer::AnswerMatcher;
-    let mut dropped = 0;
+    let mut changed = 0;
     for ex in tasks.iter_mut().flat_map(|t| t.examples.iter_mut()) {
         let answers = AnswerMatcher::new(&ex.answers);
-        let before = ex.negatives.len();
-        ex.negatives.retain(|n| texts.get(n).is_none_or(|text| !answers.matches(text)));
-        dropped += before - ex.negatives.len();
+        let holds = |n: &String| texts.get(n).is_some_and(|text| answers.matches(text));
+        changed += usize::from(ex.negatives.iter().take(depth).any(holds));
+        ex.negatives.retain(|n| !holds(n));
         ex.negatives.truncate(depth);
     }
-    dropped
+    changed
 }
 
 /// SHA-256 over every example's answers, in order: what `exclude_answer_negatives` adds to
@@ -277,7 +277,7 @@ mod tests {
         // No answers (a label task's would not occur either): only cut to depth.
         let b = ex("q2", &["p2"], &["n1", "n2", "n3"]);
         let mut tasks = vec![TaskData { name: "a".into(), examples: vec![a, b] }];
-        assert_eq!(drop_answer_holders(&mut tasks, &texts, 2), 2);
+        assert_eq!(drop_answer_holders(&mut tasks, &texts, 2), 1);
         assert_eq!(tasks[0].examples[0].negatives, vec!["n2".to_string(), "n4".to_string()]);
         assert_eq!(tasks[0].examples[1].negatives, vec!["n1".to_string(), "n2".to_string()]);
     }

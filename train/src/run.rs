@@ -444,8 +444,8 @@ fn exclude_answer_holders(spec: &RunSpec, tasks: &mut [TaskData], depth: usize, 
     if spec.recipe.train.exclude_answer_negatives {
         let wanted: HashSet<&str> = tasks.iter().flat_map(|t| &t.examples).flat_map(|e| &e.negatives).map(String::as_str).collect();
         let texts = corpus_texts(&spec.recipe.data.corpus, &wanted)?;
-        let dropped = negatives::drop_answer_holders(tasks, &texts, depth);
-        progress.log(&format!("train: dropped {dropped} {retriever} negatives that hold one of their query's answers"));
+        let changed = negatives::drop_answer_holders(tasks, &texts, depth);
+        progress.log(&format!("train: {changed} queries had {retriever} negatives that hold one of their answers; deeper passages without one replace them"));
     }
     Ok(())
 }
