@@ -395,7 +395,9 @@ cmd_start() { # NAME
     ctx=${LLAMA_CTX:-$((${LLAMA_SLOT_CTX:-2048} * slots))}
     rm -f "$dir/pid" "$dir/url"
     # --port 0: llama-server binds a free port itself and logs it (no pick-then-bind race).
-    setsid "$bin" -m "$model" --alias "$name" --host 127.0.0.1 --port 0 \
+    # No --alias: /v1/models names the GGUF's path, which holds the package and its version
+    # (the openai connector keys its response cache by that name).
+    setsid "$bin" -m "$model" --host 127.0.0.1 --port 0 \
         -t "${LLAMA_THREADS:-2}" -c "$ctx" -np "$slots" --cache-ram "${LLAMA_CACHE_RAM:-512}" \
         --no-webui </dev/null >"$dir/log" 2>&1 9>&- &
     pid=$!
