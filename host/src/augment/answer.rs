@@ -33,10 +33,20 @@ pub fn first_line(text: &str) -> String {
     text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("").to_string()
 }
 
-/// PopQA's judgement: some alias is contained in the answer, ignoring case.
+/// PopQA's judgement (REFERENCE §6): some alias, as is, lower-cased or capitalised, is a
+/// substring of the answer as the model wrote it (the answer is never lower-cased).
 pub fn contains_alias(answer: &str, aliases: &[String]) -> bool {
-    let answer = answer.to_lowercase();
-    aliases.iter().map(|a| a.trim().to_lowercase()).any(|a| !a.is_empty() && answer.contains(&a))
+    aliases.iter().map(|a| a.trim()).filter(|a| !a.is_empty()).any(|a| [a.to_string(), a.to_lowercase(), capitalize(a)].iter().any(|form| answer.contains(form.as_str())))
+}
+
+/// Python's `str.capitalize`, which PopQA's scorer uses: the first character upper-cased, the
+/// rest lower-cased.
+fn capitalize(s: &str) -> String {
+    let mut chars = s.chars();
+    match chars.next() {
+        Some(first) => first.to_uppercase().chain(chars.flat_map(char::to_lowercase)).collect(),
+        None => String::new(),
+    }
 }
 
 #[cfg(test)]
@@ -73,5 +83,17 @@ mod tests {
         assert!(contains_alias("portugal, of course", &aliases));
         assert!(!contains_alias("Spain", &aliases));
         assert!(!contains_alias("", &["".to_string()]));
+    }
+
+    #[test]
+    fn aliases_are_tried_as_written_lower_cased_and_capitalised() {
+        // REFERENCE §6 (PopQA): the alias as is, lower-cased or capitalised (Python's
+        // str.capitalize: the first character upper, the rest lower), in the output as written.
+        let a = |s: &str| vec![s.to_string()];
+        assert!(contains_alias("It is Paris.", &a("Paris")));
+        assert!(contains_alias("paris", &a("Paris")), "lower-cased");
+        assert!(contains_alias("New york city", &a("new York City")), "capitalised");
+        assert!(!contains_alias("PARIS", &a("Paris")), "the output is not lower-cased");
+        assert!(!contains_alias("New York City", &a("new York City")), "none of the three forms");
     }
 }
