@@ -159,9 +159,12 @@ pub struct TaskPrompts {
 
 impl TaskPrompts {
     pub fn new(cfg: &AugmentConfig, task: Task) -> Result<Self> {
-        let (t, default, reader_default, tokens, stop) = match task {
-            Task::Mc => (&cfg.mc, MC_TEMPLATE, MC_READER_TEMPLATE, 8, vec!["\n".to_string()]),
-            Task::ShortQa => (&cfg.shortqa, SHORTQA_TEMPLATE, SHORTQA_READER_TEMPLATE, 32, vec!["\n".to_string()]),
+        // No stop sequence by default: the answer is the reply's first non-empty line, and a
+        // "\n" stop would end a reply that begins with a line break (small models often do)
+        // before that line, empty. `max_tokens` caps the reply instead.
+        let (t, default, reader_default, tokens) = match task {
+            Task::Mc => (&cfg.mc, MC_TEMPLATE, MC_READER_TEMPLATE, 8),
+            Task::ShortQa => (&cfg.shortqa, SHORTQA_TEMPLATE, SHORTQA_READER_TEMPLATE, 32),
         };
         let name = task.name();
         let by_logprobs = match t.answer_by.as_deref().unwrap_or("logprobs") {
@@ -169,6 +172,13 @@ impl TaskPrompts {
             "text" => false,
             other => bail!("{name}.answer_by {other:?}: expected logprobs or text"),
         };
+        let stop = t.stop.clone().unwrap_or_default();
+        if let Some(s) = stop.iter().find(|s| s.trim().is_empty()) {
+            bail!(
+                "{name}.stop {s:?}: a stop of white space only ends a reply that begins with it before its first word, while the answer is \
+                 the reply's first non-empty line; leave it out (max_tokens caps the reply)"
+            );
+        }
         let demonstrations = t.demonstrations.unwrap_or(0);
         if demonstrations > 0 && t.demonstrations_file.is_none() {
             bail!("{name}.demonstrations is {demonstrations} but {name}.demonstrations_file is not set");
@@ -186,7 +196,7 @@ impl TaskPrompts {
             passage_chars: cfg.passages.max_chars,
             by_logprobs,
             max_tokens: t.max_tokens.unwrap_or(tokens),
-            stop: t.stop.clone().unwrap_or(stop),
+            stop,
             demonstrations,
             demonstrations_file: t.demonstrations_file.clone(),
         })
@@ -205,6 +215,20 @@ mod tests {
             TaskPrompts::new(&cfg, task).unwrap();
         }
         assert_eq!(cfg.target.name.as_deref(), Some("openai"));
+    }
+
+    #[test]
+    fn no_stop_cuts_a_reply_before_its_first_non_empty_line() {
+        for task in [Task::Mc, Task::ShortQa] {
+            assert!(TaskPrompts::new(&AugmentConfig::default(), task).unwrap().stop.is_empty());
+        }
+        for stop in ["\\n", "\\n\\n", " \\n"] {
+            let cfg: AugmentConfig = toml::from_str(&format!("[shortqa]\nstop = [\"{stop}\"]\n")).unwrap();
+            let e = TaskPrompts::new(&cfg, Task::ShortQa).unwrap_err().to_string();
+            assert!(e.contains("shortqa.stop") && e.contains("first non-empty line"), "{e}");
+        }
+        let cfg: AugmentConfig = toml::from_str("[shortqa]\nstop = [\"\\nQ:\"]\n").unwrap();
+        assert_eq!(TaskPrompts::new(&cfg, Task::ShortQa).unwrap().stop, vec!["\nQ:".to_string()]);
     }
 
     #[test]

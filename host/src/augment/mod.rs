@@ -263,8 +263,10 @@ fn mc_record(conn: &dyn Connector, p: &TaskPrompts, item: &Prepared, reply: &Val
     mc_from_text(item, &letters, &text, extra)
 }
 
+/// The choice named on the reply's first non-empty line (the rest, with no stop sequence, is
+/// the model going on past its answer).
 fn mc_from_text(item: &Prepared, letters: &[String], text: &str, extra: Value) -> Value {
-    match answer::parse_choice(text, letters, &item.probe.choices) {
+    match answer::parse_choice(&answer::first_line(text), letters, &item.probe.choices) {
         Some(k) => record(item, json!(text), json!(letters[k]), "text", k == item.probe.answer, None, extra),
         // Answered, but with no recognisable choice: wrong, not failed.
         None => record(item, json!(text), Value::Null, "text", false, None, extra),
