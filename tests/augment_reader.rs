@@ -104,3 +104,34 @@ fn a_reader_target_refuses_a_base_url() {
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("--base-url is for connector targets"), "{}", stderr(&out));
 }
+
+/// The reader's prompt digest covers the passages uncut; the cut (`[passages].max_chars`) is in
+/// the setup digest, so a run with another cut is never resumed with the old answers.
+#[test]
+fn a_reader_run_with_another_passage_cut_is_not_resumed() {
+    let dir = TempDir::new("augment-fid-cut");
+    let model = root().join("tests/fixtures/t5/t5-v1_1");
+    let s = slice();
+    let bm25 = dir.path().join("bm25");
+    let out = host(&["index", "build", "--kind", "bm25", "--corpus", p(&s.corpus), "--output", p(&bm25)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let retriever = format!("bm25:{}", p(&bm25));
+    let mc = minikilt().join("mc/dev.jsonl");
+    let out_path = dir.path().join("mc.jsonl");
+    let run = |max_chars: usize| {
+        let cfg = dir.path().join(format!("fid-{max_chars}.toml"));
+        std::fs::write(&cfg, format!("[target]\nname = \"fid\"\n[retrieval]\ncorpus = \"{}\"\n[passages]\nmax_chars = {max_chars}\n", p(&s.corpus))).unwrap();
+        host(&[
+            "augment", "--config", p(&cfg), "--task", "mc", "--input", p(&mc), "--output", p(&out_path), "--model", p(&model),
+            "--retriever", &retriever, "--k", "1", "--limit", "2",
+        ])
+    };
+    let first = run(0);
+    assert!(first.status.success(), "{}", stderr(&first));
+    let again = run(0);
+    assert!(again.status.success(), "{}", stderr(&again));
+    assert!(stderr(&again).contains("2 answered before, 0 to ask"), "{}", stderr(&again));
+    let cut = run(40);
+    assert_eq!(cut.status.code(), Some(1), "answers made from uncut passages were resumed: {}", stderr(&cut));
+    assert!(stderr(&cut).contains("prompt settings"), "{}", stderr(&cut));
+}

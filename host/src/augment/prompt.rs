@@ -13,6 +13,7 @@ enum Piece {
 #[derive(Debug, Clone)]
 pub struct Template {
     pieces: Vec<Piece>,
+    source: String,
 }
 
 impl Template {
@@ -59,7 +60,12 @@ impl Template {
         if !lit.is_empty() {
             pieces.push(Piece::Text(lit));
         }
-        Ok(Template { pieces })
+        Ok(Template { pieces, source: text.to_string() })
+    }
+
+    /// The text it was parsed from.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Fill in the placeholders; one missing from `vars` renders empty.

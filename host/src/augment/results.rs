@@ -8,28 +8,73 @@
 //! made with another recipe: that is refused unless `--overwrite`, so two settings never mix
 //! in one file. Records of questions this run does not ask (a smaller `--limit`, a sample)
 //! are kept in the file untouched. The kept lines are rewritten atomically before appending.
+//!
+//! One run at a time per file: `OUTPUT.lock` beside it is held (an exclusive `flock`) for the
+//! run's life, so a second run on the same output is refused rather than replace the file
+//! while the first appends to the one it unlinked.
 
 use anyhow::{bail, Context, Result};
 use rak_core::fsutil;
 use serde_json::Value;
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
-use std::io::Write;
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
 pub struct Results {
     path: PathBuf,
     file: File,
+    _lock: OutputLock,
+}
+
+/// The exclusive right to write one output, held until dropped. The kernel releases it when
+/// the process ends however it ends, so a killed run leaves no stale lock to clear.
+pub struct OutputLock {
+    _file: File,
+}
+
+impl OutputLock {
+    /// Lock `OUTPUT.lock` beside `output` (created if missing), or refuse naming the process
+    /// that holds it.
+    pub fn take(output: &Path) -> Result<Self> {
+        let mut name = output.file_name().with_context(|| format!("{}: not a file name", output.display()))?.to_os_string();
+        name.push(".lock");
+        let path = output.with_file_name(name);
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+        }
+        // Never removed: a process that opened the file before a removal would lock the old
+        // one while the next locks a new file under the same name, and both would write.
+        let mut file = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&path).with_context(|| format!("{}: cannot open", path.display()))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => {
+                let mut holder = String::new();
+                let _ = file.read_to_string(&mut holder);
+                let holder = holder.trim();
+                let who = if holder.is_empty() { String::new() } else { format!(" (pid {holder})") };
+                bail!(
+                    "{}: another host augment{who} is writing this output (it holds {}); wait for it to finish or use another --output",
+                    output.display(),
+                    path.display()
+                );
+            }
+            Err(TryLockError::Error(e)) => return Err(e).with_context(|| format!("{}: cannot lock", path.display())),
+        }
+        // Who holds it, for the message a second run prints.
+        let _ = file.set_len(0).and_then(|_| file.rewind()).and_then(|_| write!(file, "{}", std::process::id()));
+        Ok(OutputLock { _file: file })
+    }
 }
 
 /// Finished records of an earlier run, by item id.
 pub type Done = HashMap<String, Value>;
 
 impl Results {
-    /// Open `path` for appending. `expected` maps each item id to the SHA-256 of its prompt,
-    /// `setup` is the SHA-256 of the rest that decides an answer; returns the records already
-    /// answered with both.
-    pub fn open(path: &Path, expected: &HashMap<String, String>, setup: &str, overwrite: bool) -> Result<(Self, Done)> {
+    /// Open `path` for appending, under its `lock`. `expected` maps each item id to the SHA-256
+    /// of its prompt, `setup` is the SHA-256 of the rest that decides an answer; returns the
+    /// records already answered with both.
+    pub fn open(path: &Path, lock: OutputLock, expected: &HashMap<String, String>, setup: &str, overwrite: bool) -> Result<(Self, Done)> {
         let mut done = Done::new();
         let mut others: Vec<Value> = Vec::new();
         let mut dropped_errors = 0;
@@ -62,7 +107,7 @@ impl Results {
                 }
                 if rec["setup_sha256"].as_str() != Some(setup) {
                     bail!(
-                        "{}:{}: item {id:?} was asked of another target, model or answering settings; use another --output, or --overwrite",
+                        "{}:{}: item {id:?} was asked of another target, model, prompt settings or answering settings; use another --output, or --overwrite",
                         path.display(),
                         n + 1
                     );
@@ -87,7 +132,7 @@ impl Results {
             eprintln!("augment: asking again {dropped_errors} items that failed last time");
         }
         let file = OpenOptions::new().append(true).open(path).with_context(|| format!("{}: cannot open for appending", path.display()))?;
-        Ok((Results { path: path.to_path_buf(), file }, done))
+        Ok((Results { path: path.to_path_buf(), file, _lock: lock }, done))
     }
 
     /// Append one record as a single write, flushed to the OS at once.
@@ -106,6 +151,10 @@ impl Results {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn open(path: &Path, expected: &HashMap<String, String>, setup: &str, overwrite: bool) -> Result<(Results, Done)> {
+        Results::open(path, OutputLock::take(path)?, expected, setup, overwrite)
+    }
 
     fn tmp(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("rak-results-{}-{name}", std::process::id()));
@@ -126,13 +175,13 @@ mod tests {
             ),
         )
         .unwrap();
-        let (mut r, done) = Results::open(&p, &expected, "s", false).unwrap();
+        let (mut r, done) = open(&p, &expected, "s", false).unwrap();
         assert_eq!(done.keys().collect::<Vec<_>>(), vec!["a"]);
         r.append(&json!({"_id": "b", "prompt_sha256": "h2", "setup_sha256": "s", "error": null})).unwrap();
         drop(r);
-        let e = Results::open(&p, &expected, "other", false).err().unwrap().to_string();
-        assert!(e.contains("another target, model or answering settings"), "{e}");
-        let (_, done) = Results::open(&p, &expected, "s", false).unwrap();
+        let e = open(&p, &expected, "other", false).err().unwrap().to_string();
+        assert!(e.contains("another target, model, prompt settings or answering settings"), "{e}");
+        let (_, done) = open(&p, &expected, "s", false).unwrap();
         assert_eq!(done.len(), 2);
         let lines = std::fs::read_to_string(&p).unwrap();
         assert_eq!(lines.lines().count(), 2);
@@ -147,9 +196,20 @@ mod tests {
             format!("{}\n{}\n", json!({"_id": "a", "prompt_sha256": "h1", "setup_sha256": "s", "error": null}), json!({"_id": "z", "prompt_sha256": "hz", "setup_sha256": "s", "error": null})),
         )
         .unwrap();
-        let (_, done) = Results::open(&p, &expected, "s", false).unwrap();
+        let (_, done) = open(&p, &expected, "s", false).unwrap();
         assert_eq!(done.keys().collect::<Vec<_>>(), vec!["a"]);
         assert!(std::fs::read_to_string(&p).unwrap().contains("\"z\""));
+    }
+
+    #[test]
+    fn a_second_writer_is_refused_while_the_first_holds_the_file() {
+        let p = tmp("lock");
+        let expected = HashMap::new();
+        let (first, _) = open(&p, &expected, "s", false).unwrap();
+        let e = OutputLock::take(&p).err().unwrap().to_string();
+        assert!(e.contains("another host augment") && e.contains(&format!("pid {}", std::process::id())), "{e}");
+        drop(first);
+        assert!(open(&p, &expected, "s", false).is_ok(), "free again once the first is done");
     }
 
     #[test]
@@ -157,9 +217,9 @@ mod tests {
         let p = tmp("mismatch");
         let expected: HashMap<String, String> = [("a".to_string(), "new".to_string())].into();
         std::fs::write(&p, format!("{}\n", json!({"_id": "a", "prompt_sha256": "old", "setup_sha256": "s", "error": null}))).unwrap();
-        let e = Results::open(&p, &expected, "s", false).err().unwrap().to_string();
+        let e = open(&p, &expected, "s", false).err().unwrap().to_string();
         assert!(e.contains("another prompt"), "{e}");
-        let (_, done) = Results::open(&p, &expected, "s", true).unwrap();
+        let (_, done) = open(&p, &expected, "s", true).unwrap();
         assert!(done.is_empty());
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "");
     }

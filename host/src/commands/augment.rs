@@ -2,13 +2,15 @@
 //! (a connector plugin over HTTP, or a local reader plugin), and measure accuracy.
 //!
 //! Results stream to `--output` (JSONL, one line per item as it finishes, see
-//! `crate::augment::results`); a rerun asks only for what is missing. The summary on stdout is
-//! JSON; the exit code is 0 when every item was answered and 3 when some failed (their error
-//! records say why; rerunning asks them again).
+//! `crate::augment::results`); a rerun asks only for what is missing, and a second run on the
+//! same output is refused while the first goes. The summary on stdout is JSON: `accuracy`
+//! counts failed items wrong (the headline), `accuracy_answered` leaves them out; the exit
+//! code is 0 when every item was answered and 3 when some failed (their error records say
+//! why; rerunning asks them again).
 
 use super::encode::{encoder_settings, ModelArgs};
 use crate::augment::config::{AugmentConfig, Task, TaskPrompts};
-use crate::augment::results::Results;
+use crate::augment::results::{OutputLock, Results};
 use crate::augment::{ask_connector, ask_reader, render_demos, Passage, Prepared, Probe};
 use crate::registry::Registry;
 use anyhow::{bail, Context, Result};
@@ -87,6 +89,8 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
     let cfg = AugmentConfig::read(&args.config)?;
     let task = Task::parse(&args.task)?;
     let prompts = TaskPrompts::new(&cfg, task)?;
+    // Before any work: a second run on this output is refused at once.
+    let lock = OutputLock::take(&args.output)?;
     let name = args.target.clone().or(cfg.target.name.clone()).context("no target: give --target or target.name in the recipe")?;
     let mut settings = cfg.target_settings()?;
     let kind = registry.kind_of(&name).with_context(|| format!("no plugin named {name:?} (see `host plugins list`)"))?;
@@ -139,7 +143,7 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
         Target::Connector(registry.connector(&name, &settings)?)
     };
     let setup = setup_sha256(&name, &settings, &prompts);
-    let (mut out, done) = Results::open(&args.output, &expected, &setup, args.overwrite)?;
+    let (mut out, done) = Results::open(&args.output, lock, &expected, &setup, args.overwrite)?;
     let pending: Vec<&Prepared> = prepared.iter().filter(|p| !done.contains_key(&p.probe.id)).collect();
     eprintln!(
         "augment: {} {} questions, {} answered before, {} to ask; target {name}, passages {retriever}{}",
@@ -163,8 +167,8 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
         tally.add(&rec);
         bar.inc(1);
         bar.set_message(match in_flight {
-            Some(n) => format!("acc {:.3} · failed {} · in flight {n}", tally.accuracy(), tally.failed),
-            None => format!("acc {:.3} · failed {}", tally.accuracy(), tally.failed),
+            Some(n) => format!("acc {:.3} (failed = wrong) · failed {} · in flight {n}", tally.accuracy(), tally.failed),
+            None => format!("acc {:.3} (failed = wrong) · failed {}", tally.accuracy(), tally.failed),
         });
         records.push(rec);
         Ok(())
@@ -221,10 +225,12 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
     Ok((summary, failed))
 }
 
-/// What, besides the prompt, decides an answer: the target, its settings that change replies,
-/// and the answering settings. Connection settings (base URL, timeouts, retries, cache) are
-/// left out, so a local server restarted on another port keeps its answers; name the model
-/// in `model` to tell servers apart.
+/// What, besides the prompt's digest, decides an answer: the target, its settings that change
+/// replies, everything that shapes prompts (templates, the passage template and separator,
+/// the passage cut: a reader's prompt digest covers the passages uncut), and the answering
+/// settings. Connection settings (base URL, timeouts, retries, cache) are left out, so a
+/// local server restarted on another port keeps its answers; name the model in `model` to
+/// tell servers apart.
 fn setup_sha256(target: &str, settings: &Value, p: &TaskPrompts) -> String {
     const CONNECTION: [&str; 13] = [
         "base_url", "api_key_env", "timeout_s", "connect_timeout_s", "concurrency", "max_retries", "retry_budget_s",
@@ -233,7 +239,15 @@ fn setup_sha256(target: &str, settings: &Value, p: &TaskPrompts) -> String {
     let mut kept = settings.as_object().cloned().unwrap_or_default();
     kept.retain(|k, _| !CONNECTION.contains(&k.as_str()));
     let answering = json!({"by_logprobs": p.by_logprobs, "max_tokens": p.max_tokens, "stop": p.stop});
-    crate::augment::sha256(&json!({"target": target, "settings": kept, "answering": answering}).to_string())
+    let prompt = json!({
+        "template": p.template.source(),
+        "reader_template": p.reader_template.source(),
+        "choice": p.choice.source(),
+        "passage": p.passage.source(),
+        "separator": p.separator,
+        "passage_chars": p.passage_chars,
+    });
+    crate::augment::sha256(&json!({"target": target, "settings": kept, "prompt": prompt, "answering": answering}).to_string())
 }
 
 fn load_probes(task: Task, path: &Path) -> Result<Vec<Probe>> {
@@ -321,17 +335,37 @@ impl Tally {
         }
     }
 
+    /// Over every item, a failed one counted wrong: what a reader of the headline expects,
+    /// and what a run whose failures fall on hard items cannot inflate.
     fn accuracy(&self) -> f64 {
-        if self.answered == 0 {
-            0.0
-        } else {
-            self.correct as f64 / self.answered as f64
-        }
+        ratio(self.correct, self.answered + self.failed)
+    }
+
+    /// Over the answered items only.
+    fn accuracy_answered(&self) -> f64 {
+        ratio(self.correct, self.answered)
     }
 }
 
-/// Accuracy per subject over the answered items, their macro average, and the target's
-/// request and token totals.
+fn ratio(n: usize, d: usize) -> f64 {
+    if d == 0 {
+        0.0
+    } else {
+        n as f64 / d as f64
+    }
+}
+
+fn mean(xs: &[f64]) -> f64 {
+    if xs.is_empty() {
+        0.0
+    } else {
+        xs.iter().sum::<f64>() / xs.len() as f64
+    }
+}
+
+/// Accuracy per subject and its macro (over subjects) and micro (over items) averages, twice:
+/// `accuracy` counts failed items wrong, `accuracy_answered` leaves them out (subjects with no
+/// answered item out of its macro average); and the target's request and token totals.
 fn summarize(records: &[Value], task: Task, target: &str, retriever: &str, k: usize, output: &Path, stats: Value) -> Value {
     let mut by_subject: BTreeMap<String, Tally> = BTreeMap::new();
     let mut all = Tally::default();
@@ -343,10 +377,14 @@ fn summarize(records: &[Value], task: Task, target: &str, retriever: &str, k: us
             *methods.entry(r["method"].as_str().unwrap_or("").to_string()).or_default() += 1;
         }
     }
-    let per_subject: BTreeMap<&String, Value> =
-        by_subject.iter().map(|(s, t)| (s, json!({"accuracy": t.accuracy(), "answered": t.answered, "failed": t.failed}))).collect();
-    let answered: Vec<f64> = by_subject.values().filter(|t| t.answered > 0).map(Tally::accuracy).collect();
-    let macro_avg = if answered.is_empty() { 0.0 } else { answered.iter().sum::<f64>() / answered.len() as f64 };
+    let per_subject: BTreeMap<&String, Value> = by_subject
+        .iter()
+        .map(|(s, t)| (s, json!({"accuracy": t.accuracy(), "items": t.answered + t.failed, "answered": t.answered, "failed": t.failed})))
+        .collect();
+    let per_subject_answered: BTreeMap<&String, Value> =
+        by_subject.iter().filter(|(_, t)| t.answered > 0).map(|(s, t)| (s, json!({"accuracy": t.accuracy_answered(), "answered": t.answered}))).collect();
+    let macro_all = mean(&by_subject.values().map(Tally::accuracy).collect::<Vec<_>>());
+    let macro_answered = mean(&by_subject.values().filter(|t| t.answered > 0).map(Tally::accuracy_answered).collect::<Vec<_>>());
     json!({
         "task": task.name(),
         "target": target,
@@ -355,9 +393,54 @@ fn summarize(records: &[Value], task: Task, target: &str, retriever: &str, k: us
         "items": records.len(),
         "answered": all.answered,
         "failed": all.failed,
-        "accuracy": {"macro": macro_avg, "micro": all.accuracy(), "per_subject": per_subject},
+        "accuracy": {"macro": macro_all, "micro": all.accuracy(), "per_subject": per_subject},
+        "accuracy_answered": {"macro": macro_answered, "micro": all.accuracy_answered(), "per_subject": per_subject_answered},
         "methods": methods,
         "target_stats": stats,
         "output": output,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_setup_hash_covers_what_shapes_the_prompt() {
+        let base = TaskPrompts::new(&AugmentConfig::default(), Task::Mc).unwrap();
+        let settings = json!({"base_url": "http://127.0.0.1:8080", "model": "m"});
+        let h = setup_sha256("fid", &settings, &base);
+        for recipe in [
+            "[passages]\nmax_chars = 100\n",
+            "[passages]\nseparator = \"\\n\"\n",
+            "[passages]\ntemplate = \"{text}\"\n",
+            "[mc]\nreader_template = \"{question}\"\n",
+            "[mc]\ntemplate = \"{passages}{question}\"\n",
+            "[mc]\nchoice = \"{letter}) {choice}\"\n",
+        ] {
+            let p = TaskPrompts::new(&toml::from_str(recipe).unwrap(), Task::Mc).unwrap();
+            assert_ne!(setup_sha256("fid", &settings, &p), h, "{recipe}");
+        }
+        // A local server restarted on another port is the same target; another model is not.
+        assert_eq!(setup_sha256("fid", &json!({"base_url": "http://127.0.0.1:9999", "model": "m"}), &base), h);
+        assert_ne!(setup_sha256("fid", &json!({"base_url": "http://127.0.0.1:8080", "model": "n"}), &base), h);
+    }
+
+    #[test]
+    fn failed_items_count_wrong_in_the_headline() {
+        let recs = vec![
+            json!({"subject": "a", "error": null, "correct": true, "method": "text"}),
+            json!({"subject": "a", "error": "boom", "correct": false}),
+            json!({"subject": "b", "error": null, "correct": false, "method": "text"}),
+            json!({"subject": "b", "error": null, "correct": true, "method": "text"}),
+        ];
+        let s = summarize(&recs, Task::Mc, "openai", "none", 3, Path::new("o.jsonl"), Value::Null);
+        assert_eq!((s["items"].as_u64(), s["answered"].as_u64(), s["failed"].as_u64()), (Some(4), Some(3), Some(1)));
+        let acc = &s["accuracy"];
+        assert_eq!((acc["micro"].as_f64(), acc["macro"].as_f64()), (Some(0.5), Some(0.5)), "{s}");
+        assert_eq!(acc["per_subject"]["a"]["accuracy"].as_f64(), Some(0.5));
+        let answered = &s["accuracy_answered"];
+        assert_eq!((answered["micro"].as_f64(), answered["macro"].as_f64()), (Some(2.0 / 3.0), Some(0.75)), "{s}");
+        assert_eq!(answered["per_subject"]["a"]["accuracy"].as_f64(), Some(1.0));
+    }
 }
