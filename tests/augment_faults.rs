@@ -2,11 +2,14 @@
 //! (seconds and HTTP date), 500, bodies that are not JSON, stalls past the timeout and dropped
 //! connections are retried within bounds; every item ends answered or with an error record;
 //! a killed run resumes asking only for what is missing; prompts over the context are cut;
-//! the API key never shows.
+//! the API key never shows. Malformed replies are never cached; each endpoint's limit on
+//! log-probabilities is kept; the cache and the resume follow the model the server serves,
+//! not its port; a second run on one output is refused; oversized replies fail.
 
 use rak_e2e::fake_openai::{FakeServer, Fault, Options};
 use rak_e2e::*;
-use serde_json::Value;
+use rak_host::{Registry, Source};
+use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -24,12 +27,17 @@ fn recipe(dir: &Path, url: &str, extra: &str) -> std::path::PathBuf {
 }
 
 fn recipe_with_corpus(dir: &Path, url: &str, extra: &str, corpus: &Path) -> std::path::PathBuf {
+    recipe_full(dir, url, "fake", extra, corpus)
+}
+
+/// A recipe with this `model` setting ("" = ask the server what it serves).
+fn recipe_full(dir: &Path, url: &str, model: &str, extra: &str, corpus: &Path) -> std::path::PathBuf {
     let cfg = dir.join("recipe.toml");
     let cache = dir.join("cache");
     std::fs::write(
         &cfg,
         format!(
-            "[target]\nname = \"openai\"\nsettings = {{ base_url = \"{url}/v1\", model = \"fake\", api_key_env = \"RAK_TEST_KEY\", timeout_s = 1.0, \
+            "[target]\nname = \"openai\"\nsettings = {{ base_url = \"{url}/v1\", model = \"{model}\", api_key_env = \"RAK_TEST_KEY\", timeout_s = 1.0, \
              concurrency = 4, max_retries = 4, retry_budget_s = 30, backoff_base_s = 0.05, backoff_max_s = 0.2, cache_dir = \"{}\"{extra} }}\n\
              [retrieval]\ncorpus = \"{}\"\n",
             p(&cache),
@@ -41,11 +49,35 @@ fn recipe_with_corpus(dir: &Path, url: &str, extra: &str, corpus: &Path) -> std:
 }
 
 fn augment(cfg: &Path, task: &str, n: usize, out: &Path, more: &[&str]) -> Output {
+    augment_with_key(cfg, task, n, out, more, KEY)
+}
+
+fn augment_with_key(cfg: &Path, task: &str, n: usize, out: &Path, more: &[&str], key: &str) -> Output {
+    augment_command(cfg, task, n, out, more, key).output().unwrap()
+}
+
+fn augment_command(cfg: &Path, task: &str, n: usize, out: &Path, more: &[&str], key: &str) -> Command {
     let input = minikilt().join(format!("{task}/dev.jsonl"));
     let limit = n.to_string();
     let mut args = vec!["augment", "--config", p(cfg), "--task", task, "--input", p(&input), "--output", p(out), "--limit", &limit];
     args.extend_from_slice(more);
-    Command::new(host_bin()).args(&args).env_remove("RAK_PLUGIN_PATH").env("RAK_TEST_KEY", KEY).output().unwrap()
+    let mut c = Command::new(host_bin());
+    c.args(&args).env_remove("RAK_PLUGIN_PATH").env("RAK_TEST_KEY", key);
+    c
+}
+
+/// The first `n` short questions of the dev file: (id, question, first alias).
+fn short_questions(n: usize) -> Vec<(String, String, String)> {
+    std::fs::read_to_string(minikilt().join("shortqa/dev.jsonl"))
+        .unwrap()
+        .lines()
+        .take(n)
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            let text = |k: &str| v[k].as_str().unwrap().to_string();
+            (text("_id"), text("question"), v["answers"][0].as_str().unwrap().to_string())
+        })
+        .collect()
 }
 
 fn records(path: &Path) -> Vec<Value> {
@@ -169,6 +201,11 @@ fn retries_are_bounded_and_failed_items_are_asked_again() {
     assert_eq!(attempts, 5, "max_retries = 4: five attempts in all");
     let summary: Value = serde_json::from_str(&stdout(&out)).unwrap();
     assert_eq!((summary["answered"].as_u64(), summary["failed"].as_u64()), (Some(5), Some(1)));
+    // The headline counts the failed item wrong; the answered-only figure is given beside it.
+    let correct = recs.iter().filter(|r| r["correct"] == true).count() as f64;
+    assert_eq!(summary["accuracy"]["micro"].as_f64(), Some(correct / 6.0), "{summary}");
+    assert_eq!(summary["accuracy"]["per_subject"]["shortqa"]["accuracy"].as_f64(), Some(correct / 6.0), "{summary}");
+    assert_eq!(summary["accuracy_answered"]["micro"].as_f64(), Some(correct / 5.0), "{summary}");
 
     // Against a healthy server, only the failed item is asked again.
     let good = FakeServer::start(Options::default());
@@ -318,4 +355,291 @@ fn a_missing_key_variable_is_a_clear_error_that_names_it() {
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("RAK_TEST_KEY"), "{}", stderr(&out));
     assert!(server.log().is_empty());
+}
+
+#[test]
+fn malformed_replies_are_never_cached() {
+    let dir = TempDir::new("augment-shape");
+    let qs = short_questions(4);
+    let shapes = [json!({"choices": []}), Value::Null, json!({"choices": [{"index": 0, "finish_reason": "stop"}]})];
+    let needles: Vec<String> = qs.iter().take(3).map(|q| q.1.clone()).collect();
+    // The first answer to each of three questions is well-formed JSON of the wrong shape.
+    let server = FakeServer::start(Options {
+        plan: Box::new(move |prompt, attempt| {
+            let i = needles.iter().position(|n| prompt.contains(n.as_str()))?;
+            (attempt == 0).then(|| Fault::Shape(shapes[i].clone()))
+        }),
+        ..Options::default()
+    });
+    let cfg = recipe(dir.path(), &server.url, "");
+    let out_path = dir.path().join("results.jsonl");
+    let out = augment(&cfg, "shortqa", 4, &out_path, &[]);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    let recs = records(&out_path);
+    let failed: Vec<&Value> = recs.iter().filter(|r| !r["error"].is_null()).collect();
+    assert_eq!(failed.len(), 3, "{recs:?}");
+    for r in &failed {
+        assert!(r["error"].as_str().unwrap().starts_with("bad_reply"), "{r}");
+    }
+    // The rerun asks the server again (nothing malformed was cached) and is answered.
+    let before = server.log().len();
+    let again = augment(&cfg, "shortqa", 4, &out_path, &[]);
+    assert!(again.status.success(), "a malformed reply was served from the cache: {}", stderr(&again));
+    assert_eq!(server.log().len(), before + 3, "{:?}", &server.log()[before..]);
+    assert!(records(&out_path).iter().all(|r| r["error"].is_null()));
+    // Every accepted reply is cached: a fresh output asks nothing.
+    let fresh = dir.path().join("fresh.jsonl");
+    let third = augment(&cfg, "shortqa", 4, &fresh, &[]);
+    assert!(third.status.success(), "{}", stderr(&third));
+    let s: Value = serde_json::from_str(&stdout(&third)).unwrap();
+    assert_eq!((s["target_stats"]["requests"].as_u64(), s["target_stats"]["cache_hits"].as_u64()), (Some(0), Some(4)), "{s}");
+}
+
+#[test]
+fn a_forced_token_the_server_ignored_is_never_cached() {
+    let dir = TempDir::new("augment-forced");
+    // llama.cpp's /completion prompts are token ids: the fake's begin with BOS (id 1). The
+    // first answer for each context ignores the logit bias.
+    let server = FakeServer::start(Options { plan: Box::new(|prompt, attempt| (prompt.starts_with('\u{1}') && attempt == 0).then_some(Fault::IgnoreBias)), ..Options::default() });
+    let registry = Registry::discover(&[Source::Dir(release_dir())]).unwrap();
+    let settings = json!({"base_url": server.url, "model": "fake", "continuation_method": "forced", "cache_dir": dir.path().join("cache"), "max_retries": 0});
+    let conn = registry.connector("openai", &settings).unwrap();
+    let ask = json!({"op": "continuation_logprob", "prompt": "Q: The capital of Peru is A:", "continuation": "L"});
+    let first = conn.complete(ask.clone()).unwrap();
+    assert_eq!(first["error"]["kind"], "bad_reply", "{first}");
+    assert!(first["error"]["message"].as_str().unwrap().contains("forced token"), "{first}");
+    let second = conn.complete(ask.clone()).unwrap();
+    assert!(second.get("error").is_none(), "the ignored token was served from the cache: {second}");
+    assert_eq!((second["logprob"].as_f64(), second["tokens"].as_u64(), second["method"].as_str()), (Some(-0.5), Some(1), Some("forced_logit_bias")));
+    let completions = server.log().iter().filter(|l| l.path == "/completion").count();
+    assert_eq!(completions, 2);
+    // The accepted one is cached.
+    let third = conn.complete(ask).unwrap();
+    assert_eq!(third["cached"], true, "{third}");
+}
+
+#[test]
+fn short_keys_and_placeholders_never_rewrite_replies() {
+    let dir = TempDir::new("augment-shortkey");
+    // The text holds "EMPTY" (vLLM's placeholder key); every reply holds "text" and the number 1.
+    let server = FakeServer::start(Options { text: Some(Box::new(|_| " EMPTY set\nQ: next".to_string())), ..Options::default() });
+    for key in ["1", "text", "EMPTY"] {
+        let cfg = recipe(dir.path(), &server.url, ", cache = false");
+        let out_path = dir.path().join(format!("results-{key}.jsonl"));
+        let out = augment_with_key(&cfg, "shortqa", 3, &out_path, &[], key);
+        assert!(out.status.success(), "key {key:?}: {}", stderr(&out));
+        for r in records(&out_path) {
+            assert_eq!(r["answer"], "EMPTY set", "key {key:?}: {r}");
+        }
+    }
+}
+
+#[test]
+fn openais_masked_key_in_a_refusal_is_scrubbed() {
+    let dir = TempDir::new("augment-masked");
+    let server = FakeServer::start(Options { plan: Box::new(|_, _| Some(Fault::PartialKey)), ..Options::default() });
+    let cfg = recipe(dir.path(), &server.url, "");
+    let out_path = dir.path().join("results.jsonl");
+    let out = augment(&cfg, "shortqa", 1, &out_path, &[]);
+    assert_eq!(out.status.code(), Some(3));
+    let e = records(&out_path)[0]["error"].as_str().unwrap().to_string();
+    assert!(e.contains("401") && e.contains("Incorrect API key provided: <api key>."), "{e}");
+    let tail = &KEY[KEY.len() - 4..];
+    for text in [e.as_str(), &stdout(&out), &stderr(&out), &all_text_under(dir.path())] {
+        assert!(!text.contains(tail) && !text.contains(&KEY[..8]), "part of the key shows: {text}");
+    }
+}
+
+#[test]
+fn a_reply_that_quotes_the_key_is_refused_and_never_stored() {
+    let dir = TempDir::new("augment-quote");
+    let server = FakeServer::start(Options { plan: Box::new(|_, attempt| (attempt == 0).then_some(Fault::QuoteKey)), ..Options::default() });
+    let cfg = recipe(dir.path(), &server.url, "");
+    let out_path = dir.path().join("results.jsonl");
+    let out = augment(&cfg, "shortqa", 2, &out_path, &[]);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    for r in records(&out_path) {
+        let e = r["error"].as_str().unwrap();
+        assert!(e.contains("API key"), "{e}");
+    }
+    for text in [stdout(&out), stderr(&out), all_text_under(dir.path())] {
+        assert!(!text.contains(KEY), "the API key leaked");
+    }
+    // Not cached: the rerun asks again and is answered.
+    let again = augment(&cfg, "shortqa", 2, &out_path, &[]);
+    assert!(again.status.success(), "{}", stderr(&again));
+    assert!(!all_text_under(dir.path()).contains(KEY));
+}
+
+#[test]
+fn a_body_cut_mid_stream_is_retried() {
+    let dir = TempDir::new("augment-truncated");
+    let server = FakeServer::start(Options { plan: Box::new(|_, attempt| (attempt == 0).then_some(Fault::Truncated)), ..Options::default() });
+    let cfg = recipe(dir.path(), &server.url, "");
+    let out_path = dir.path().join("results.jsonl");
+    let out = augment(&cfg, "shortqa", 3, &out_path, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(records(&out_path).iter().all(|r| r["error"].is_null()));
+    let s: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(s["target_stats"]["retries"], 3, "{s}");
+    assert_eq!(server.log().iter().filter(|l| l.outcome == "truncated").count(), 3);
+}
+
+#[test]
+fn top_logprobs_respect_each_endpoints_limit() {
+    let dir = TempDir::new("augment-toplogprobs");
+    let server = FakeServer::start(Options::default());
+    for (endpoint, path) in [("completions", "/v1/completions"), ("chat", "/v1/chat/completions")] {
+        let cfg = recipe(dir.path(), &server.url, &format!(", endpoint = \"{endpoint}\", top_logprobs = 20, cache = false"));
+        let out_path = dir.path().join(format!("mc-{endpoint}.jsonl"));
+        let out = augment(&cfg, "mc", 4, &out_path, &[]);
+        assert!(out.status.success(), "{endpoint}: {}", stderr(&out));
+        for r in records(&out_path) {
+            assert!(r["error"].is_null(), "{endpoint}: {r}");
+            assert_eq!(r["method"], "letter_logprobs", "{endpoint}: {r}");
+        }
+        let log: Vec<_> = server.log().into_iter().filter(|l| l.path == path).collect();
+        assert!(!log.is_empty(), "{endpoint}: nothing reached {path}");
+        for l in &log {
+            match endpoint {
+                "completions" => assert_eq!(l.body["logprobs"], 5, "OpenAI's limit on /v1/completions: {}", l.body),
+                _ => assert_eq!((&l.body["logprobs"], &l.body["top_logprobs"]), (&json!(true), &json!(20)), "{}", l.body),
+            }
+        }
+        // Short answers on this endpoint too.
+        let out_path = dir.path().join(format!("shortqa-{endpoint}.jsonl"));
+        let out = augment(&cfg, "shortqa", 3, &out_path, &[]);
+        assert!(out.status.success(), "{endpoint}: {}", stderr(&out));
+        for r in records(&out_path) {
+            assert!(r["error"].is_null() && (r["answer"] == "A" || r["answer"] == "B"), "{endpoint}: {r}");
+        }
+    }
+}
+
+#[test]
+fn short_answers_after_a_leading_line_break_are_read() {
+    let dir = TempDir::new("augment-leading-newline");
+    let qs = short_questions(6);
+    let answers = qs.clone();
+    // Small models often begin with a line break: "\nPortugal\nQ: ...".
+    let server = FakeServer::start(Options {
+        text: Some(Box::new(move |prompt| {
+            let alias = answers.iter().find(|(_, q, _)| prompt.contains(q.as_str())).map(|(_, _, a)| a.clone()).unwrap_or_default();
+            format!("\n{alias}\nQ: something else A: no")
+        })),
+        ..Options::default()
+    });
+    let cfg = recipe(dir.path(), &server.url, "");
+    let out_path = dir.path().join("results.jsonl");
+    let out = augment(&cfg, "shortqa", 6, &out_path, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let recs = records(&out_path);
+    for (id, _, alias) in &qs {
+        let r = recs.iter().find(|r| r["_id"] == id.as_str()).unwrap();
+        assert_eq!(r["answer"].as_str(), Some(alias.as_str()), "{r}");
+        assert_eq!(r["correct"], true, "{r}");
+    }
+}
+
+#[test]
+fn the_cache_and_the_resume_follow_the_served_model_not_the_port() {
+    let dir = TempDir::new("augment-served");
+    let corpus = minikilt().join("corpus.jsonl");
+    let out_path = dir.path().join("results.jsonl");
+    let serving = |m: &str| FakeServer::start(Options { models: Some(vec![m.to_string()]), ..Options::default() });
+    // model = "": the connector asks the server what it serves.
+    let a = serving("/models/SmolLM2-135M-Instruct-Q8_0.gguf");
+    let out = augment(&recipe_full(dir.path(), &a.url, "", "", &corpus), "shortqa", 3, &out_path, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let s: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(s["model"], "/models/SmolLM2-135M-Instruct-Q8_0.gguf", "{s}");
+    assert_eq!(a.log().iter().filter(|l| l.path == "/v1/models").count(), 1, "asked once");
+    // Another model behind another port: the old answers are not resumed ...
+    let b = serving("/models/qwen2.5-coder-1.5b-q4_k_m.gguf");
+    let cfg_b = recipe_full(dir.path(), &b.url, "", "", &corpus);
+    let out = augment(&cfg_b, "shortqa", 3, &out_path, &[]);
+    assert_eq!(out.status.code(), Some(1), "another model's answers were resumed: {}", stderr(&out));
+    assert!(stderr(&out).contains("another target, model"), "{}", stderr(&out));
+    // ... nor its replies served from the cache.
+    let out = augment(&cfg_b, "shortqa", 3, &dir.path().join("b.jsonl"), &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let s: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(s["target_stats"]["cache_hits"], 0, "{s}");
+    // The first model again, restarted on another port: resumed, and its cache still serves.
+    let c = serving("/models/SmolLM2-135M-Instruct-Q8_0.gguf");
+    let cfg_c = recipe_full(dir.path(), &c.url, "", "", &corpus);
+    let out = augment(&cfg_c, "shortqa", 3, &out_path, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = augment(&cfg_c, "shortqa", 3, &dir.path().join("c.jsonl"), &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let s: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!((s["target_stats"]["requests"].as_u64(), s["target_stats"]["cache_hits"].as_u64()), (Some(0), Some(3)), "{s}");
+    assert!(c.log().iter().all(|l| l.path == "/v1/models"), "only asked what it serves: {:?}", c.log());
+    // A server that cannot say what it serves, and no model named: refused, asking for one.
+    let silent = FakeServer::start(Options::default());
+    let out = augment(&recipe_full(dir.path(), &silent.url, "", "", &corpus), "shortqa", 3, &dir.path().join("d.jsonl"), &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("/v1/models") && stderr(&out).contains("model"), "{}", stderr(&out));
+    assert!(silent.log().iter().all(|l| l.path == "/v1/models"), "nothing asked without a model");
+    // Two models served and none named: refused, naming them.
+    let two = FakeServer::start(Options { models: Some(vec!["m1".into(), "m2".into()]), ..Options::default() });
+    let out = augment(&recipe_full(dir.path(), &two.url, "", "", &corpus), "shortqa", 3, &dir.path().join("e.jsonl"), &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("m1") && stderr(&out).contains("m2"), "{}", stderr(&out));
+}
+
+#[test]
+fn a_second_run_on_the_same_output_is_refused() {
+    let dir = TempDir::new("augment-lock");
+    let server = FakeServer::start(Options { delay: Duration::from_millis(100), ..Options::default() });
+    let cfg = recipe(dir.path(), &server.url, ", cache = false");
+    let out_path = dir.path().join("results.jsonl");
+    let first = augment_command(&cfg, "mc", 20, &out_path, &["--workers", "1"], KEY).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&out_path).map(|s| s.lines().count()).unwrap_or(0) < 1 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no progress");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let second = augment(&cfg, "mc", 20, &out_path, &["--workers", "1"]);
+    assert_eq!(second.status.code(), Some(1), "a second run on the same output went ahead: {}", stderr(&second));
+    assert!(stderr(&second).contains("another host augment"), "{}", stderr(&second));
+    let first = first.wait_with_output().unwrap();
+    assert!(first.status.success(), "{}", stderr(&first));
+    let recs = records(&out_path);
+    assert_eq!(recs.len(), 20, "the first run's records are all there");
+    assert_eq!(recs.iter().map(|r| r["_id"].as_str().unwrap()).collect::<HashSet<_>>().len(), 20);
+    // Once it is done, the output is free again.
+    let third = augment(&cfg, "mc", 20, &out_path, &[]);
+    assert!(third.status.success(), "{}", stderr(&third));
+}
+
+#[test]
+fn oversized_replies_fail_clearly() {
+    let dir = TempDir::new("augment-huge");
+    let qs = short_questions(2);
+    let (q0, q1) = (qs[0].1.clone(), qs[1].1.clone());
+    const MIB: usize = 1 << 20;
+    let server = FakeServer::start(Options {
+        plan: Box::new(move |prompt, _| {
+            if prompt.contains(&q0) {
+                Some(Fault::Huge(17 * MIB))
+            } else if prompt.contains(&q1) {
+                Some(Fault::HugeUnannounced(17 * MIB))
+            } else {
+                None
+            }
+        }),
+        ..Options::default()
+    });
+    let cfg = recipe(dir.path(), &server.url, "");
+    let out_path = dir.path().join("results.jsonl");
+    let out = augment(&cfg, "shortqa", 3, &out_path, &[]);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    let recs = records(&out_path);
+    assert_eq!(recs.iter().filter(|r| r["error"].is_null()).count(), 1);
+    for r in recs.iter().filter(|r| !r["error"].is_null()) {
+        let e = r["error"].as_str().unwrap();
+        assert!(e.contains("max_response_bytes") && e.contains("16777216"), "{e}");
+    }
+    assert_eq!(server.log().iter().filter(|l| l.outcome == "huge").count(), 2, "not retried");
 }

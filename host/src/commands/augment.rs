@@ -142,7 +142,23 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
     } else {
         Target::Connector(registry.connector(&name, &settings)?)
     };
-    let setup = setup_sha256(&name, &settings, &prompts);
+    // What the connector says it asks (the model the server serves when none is named, the
+    // server without its port) decides answers; a connector that cannot say is taken at its
+    // settings.
+    let described = match &target {
+        Target::Connector(conn) => conn.complete(json!({"op": "describe"})).ok().filter(|d| d.is_object() && d.get("error").is_none()),
+        Target::Reader(_) => None,
+    };
+    let mut identity = settings.clone();
+    if let Some(d) = &described {
+        if let Some(m) = d["model"].as_str() {
+            identity["model"] = json!(m);
+        }
+        if let Some(s) = d["server"].as_str() {
+            identity["server"] = json!(s);
+        }
+    }
+    let setup = setup_sha256(&name, &identity, &prompts);
     let (mut out, done) = Results::open(&args.output, lock, &expected, &setup, args.overwrite)?;
     let pending: Vec<&Prepared> = prepared.iter().filter(|p| !done.contains_key(&p.probe.id)).collect();
     eprintln!(
@@ -216,7 +232,7 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
     let asked = (pending.len(), started.elapsed().as_secs_f64());
     out.sync()?;
     let mut summary = summarize(&records, task, &name, &retriever, k, &args.output, stats);
-    summary["model"] = settings["model"].clone();
+    summary["model"] = identity["model"].clone();
     if !reader {
         summary["base_url"] = settings["base_url"].clone();
     }
@@ -226,11 +242,11 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
 }
 
 /// What, besides the prompt's digest, decides an answer: the target, its settings that change
-/// replies, everything that shapes prompts (templates, the passage template and separator,
-/// the passage cut: a reader's prompt digest covers the passages uncut), and the answering
-/// settings. Connection settings (base URL, timeouts, retries, cache) are left out, so a
-/// local server restarted on another port keeps its answers; name the model in `model` to
-/// tell servers apart.
+/// replies (with the model the connector says it asks, named or served, and the server
+/// without its port), everything that shapes prompts (templates, the passage template and
+/// separator, the passage cut: a reader's prompt digest covers the passages uncut), and the
+/// answering settings. Connection settings (base URL, timeouts, retries, cache) are left out,
+/// so a local server restarted on another port keeps its answers.
 fn setup_sha256(target: &str, settings: &Value, p: &TaskPrompts) -> String {
     const CONNECTION: [&str; 13] = [
         "base_url", "api_key_env", "timeout_s", "connect_timeout_s", "concurrency", "max_retries", "retry_budget_s",

@@ -6,6 +6,13 @@
 //! answers are the request's fault and come back at once, classified (a context overflow is
 //! its own kind, so the caller can shorten the prompt). Retries stop at `max_retries` or when
 //! the next wait would pass `retry_budget` since the first attempt, whichever comes first.
+//! A body over `max_response_bytes` fails its request without being read further.
+//!
+//! Only replies the operation accepted are cached: `post` hands each reply to the caller's
+//! check and caches it only when the check passes, so a malformed 2xx (`{"choices": []}`,
+//! `null`, a forced token the server ignored) fails its item now and is asked again next time.
+//! Bodies are parsed and cached exactly as the server sent them; the API key is scrubbed from
+//! error messages only (a 2xx body that quotes the key is refused, never stored).
 
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -164,8 +171,8 @@ impl Drop for GatePass<'_> {
     }
 }
 
-/// Replies on disk, one JSON file per request, named by the SHA-256 of (base URL, path,
-/// body): the body holds the model and every sampling setting; the key is never part of it.
+/// Replies on disk, one JSON file per request, named by the SHA-256 of (server, model, path,
+/// body): the body holds every sampling setting; the key is never part of it.
 struct Cache {
     dir: PathBuf,
     writes: AtomicU64,
@@ -197,14 +204,24 @@ impl Cache {
         }
         let _ = std::fs::remove_file(&tmp);
     }
+
+    fn remove(&self, key: &str) {
+        let _ = std::fs::remove_file(self.path(key));
+    }
 }
+
+/// Keys shorter than this are placeholders, not secrets (vLLM's `EMPTY`, `none`, `1`): scrubbing
+/// them would rewrite every message that holds the word or the digit.
+pub const MIN_SECRET_CHARS: usize = 8;
 
 pub struct Http {
     client: reqwest::blocking::Client,
     /// Server root, without a trailing `/` or `/v1`.
     pub base: String,
-    /// The model setting, part of every cache key (llama.cpp's native endpoints take none).
+    /// The model asked for (named, or the one the server said it serves), part of every cache
+    /// key (llama.cpp's native endpoints take none in their bodies).
     model: String,
+    max_body: u64,
     key: Option<ApiKey>,
     /// `Bearer KEY`, marked sensitive (reqwest then keeps it out of its Debug output).
     auth: Option<reqwest::header::HeaderValue>,
@@ -223,6 +240,7 @@ pub struct HttpConfig {
     pub concurrency: usize,
     pub retry: RetryPolicy,
     pub cache_dir: Option<PathBuf>,
+    pub max_response_bytes: u64,
 }
 
 enum Attempt {
@@ -255,6 +273,7 @@ impl Http {
             client,
             base: cfg.base,
             model: cfg.model,
+            max_body: cfg.max_response_bytes,
             key: cfg.key,
             auth,
             retry: cfg.retry,
@@ -264,45 +283,88 @@ impl Http {
         })
     }
 
-    /// POST `body` to `path` (e.g. `/v1/completions`): the reply's JSON and whether it came
-    /// from the cache.
-    pub fn post(&self, path: &str, body: &Value) -> Result<(Value, bool), ApiError> {
+    /// The model every cache key holds; set once the server said what it serves.
+    pub fn set_model(&mut self, model: String) {
+        self.model = model;
+    }
+
+    /// POST `body` to `path` (e.g. `/v1/completions`) and hand the reply's JSON to `accept`,
+    /// the operation's check: what it returns, and whether the reply came from the cache. Only
+    /// a reply `accept` takes is cached; its error comes back as the request's. A cached reply
+    /// it refuses (one an older version cached unchecked) is removed and asked afresh.
+    pub fn post<T>(&self, path: &str, body: &Value, accept: impl Fn(&Value) -> Result<T, ApiError>) -> Result<(T, bool), ApiError> {
         let body_text = body.to_string();
-        let key = cache_key(&self.base, &self.model, path, &body_text);
-        if let Some(reply) = self.cache.as_ref().and_then(|c| c.get(&key)) {
-            self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
-            self.stats.add_usage(&reply, true);
-            return Ok((reply, true));
+        let key = cache_key(&server_of(&self.base), &self.model, path, &body_text);
+        if let Some(cache) = &self.cache {
+            if let Some(reply) = cache.get(&key) {
+                match accept(&reply) {
+                    Ok(out) => {
+                        self.stats.cache_hits.fetch_add(1, Ordering::Relaxed);
+                        self.stats.add_usage(&reply, true);
+                        return Ok((out, true));
+                    }
+                    Err(e) if e.kind == ErrorKind::BadReply => cache.remove(&key),
+                    // Not the reply's fault (a request the check made failed): it stays.
+                    Err(e) => return Err(self.scrubbed(e)),
+                }
+            }
         }
+        let reply = self.fetch(path, Some(&body_text))?;
+        match accept(&reply) {
+            Ok(out) => {
+                if let Some(cache) = &self.cache {
+                    cache.put(&key, &reply);
+                }
+                Ok((out, false))
+            }
+            Err(e) => {
+                self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                Err(self.scrubbed(e))
+            }
+        }
+    }
+
+    /// GET `path` (e.g. `/v1/models`), retried as a POST is; never cached, and left out of
+    /// the stats, which count what the operations asked.
+    pub fn get(&self, path: &str) -> Result<Value, ApiError> {
+        self.fetch(path, None)
+    }
+
+    /// One request with its retries: the reply's JSON. A GET when `body` is `None`.
+    fn fetch(&self, path: &str, body: Option<&str>) -> Result<Value, ApiError> {
+        let count = |n: &AtomicU64| {
+            if body.is_some() {
+                n.fetch_add(1, Ordering::Relaxed);
+            }
+        };
         // The retry budget runs from the first send, not from the wait for a free slot.
         let mut first: Option<Instant> = None;
         let mut attempt = 0u32;
         loop {
-            let (outcome, sent) = self.attempt(path, &body_text);
+            let (outcome, sent) = self.attempt(path, body);
             let start = *first.get_or_insert(sent);
             match outcome {
                 Attempt::Done(reply) => {
-                    self.stats.add_usage(&reply, false);
-                    if let Some(cache) = &self.cache {
-                        cache.put(&key, &reply);
+                    if body.is_some() {
+                        self.stats.add_usage(&reply, false);
                     }
-                    return Ok((reply, false));
+                    return Ok(reply);
                 }
                 Attempt::Fail(e) => {
-                    self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                    count(&self.stats.failures);
                     return Err(self.scrubbed(e));
                 }
                 Attempt::Retry { why, after } => {
                     let wait = after.unwrap_or_else(|| self.backoff(attempt));
                     let elapsed = start.elapsed();
                     if attempt >= self.retry.max_retries || elapsed.saturating_add(wait) > self.retry.budget {
-                        self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                        count(&self.stats.failures);
                         return Err(self.scrubbed(ApiError::new(
                             ErrorKind::RetriesExhausted,
                             format!("{path}: gave up after {} attempts in {:.1} s; last: {why}", attempt + 1, elapsed.as_secs_f64()),
                         )));
                     }
-                    self.stats.retries.fetch_add(1, Ordering::Relaxed);
+                    count(&self.stats.retries);
                     std::thread::sleep(wait);
                     attempt += 1;
                 }
@@ -317,12 +379,28 @@ impl Http {
         e
     }
 
-    /// `text` with every occurrence of the API key replaced.
-    fn scrub(&self, text: String) -> String {
+    /// `text` with every occurrence of the API key replaced, and of the key as OpenAI's 401
+    /// shows it (a prefix, a mask, the last four characters). For messages only: a body that
+    /// is parsed or cached is never rewritten.
+    pub fn scrub(&self, text: String) -> String {
         match &self.key {
-            Some(ApiKey(key)) if !key.is_empty() && text.contains(key.as_str()) => text.replace(key.as_str(), "<api key>"),
+            Some(ApiKey(key)) if key.chars().count() >= MIN_SECRET_CHARS => {
+                let text = if text.contains(key.as_str()) { text.replace(key.as_str(), "<api key>") } else { text };
+                scrub_masked(&text, key)
+            }
             _ => text,
         }
+    }
+
+    /// At most `max` characters of `text` for a message, scrubbed before it is cut (a key cut
+    /// in two would no longer be found).
+    pub fn quote(&self, text: &str, max: usize) -> String {
+        snippet_of(&self.scrub(text.to_string()), max)
+    }
+
+    /// Whether `text` holds the API key itself (a key too short to be a secret never counts).
+    fn quotes_key(&self, text: &str) -> bool {
+        matches!(&self.key, Some(ApiKey(key)) if key.chars().count() >= MIN_SECRET_CHARS && text.contains(key.as_str()))
     }
 
     /// Exponential backoff with "equal jitter": half the step fixed, half random, so clients
@@ -333,22 +411,27 @@ impl Http {
     }
 
     /// One try, after waiting for a free slot; also returns when it was sent.
-    fn attempt(&self, path: &str, body: &str) -> (Attempt, Instant) {
+    fn attempt(&self, path: &str, body: Option<&str>) -> (Attempt, Instant) {
         let _pass = self.gate.enter();
         let sent = Instant::now();
-        self.stats.requests.fetch_add(1, Ordering::Relaxed);
-        self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        let counted = body.is_some();
+        if counted {
+            self.stats.requests.fetch_add(1, Ordering::Relaxed);
+            self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        }
         let out = self.send(path, body);
-        self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if counted {
+            self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
         (out, sent)
     }
 
-    fn send(&self, path: &str, body: &str) -> Attempt {
-        let mut req = self
-            .client
-            .post(format!("{}{path}", self.base))
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(body.to_string());
+    fn send(&self, path: &str, body: Option<&str>) -> Attempt {
+        let url = format!("{}{path}", self.base);
+        let mut req = match body {
+            Some(body) => self.client.post(url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body.to_string()),
+            None => self.client.get(url),
+        };
         if let Some(auth) = &self.auth {
             req = req.header(reqwest::header::AUTHORIZATION, auth.clone());
         }
@@ -358,26 +441,83 @@ impl Http {
         };
         let status = resp.status();
         let after = retry_after(resp.headers());
-        let text = match resp.text() {
-            // Scrubbed before anything quotes, truncates or caches it: a key cut in two by a
-            // snippet would no longer be found.
-            Ok(t) => self.scrub(t),
-            Err(e) => return Attempt::Retry { why: format!("HTTP {status}, body lost: {}", describe(&e)), after: None },
+        let too_big = |what: String| {
+            Attempt::Fail(ApiError::new(
+                ErrorKind::BadReply,
+                format!("{path}: HTTP {status} with a body {what} than max_response_bytes ({} bytes); raise it if the server is right", self.max_body),
+            ))
         };
+        if let Some(n) = resp.content_length().filter(|&n| n > self.max_body) {
+            return too_big(format!("of {n} bytes, larger"));
+        }
+        // Read to one byte past the cap: a body without a length is cut off there, not held whole.
+        let mut bytes = Vec::new();
+        if let Err(e) = std::io::Read::read_to_end(&mut std::io::Read::take(resp, self.max_body.saturating_add(1)), &mut bytes) {
+            return Attempt::Retry { why: format!("HTTP {status}, body lost: {}", describe_io(&e)), after: None };
+        }
+        if bytes.len() as u64 > self.max_body {
+            return too_big("larger".into());
+        }
+        let text = String::from_utf8_lossy(&bytes);
         if status.is_success() {
+            if self.quotes_key(&text) {
+                return Attempt::Fail(ApiError::new(
+                    ErrorKind::BadReply,
+                    format!("{path}: HTTP {status} with a body that quotes the API key; it is neither used nor cached"),
+                ));
+            }
             return match serde_json::from_str::<Value>(&text) {
-                Ok(v) if v.get("error").is_some_and(|e| !e.is_null()) => Attempt::Fail(classify(status.as_u16(), &v, &text)),
+                Ok(v) if v.get("error").is_some_and(|e| !e.is_null()) => Attempt::Fail(classify(status.as_u16(), &v, &self.scrub(text.into_owned()))),
                 Ok(v) => Attempt::Done(v),
-                Err(e) => Attempt::Retry { why: format!("HTTP {status} with a body that is not JSON ({e}): {}", snippet_of(&text, 200)), after },
+                Err(e) => Attempt::Retry { why: format!("HTTP {status} with a body that is not JSON ({e}): {}", self.quote(&text, 200)), after },
             };
         }
         let code = status.as_u16();
         if code == 429 || code == 408 || status.is_server_error() {
-            return Attempt::Retry { why: format!("HTTP {status}: {}", snippet_of(&text, 200)), after };
+            return Attempt::Retry { why: format!("HTTP {status}: {}", self.quote(&text, 200)), after };
         }
         let v = serde_json::from_str::<Value>(&text).unwrap_or(Value::Null);
-        Attempt::Fail(classify(code, &v, &text))
+        Attempt::Fail(classify(code, &v, &self.scrub(text.into_owned())))
     }
+}
+
+/// The server without its port: local servers draw a new port at each start (llama-server.sh
+/// does), and what they serve is told apart by the model, not by where it listens.
+pub fn server_of(base: &str) -> String {
+    let (scheme, rest) = base.split_once("://").unwrap_or(("", base));
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let host = match authority.rfind(':') {
+        // Not inside an IPv6 literal ("[::1]" has colons but no port).
+        Some(i) if !authority[i..].contains(']') && authority[i + 1..].bytes().all(|b| b.is_ascii_digit()) => &authority[..i],
+        _ => authority,
+    };
+    format!("{scheme}://{host}{path}")
+}
+
+/// `text` with the key as OpenAI's 401 shows it replaced: a prefix of the key (possibly
+/// none), a mask (asterisks, dots, an ellipsis), the key's last four characters.
+fn scrub_masked(text: &str, key: &str) -> String {
+    let tail_at = key.char_indices().rev().nth(3).map(|(i, _)| i).unwrap_or(0);
+    let (head, tail) = key.split_at(tail_at);
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(tail) {
+        let before = &rest[..at];
+        let unmasked = before.trim_end_matches(['*', '.', '\u{2026}']);
+        let mask = &before[unmasked.len()..];
+        if mask.contains('\u{2026}') || mask.chars().count() >= 3 {
+            // The longest prefix of the key right before the mask goes with it.
+            let k = (1..=head.len()).rev().filter(|&k| head.is_char_boundary(k)).find(|&k| unmasked.ends_with(&head[..k])).unwrap_or(0);
+            out.push_str(&unmasked[..unmasked.len() - k]);
+            out.push_str("<api key>");
+        } else {
+            out.push_str(before);
+            out.push_str(tail);
+        }
+        rest = &rest[at + tail.len()..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// SHA-256 of what identifies a reply: the server, the model setting, the endpoint and the
@@ -422,6 +562,16 @@ fn classify(status: u16, v: &Value, text: &str) -> ApiError {
         e.context_tokens = err["n_ctx"].as_u64();
     }
     e
+}
+
+fn describe_io(e: &std::io::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        msg.push_str(&format!(": {s}"));
+        src = s.source();
+    }
+    msg
 }
 
 fn describe(e: &reqwest::Error) -> String {
@@ -495,6 +645,50 @@ mod tests {
         assert_ne!(a, cache_key("http://a", "m", "/v1/chat/completions", "{}"));
         assert_ne!(a, cache_key("http://a", "m", "/v1/completions", "{ }"));
         assert_eq!(a.len(), 64);
+    }
+
+    fn http_with_key(key: &str) -> Http {
+        let retry = RetryPolicy { max_retries: 0, budget: Duration::ZERO, backoff_base: Duration::ZERO, backoff_max: Duration::ZERO };
+        Http::new(HttpConfig {
+            base: "http://127.0.0.1:1".into(),
+            model: "m".into(),
+            key: Some(ApiKey::new(key.into())),
+            timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(1),
+            concurrency: 1,
+            retry,
+            cache_dir: None,
+            max_response_bytes: 1 << 24,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn messages_are_scrubbed_of_the_key_and_of_openais_masked_form() {
+        let key = "sk-proj-abcdefghijklmnopqrstuvwxyz0123456789wxyz";
+        let h = http_with_key(key);
+        assert_eq!(h.scrub(format!("bad key {key}!")), "bad key <api key>!");
+        assert_eq!(
+            h.scrub("Incorrect API key provided: sk-proj-********************wxyz. You can find it".into()),
+            "Incorrect API key provided: <api key>. You can find it"
+        );
+        assert_eq!(h.scrub("key sk-proj-\u{2026}wxyz here".into()), "key <api key> here");
+        assert_eq!(h.scrub("key ...wxyz".into()), "key <api key>");
+        assert_eq!(h.scrub("key sk-proj-abc****wxyz".into()), "key <api key>", "a prefix of the key, masked, its last four");
+        assert_eq!(h.scrub("sk-other****wxyz".into()), "sk-other<api key>", "the mask and the last four go even after another prefix");
+        // Without a mask the last four characters alone are not the key.
+        assert_eq!(h.scrub("wxyz, HTTP 401".into()), "wxyz, HTTP 401");
+        // Keys too short to be secrets (vLLM's EMPTY, "1") would rewrite any message.
+        assert_eq!(http_with_key("1").scrub("HTTP 401: 1 error".into()), "HTTP 401: 1 error");
+        assert_eq!(http_with_key("EMPTY").scrub("EMPTY".into()), "EMPTY");
+    }
+
+    #[test]
+    fn the_server_is_named_without_its_port() {
+        assert_eq!(server_of("http://127.0.0.1:8080"), "http://127.0.0.1");
+        assert_eq!(server_of("https://api.openai.com"), "https://api.openai.com");
+        assert_eq!(server_of("http://[::1]:9000/proxy"), "http://[::1]/proxy");
+        assert_eq!(server_of("http://[::1]/proxy"), "http://[::1]/proxy");
     }
 
     #[test]

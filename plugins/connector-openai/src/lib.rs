@@ -18,6 +18,9 @@
 //!   continuation token with a logit bias on llama.cpp's native `/completion`
 //!   (`"forced_logit_bias"`).
 //! - `stats` → request, retry, cache-hit and token totals.
+//! - `describe` → `{model, model_from, server}`: the model asked for (`model_from`: `setting`,
+//!   or `server` when `model` is empty and the server named the one it serves at
+//!   `/v1/models`) and the server without its port: what the replies depend on.
 //!
 //! Failures of one request come back as `{"error": {"kind", "message", ...}}`, never as a
 //! failed call, so one bad item never fails a batch. The API key is read from the environment
@@ -55,12 +58,17 @@ struct Settings {
     top_logprobs: Option<u32>,
     logprob_floor: Option<f64>,
     continuation_method: Option<String>,
+    max_response_bytes: Option<u64>,
 }
+
+/// The largest reply body read by default: far above any completion, far below what would
+/// exhaust memory on a runaway or hostile server.
+const MAX_RESPONSE_BYTES: u64 = 16 << 20;
 
 fn schema() -> Value {
     json!({
         "base_url": {"type": "string", "required": true, "help": "server root, e.g. http://127.0.0.1:8080 or https://api.openai.com (a trailing /v1 is accepted)"},
-        "model": {"type": "string", "default": "", "help": "model name sent with every request"},
+        "model": {"type": "string", "default": "", "help": "model name sent with every request; empty: the one model the server serves, asked of GET /v1/models at start (llama.cpp, vLLM), and an error if it cannot say"},
         "endpoint": {"type": "string", "default": "completions", "help": "completions (/v1/completions, raw prompt) or chat (/v1/chat/completions, the prompt as one user message)"},
         "api_key_env": {"type": "string", "default": null, "help": "environment variable holding the API key, e.g. OPENAI_API_KEY (sent as a Bearer token; never printed, logged or cached); unset = no key is sent"},
         "timeout_s": {"type": "float", "default": 60.0, "help": "seconds one request may take"},
@@ -70,10 +78,11 @@ fn schema() -> Value {
         "retry_budget_s": {"type": "float", "default": 120.0, "help": "no retry starts later than this many seconds after the first attempt"},
         "backoff_base_s": {"type": "float", "default": 0.5, "help": "first backoff step; doubles per retry, with jitter (Retry-After wins when given)"},
         "backoff_max_s": {"type": "float", "default": 30.0, "help": "largest backoff step"},
-        "cache": {"type": "bool", "default": true, "help": "keep replies on disk, keyed by (base URL, model, path, request body), so a rerun asks nothing twice; name the model in `model` when one server address may serve different models"},
+        "cache": {"type": "bool", "default": true, "help": "keep replies the connector accepted on disk, keyed by (server without its port, model named or served, path, request body), so a rerun asks nothing twice and a local server restarted on another port keeps its replies"},
         "cache_dir": {"type": "path", "default": "$RAK_CACHE/openai (~/.cache/rak/openai)", "help": "where replies are cached"},
-        "top_logprobs": {"type": "int", "default": 20, "help": "alternatives asked for per position when choosing among answer letters (OpenAI allows 20)"},
+        "top_logprobs": {"type": "int", "default": 20, "help": "alternatives asked for per position when choosing among answer letters, cut to each endpoint's limit (OpenAI's: 5 on completions, 20 on chat)"},
         "logprob_floor": {"type": "float", "default": null, "help": "value for an answer letter missing from the top list (default: the list's lowest value)"},
+        "max_response_bytes": {"type": "int", "default": MAX_RESPONSE_BYTES, "help": "largest reply body read (16 MiB); a larger one fails its request, unread past the limit"},
         "continuation_method": {"type": "string", "default": "auto", "help": "auto (tries each in this order and keeps the first that works), echo (prompt log-probabilities echoed by /v1/completions: OpenAI legacy, vLLM), prompt_logprobs (vLLM's prompt_logprobs, aligned with its /tokenize) or forced (llama.cpp: /tokenize + /completion with a logit bias per token)"},
     })
 }
@@ -82,6 +91,17 @@ fn schema() -> Value {
 enum Endpoint {
     Completions,
     Chat,
+}
+
+impl Endpoint {
+    /// The most alternatives per position the endpoint takes: OpenAI refuses more than 5 as
+    /// `logprobs` on `/v1/completions` and more than 20 as `top_logprobs` on chat.
+    fn max_top_logprobs(self) -> u32 {
+        match self {
+            Endpoint::Completions => 5,
+            Endpoint::Chat => 20,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -103,7 +123,9 @@ impl ContinuationMethod {
 
 pub struct OpenAi {
     http: Http,
+    /// The model named in the settings, or the one the server said it serves.
     model: String,
+    model_from: &'static str,
     endpoint: Endpoint,
     top_logprobs: u32,
     floor: Option<f64>,
@@ -158,7 +180,11 @@ impl PluginInfo for OpenAi {
             (true, Some(dir)) => Some(dir),
             (true, None) => Some(default_cache_dir()?),
         };
-        let http = Http::new(HttpConfig {
+        let max_response_bytes = s.max_response_bytes.unwrap_or(MAX_RESPONSE_BYTES);
+        if max_response_bytes == 0 {
+            bail!("max_response_bytes must be positive");
+        }
+        let mut http = Http::new(HttpConfig {
             base,
             model: s.model.clone(),
             key,
@@ -172,15 +198,45 @@ impl PluginInfo for OpenAi {
                 backoff_max: secs(s.backoff_max_s, 30.0, "backoff_max_s")?,
             },
             cache_dir,
+            max_response_bytes,
         })?;
+        // An empty model is the server's one: its name keys the cache and the host's resume,
+        // so another model behind the same address (or the same one on a new port) is told
+        // apart by what it is, not by where it listens.
+        let (model, model_from) = if s.model.trim().is_empty() {
+            let served = served_model(&http)?;
+            http.set_model(served.clone());
+            (served, "server")
+        } else {
+            (s.model, "setting")
+        };
         Ok(OpenAi {
             http,
-            model: s.model,
+            model,
+            model_from,
             endpoint,
             top_logprobs: s.top_logprobs.unwrap_or(20),
             floor: s.logprob_floor,
             continuation: Mutex::new(continuation),
         })
+    }
+}
+
+/// The one model the server serves, from `GET /v1/models` (llama.cpp lists its GGUF file or
+/// alias, vLLM its served model names).
+fn served_model(http: &Http) -> Result<String> {
+    let reply = http.get("/v1/models").map_err(|e| {
+        anyhow::anyhow!(
+            "model is empty and the server at {} does not say which model it serves (GET /v1/models: {}); name the model in `model` (or --model)",
+            http.base,
+            e.message
+        )
+    })?;
+    let ids: Vec<&str> = reply["data"].as_array().map(|a| a.iter().filter_map(|m| m["id"].as_str()).filter(|id| !id.is_empty()).collect()).unwrap_or_default();
+    match ids[..] {
+        [one] => Ok(one.to_string()),
+        [] => bail!("model is empty and GET {}/v1/models lists no model; name the model in `model` (or --model)", http.base),
+        _ => bail!("model is empty and the server at {} serves {} models ({}); name one in `model` (or --model)", http.base, ids.len(), ids.join(", ")),
     }
 }
 
@@ -203,7 +259,8 @@ impl Connector for OpenAi {
             "choice_logprobs" => self.choice_logprobs(&request),
             "continuation_logprob" => self.continuation_logprob(&request),
             "stats" => return Ok(self.http.stats.to_json()),
-            other => bail!("unknown op {other:?} (known: complete, choice_logprobs, continuation_logprob, stats)"),
+            "describe" => return Ok(json!({"model": self.model, "model_from": self.model_from, "server": http::server_of(&self.http.base)})),
+            other => bail!("unknown op {other:?} (known: complete, choice_logprobs, continuation_logprob, stats, describe)"),
         };
         // Replies are quoted into some messages; none may carry the key out.
         Ok(out.unwrap_or_else(|e| json!({"error": self.http.scrubbed(e).to_json()})))
@@ -215,13 +272,27 @@ fn field<'a>(req: &'a Value, name: &str) -> Result<&'a str, ApiError> {
     req[name].as_str().ok_or_else(|| ApiError::new(ErrorKind::Rejected, format!("the request needs a string {name:?}")))
 }
 
+fn bad_reply(message: impl Into<String>) -> ApiError {
+    ApiError::new(ErrorKind::BadReply, message)
+}
+
 impl OpenAi {
-    /// One generation request on the configured endpoint.
-    fn generate(&self, prompt: &str, max_tokens: u64, stop: &Value, temperature: f64, top: Option<u32>) -> Result<(Value, bool), ApiError> {
+    /// One generation request on the configured endpoint; `accept` checks the reply (only a
+    /// reply it takes is cached). At most the endpoint's limit of alternatives is asked for.
+    fn generate<T>(
+        &self,
+        prompt: &str,
+        max_tokens: u64,
+        stop: &Value,
+        temperature: f64,
+        top: Option<u32>,
+        accept: impl Fn(&Value) -> Result<T, ApiError>,
+    ) -> Result<(T, bool), ApiError> {
         let mut body = json!({"model": self.model, "max_tokens": max_tokens, "temperature": temperature});
         if !stop.is_null() {
             body["stop"] = stop.clone();
         }
+        let top = top.map(|k| k.min(self.endpoint.max_top_logprobs()));
         let path = match self.endpoint {
             Endpoint::Completions => {
                 body["prompt"] = json!(prompt);
@@ -239,23 +310,30 @@ impl OpenAi {
                 "/v1/chat/completions"
             }
         };
-        self.http.post(path, &body)
+        self.http.post(path, &body, accept)
+    }
+
+    /// The generated text of a reply; a reply without one is malformed.
+    fn text_of(&self, reply: &Value) -> Result<String, ApiError> {
+        logprobs::generated_text(reply).ok_or_else(|| bad_reply(format!("no choices[0].text or message.content in {}", self.short(reply))))
     }
 
     fn complete_op(&self, req: &Value) -> Result<Value, ApiError> {
         let prompt = field(req, "prompt")?;
         let top = req["top_logprobs"].as_u64().map(|k| k as u32);
-        let (reply, cached) =
-            self.generate(prompt, req["max_tokens"].as_u64().unwrap_or(16), &req["stop"], req["temperature"].as_f64().unwrap_or(0.0), top)?;
-        let text = logprobs::generated_text(&reply)
-            .ok_or_else(|| ApiError::new(ErrorKind::BadReply, format!("no choices[0].text or message.content in {}", short(&reply))))?;
-        let mut out = json!({"text": text, "finish_reason": reply["choices"][0]["finish_reason"], "cached": cached});
-        if top.is_some() {
-            out["positions"] = match logprobs::generated_positions(&reply) {
-                Some(ps) => ps.iter().map(|p| json!({"token": p.token, "logprob": p.logprob, "top": p.top})).collect(),
-                None => Value::Null,
-            };
-        }
+        let max_tokens = req["max_tokens"].as_u64().unwrap_or(16);
+        let (mut out, cached) = self.generate(prompt, max_tokens, &req["stop"], req["temperature"].as_f64().unwrap_or(0.0), top, |reply| {
+            let text = self.text_of(reply)?;
+            let mut out = json!({"text": text, "finish_reason": reply["choices"][0]["finish_reason"]});
+            if top.is_some() {
+                out["positions"] = match logprobs::generated_positions(reply) {
+                    Some(ps) => ps.iter().map(|p| json!({"token": p.token, "logprob": p.logprob, "top": p.top})).collect(),
+                    None => Value::Null,
+                };
+            }
+            Ok(out)
+        })?;
+        out["cached"] = json!(cached);
         Ok(out)
     }
 
@@ -266,17 +344,21 @@ impl OpenAi {
             .map(|a| a.iter().filter_map(|c| c.as_str().map(str::to_string)).collect())
             .filter(|c: &Vec<String>| !c.is_empty())
             .ok_or_else(|| ApiError::new(ErrorKind::Rejected, "the request needs a non-empty string array \"choices\""))?;
-        let (reply, cached) = self.generate(prompt, 1, &Value::Null, 0.0, Some(self.top_logprobs))?;
-        let text = logprobs::generated_text(&reply).unwrap_or_default();
-        let first = logprobs::generated_positions(&reply).and_then(|ps| ps.into_iter().next());
-        Ok(match first {
-            Some(p) => {
-                let (values, floored, floor) = logprobs::candidate_logprobs(&p.top, &choices, self.floor);
-                let best = logprobs::best_candidate(&values, &floored);
-                json!({"logprobs": values, "floored": floored, "floor": floor, "best": best, "text": text, "method": "top_logprobs", "cached": cached})
-            }
-            None => json!({"logprobs": null, "text": text, "method": "none", "cached": cached}),
-        })
+        let (mut out, cached) = self.generate(prompt, 1, &Value::Null, 0.0, Some(self.top_logprobs), |reply| {
+            // No log-probabilities is an answer (the caller reads the text); no text is not.
+            let text = self.text_of(reply)?;
+            let first = logprobs::generated_positions(reply).and_then(|ps| ps.into_iter().next());
+            Ok(match first {
+                Some(p) => {
+                    let (values, floored, floor) = logprobs::candidate_logprobs(&p.top, &choices, self.floor);
+                    let best = logprobs::best_candidate(&values, &floored);
+                    json!({"logprobs": values, "floored": floored, "floor": floor, "best": best, "text": text, "method": "top_logprobs"})
+                }
+                None => json!({"logprobs": null, "text": text, "method": "none"}),
+            })
+        })?;
+        out["cached"] = json!(cached);
+        Ok(out)
     }
 
     fn continuation_logprob(&self, req: &Value) -> Result<Value, ApiError> {
@@ -336,17 +418,19 @@ impl OpenAi {
     fn by_echo(&self, prompt: &str, continuation: &str) -> Result<Option<Value>, ApiError> {
         let body = json!({"model": self.model, "prompt": format!("{prompt}{continuation}"), "max_tokens": 1,
             "temperature": 0.0, "echo": true, "logprobs": 1});
-        let (reply, cached) = self.http.post("/v1/completions", &body)?;
-        let Some(tokens) = logprobs::echoed_tokens(&reply) else { return Ok(None) };
         let prompt_chars = prompt.chars().count();
         let end = prompt_chars + continuation.chars().count();
-        // A real echo starts at the prompt's first character; a server that ignored `echo`
-        // lists only the generated token (which starts at or after the end).
-        if tokens.first().map(|t| t.2) != Some(0) {
-            return Ok(None);
-        }
-        let (logprob, n) = logprobs::continuation_from_echo(&tokens, prompt_chars, end).map_err(|m| ApiError::new(ErrorKind::BadReply, m))?;
-        Ok(Some(json!({"logprob": logprob, "tokens": n, "method": ContinuationMethod::Echo.name(), "cached": cached})))
+        let (found, cached) = self.http.post("/v1/completions", &body, |reply| {
+            self.text_of(reply)?;
+            let Some(tokens) = logprobs::echoed_tokens(reply) else { return Ok(None) };
+            // A real echo starts at the prompt's first character; a server that ignored `echo`
+            // lists only the generated token (which starts at or after the end).
+            if tokens.first().map(|t| t.2) != Some(0) {
+                return Ok(None);
+            }
+            logprobs::continuation_from_echo(&tokens, prompt_chars, end).map(Some).map_err(bad_reply)
+        })?;
+        Ok(found.map(|(logprob, n)| json!({"logprob": logprob, "tokens": n, "method": ContinuationMethod::Echo.name(), "cached": cached})))
     }
 
     /// vLLM's `prompt_logprobs`: one `/v1/completions` of prompt + continuation, whose reply
@@ -358,18 +442,17 @@ impl OpenAi {
     fn by_prompt_logprobs(&self, prompt: &str, continuation: &str) -> Result<Option<Value>, ApiError> {
         let full = format!("{prompt}{continuation}");
         let body = json!({"model": self.model, "prompt": full, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 1});
-        let (reply, cached) = self.http.post("/v1/completions", &body)?;
-        let Some(positions) = reply["choices"][0]["prompt_logprobs"].as_array() else { return Ok(None) };
         let ids = |text: &str| -> Result<Vec<i64>, ApiError> {
-            let (r, _) = self.http.post("/tokenize", &json!({"model": self.model, "prompt": text}))?;
-            r["tokens"]
-                .as_array()
-                .and_then(|a| a.iter().map(Value::as_i64).collect::<Option<Vec<_>>>())
-                .ok_or_else(|| ApiError::new(ErrorKind::BadReply, format!("/tokenize answered without token ids: {}", short(&r))))
+            Ok(self.http.post("/tokenize", &json!({"model": self.model, "prompt": text}), |r| self.token_ids(r))?.0)
         };
-        let (prompt_ids, full_ids) = (ids(prompt)?, ids(&full)?);
-        let (logprob, n) = logprobs::continuation_from_prompt_logprobs(positions, &prompt_ids, &full_ids).map_err(|m| ApiError::new(ErrorKind::BadReply, m))?;
-        Ok(Some(json!({"logprob": logprob, "tokens": n, "method": ContinuationMethod::PromptLogprobs.name(), "cached": cached})))
+        // The reply is accepted (and cached) only once it lines up with the prompt's tokens.
+        let (found, cached) = self.http.post("/v1/completions", &body, |reply| {
+            self.text_of(reply)?;
+            let Some(positions) = reply["choices"][0]["prompt_logprobs"].as_array() else { return Ok(None) };
+            let (prompt_ids, full_ids) = (ids(prompt)?, ids(&full)?);
+            logprobs::continuation_from_prompt_logprobs(positions, &prompt_ids, &full_ids).map(Some).map_err(bad_reply)
+        })?;
+        Ok(found.map(|(logprob, n)| json!({"logprob": logprob, "tokens": n, "method": ContinuationMethod::PromptLogprobs.name(), "cached": cached})))
     }
 
     /// llama.cpp: tokenize, then one `/completion` per continuation token with that token
@@ -377,11 +460,7 @@ impl OpenAi {
     /// this server: it equals the top-k value, and tokens outside the top-k get theirs).
     fn by_forcing(&self, prompt: &str, continuation: &str) -> Result<Value, ApiError> {
         let ids = |content: &str, special: bool| -> Result<Vec<i64>, ApiError> {
-            let (reply, _) = self.http.post("/tokenize", &json!({"content": content, "add_special": special}))?;
-            reply["tokens"]
-                .as_array()
-                .and_then(|a| a.iter().map(Value::as_i64).collect::<Option<Vec<_>>>())
-                .ok_or_else(|| ApiError::new(ErrorKind::BadReply, format!("/tokenize answered without token ids: {}", short(&reply))))
+            Ok(self.http.post("/tokenize", &json!({"content": content, "add_special": special}), |r| self.token_ids(r))?.0)
         };
         let mut context = ids(prompt, true)?;
         let target = ids(continuation, false)?;
@@ -390,24 +469,33 @@ impl OpenAi {
         for &tok in &target {
             let body = json!({"prompt": context, "n_predict": 1, "n_probs": 1, "post_sampling_probs": false,
                 "logit_bias": [[tok, 100.0]], "cache_prompt": true, "temperature": 0.0});
-            let (reply, cached) = self.http.post("/completion", &body)?;
+            // A reply that did not take the forced token is refused, so never cached.
+            let (logprob, cached) = self.http.post("/completion", &body, |reply| {
+                let p = &reply["completion_probabilities"][0];
+                if p["id"].as_i64() != Some(tok) {
+                    return Err(bad_reply(format!("/completion did not take the forced token {tok} (got {}); the server may not honour logit_bias", p["id"])));
+                }
+                p["logprob"].as_f64().ok_or_else(|| bad_reply(format!("no logprob in {}", self.short(reply))))
+            })?;
             all_cached &= cached;
-            let p = &reply["completion_probabilities"][0];
-            if p["id"].as_i64() != Some(tok) {
-                return Err(ApiError::new(
-                    ErrorKind::BadReply,
-                    format!("/completion did not take the forced token {tok} (got {}); the server may not honour logit_bias", p["id"]),
-                ));
-            }
-            sum += p["logprob"].as_f64().ok_or_else(|| ApiError::new(ErrorKind::BadReply, format!("no logprob in {}", short(&reply))))?;
+            sum += logprob;
             context.push(tok);
         }
         Ok(json!({"logprob": sum, "tokens": target.len(), "method": ContinuationMethod::Forced.name(), "cached": all_cached}))
     }
-}
 
-fn short(v: &Value) -> String {
-    http::snippet_of(&v.to_string(), 300)
+    /// A reply quoted in a message: scrubbed of the key, then cut.
+    fn short(&self, v: &Value) -> String {
+        self.http.quote(&v.to_string(), 300)
+    }
+
+    /// The token ids of a `/tokenize` reply (vLLM's and llama.cpp's alike).
+    fn token_ids(&self, reply: &Value) -> Result<Vec<i64>, ApiError> {
+        reply["tokens"]
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_i64).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| bad_reply(format!("/tokenize answered without token ids: {}", self.short(reply))))
+    }
 }
 
 rak_core::export_connector!(OpenAi);
