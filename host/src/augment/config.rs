@@ -83,9 +83,16 @@ pub struct TaskConfig {
     pub max_tokens: Option<u64>,
     pub stop: Option<Vec<String>>,
     /// Few-shot demonstrations: the first `demonstrations` items of `demonstrations_file` (same
-    /// format as the input; an item is never its own demonstration).
+    /// format as the input; an item is never its own demonstration). They go where the
+    /// template places `{demonstrations}`, or before the whole prompt when it has none.
     pub demonstrations: Option<usize>,
     pub demonstrations_file: Option<PathBuf>,
+    /// How one demonstration reads (`{question}`, `{answer}`, `{choices}`, `{n_choices}`,
+    /// `{letters}`). Unset: the task's template without passages (and without
+    /// demonstrations), a space, then the answer.
+    pub demonstration: Option<String>,
+    /// After each demonstration (default: `[passages].separator`).
+    pub demonstration_separator: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -139,7 +146,10 @@ pub const MC_CHOICE: &str = "- {letter}: {choice}";
 pub const SHORTQA_TEMPLATE: &str = "{passages}Q: {question} A:";
 pub const SHORTQA_READER_TEMPLATE: &str = "Q: {question} A:";
 
-const PROMPT_VARS: [&str; 5] = ["passages", "question", "choices", "n_choices", "letters"];
+/// Placeholders of a task's template; a reader's template has all but `passages`.
+const PROMPT_VARS: [&str; 6] = ["passages", "question", "choices", "n_choices", "letters", "demonstrations"];
+const READER_VARS: [&str; 5] = ["question", "choices", "n_choices", "letters", "demonstrations"];
+const DEMONSTRATION_VARS: [&str; 5] = ["question", "answer", "choices", "n_choices", "letters"];
 
 /// A task's templates and answering settings, checked.
 #[derive(Debug, Clone)]
@@ -155,6 +165,11 @@ pub struct TaskPrompts {
     pub stop: Vec<String>,
     pub demonstrations: usize,
     pub demonstrations_file: Option<PathBuf>,
+    /// How one demonstration reads; `None`: as the task's prompt without passages, a space,
+    /// then the answer (the rendering before this setting existed).
+    pub demonstration: Option<Template>,
+    /// After each demonstration; `None`: `separator`.
+    pub demonstration_separator: Option<String>,
 }
 
 impl TaskPrompts {
@@ -185,11 +200,7 @@ impl TaskPrompts {
         }
         Ok(TaskPrompts {
             template: Template::parse(t.template.as_deref().unwrap_or(default), &PROMPT_VARS, &format!("{name}.template"))?,
-            reader_template: Template::parse(
-                t.reader_template.as_deref().unwrap_or(reader_default),
-                &PROMPT_VARS[1..],
-                &format!("{name}.reader_template"),
-            )?,
+            reader_template: Template::parse(t.reader_template.as_deref().unwrap_or(reader_default), &READER_VARS, &format!("{name}.reader_template"))?,
             choice: Template::parse(t.choice.as_deref().unwrap_or(MC_CHOICE), &["letter", "choice"], &format!("{name}.choice"))?,
             passage: Template::parse(&cfg.passages.template, &["title", "text"], "passages.template")?,
             separator: cfg.passages.separator.clone(),
@@ -199,7 +210,14 @@ impl TaskPrompts {
             stop,
             demonstrations,
             demonstrations_file: t.demonstrations_file.clone(),
+            demonstration: t.demonstration.as_deref().map(|d| Template::parse(d, &DEMONSTRATION_VARS, &format!("{name}.demonstration"))).transpose()?,
+            demonstration_separator: t.demonstration_separator.clone(),
         })
+    }
+
+    /// What follows each demonstration.
+    pub fn demonstration_separator(&self) -> &str {
+        self.demonstration_separator.as_deref().unwrap_or(&self.separator)
     }
 }
 

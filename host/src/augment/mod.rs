@@ -105,8 +105,13 @@ impl Prepared {
             ("choices", &choices),
             ("n_choices", &n),
             ("letters", &letters),
+            ("demonstrations", &self.demos),
         ]);
-        format!("{}{body}", self.demos)
+        if p.template.uses("demonstrations") {
+            body
+        } else {
+            format!("{}{body}", self.demos)
+        }
     }
 
     /// The ids of the passages a prompt cut to `passage_chars` characters still shows, in
@@ -118,22 +123,42 @@ impl Prepared {
     /// The prompt for a local reader (the passages go to it apart).
     pub fn reader_prompt(&self, p: &TaskPrompts) -> String {
         let (choices, n, letters) = self.vars(p);
-        let body = p.reader_template.render(&[("question", &self.probe.question), ("choices", &choices), ("n_choices", &n), ("letters", &letters)]);
-        format!("{}{body}", self.demos)
+        let body = p.reader_template.render(&[
+            ("question", &self.probe.question),
+            ("choices", &choices),
+            ("n_choices", &n),
+            ("letters", &letters),
+            ("demonstrations", &self.demos),
+        ]);
+        if p.reader_template.uses("demonstrations") {
+            body
+        } else {
+            format!("{}{body}", self.demos)
+        }
     }
 }
 
-/// Few-shot demonstrations: each demo item's prompt without passages, then its answer.
+/// Few-shot demonstrations, each followed by the demonstration separator (an item is never
+/// its own): each as the task's `demonstration` template, or, without one, as the demo item's
+/// prompt without passages or demonstrations, a space, then its answer.
 pub fn render_demos(task: Task, p: &TaskPrompts, demos: &[Probe], exclude: &str, reader: bool) -> String {
     let mut out = String::new();
     for d in demos.iter().filter(|d| d.id != exclude).take(p.demonstrations) {
-        let prep = Prepared::new(p, d.clone(), Vec::new(), String::new(), reader);
-        let q = if reader { prep.reader_prompt(p) } else { prep.prompt(p, None) };
         let a = match task {
             Task::Mc => answer::letters(d.choices.len())[d.answer].clone(),
             Task::ShortQa => d.aliases[0].clone(),
         };
-        out.push_str(&format!("{q} {a}{}", p.separator));
+        let prep = Prepared::new(p, d.clone(), Vec::new(), String::new(), reader);
+        let shown = match &p.demonstration {
+            Some(t) => {
+                let (choices, n, letters) = prep.vars(p);
+                t.render(&[("question", &d.question), ("answer", &a), ("choices", &choices), ("n_choices", &n), ("letters", &letters)])
+            }
+            None if reader => format!("{} {a}", prep.reader_prompt(p)),
+            None => format!("{} {a}", prep.prompt(p, None)),
+        };
+        out.push_str(&shown);
+        out.push_str(p.demonstration_separator());
     }
     out
 }
@@ -338,6 +363,7 @@ pub fn ask_reader(reader: &mut dyn Reader, task: Task, p: &TaskPrompts, items: &
 mod tests {
     use super::config::{AugmentConfig, TaskPrompts};
     use super::*;
+    use std::path::Path;
 
     fn probe() -> Probe {
         Probe {
@@ -413,10 +439,123 @@ mod tests {
         let demos = vec![q("d1", "The capital of Peru is", "Lima"), q("x", "The colour of snow is", "white"), q("d2", "The language of Brazil is", "Portuguese")];
         let d = render_demos(Task::ShortQa, &p, &demos, "x", false);
         assert_eq!(d, "Q: The capital of Peru is A: Lima\n\nQ: The language of Brazil is A: Portuguese\n\n");
-        let item = Prepared::new(&p, q("x", "The colour of snow is", "white"), vec![], d, false);
+        let item = Prepared::new(&p, q("x", "The colour of snow is", "white"), vec![], d.clone(), false);
         assert!(item.prompt(&p, None).ends_with("Portuguese\n\nQ: The colour of snow is A:"));
+        // A template without {demonstrations} (openai.toml's) gets them before the whole
+        // prompt, passages included, as before that placeholder existed.
+        let sky = vec![Passage { id: "p1".into(), title: "Sky".into(), text: "The sky is blue.".into() }];
+        let item = Prepared::new(&p, q("x", "The colour of snow is", "white"), sky, d, false);
+        assert_eq!(
+            item.prompt(&p, None),
+            "Q: The capital of Peru is A: Lima\n\nQ: The language of Brazil is A: Portuguese\n\nSky\nThe sky is blue.\n\nQ: The colour of snow is A:"
+        );
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut shipped = AugmentConfig::read(&root.join("configs/augment/openai.toml")).unwrap();
+        shipped.shortqa.demonstrations = Some(2);
+        shipped.shortqa.demonstrations_file = Some("demos.jsonl".into());
+        let p = TaskPrompts::new(&shipped, Task::ShortQa).unwrap();
+        assert_eq!(render_demos(Task::ShortQa, &p, &demos, "x", true), "Q: The capital of Peru is A: Lima\n\nQ: The language of Brazil is A: Portuguese\n\n");
+        assert_eq!(render_demos(Task::ShortQa, &p, &demos, "x", false), "Q: The capital of Peru is A: Lima\n\nQ: The language of Brazil is A: Portuguese\n\n");
         let mc_cfg: AugmentConfig = toml::from_str("[mc]\ndemonstrations = 1\n").unwrap();
         assert!(TaskPrompts::new(&mc_cfg, Task::Mc).unwrap_err().to_string().contains("demonstrations_file"));
+    }
+
+    fn short(id: &str, question: &str, a: &str) -> Probe {
+        Probe { id: id.into(), subject: "shortqa".into(), question: question.into(), choices: vec![], answer: 0, aliases: vec![a.into()] }
+    }
+
+    #[test]
+    fn demonstrations_go_where_the_template_places_them() {
+        let cfg: AugmentConfig = toml::from_str(
+            "[shortqa]\ndemonstrations = 2\ndemonstrations_file = \"demos.jsonl\"\n\
+             template = \"Answer briefly.\\n\\n{demonstrations}{passages}Question: {question}\\nAnswer:\"\n\
+             demonstration = \"Question: {question}\\nAnswer: {answer}\"\n",
+        )
+        .unwrap();
+        let p = TaskPrompts::new(&cfg, Task::ShortQa).unwrap();
+        let demos = vec![short("d1", "The capital of Peru is", "Lima"), short("x", "The colour of snow is", "white"), short("d2", "The language of Brazil is", "Portuguese")];
+        let d = render_demos(Task::ShortQa, &p, &demos, "x", false);
+        assert_eq!(d, "Question: The capital of Peru is\nAnswer: Lima\n\nQuestion: The language of Brazil is\nAnswer: Portuguese\n\n");
+        let sky = vec![Passage { id: "p1".into(), title: "Sky".into(), text: "The sky is blue.".into() }];
+        let item = Prepared::new(&p, short("x", "The colour of snow is", "white"), sky.clone(), d.clone(), false);
+        // Instruction, the examples, the passages, then the question; nothing before it all.
+        assert_eq!(
+            item.prompt(&p, None),
+            "Answer briefly.\n\nQuestion: The capital of Peru is\nAnswer: Lima\n\nQuestion: The language of Brazil is\nAnswer: Portuguese\n\n\
+             Sky\nThe sky is blue.\n\nQuestion: The colour of snow is\nAnswer:"
+        );
+        // A context overflow cuts the passages, never the demonstrations.
+        assert_eq!(item.prompt(&p, Some(0)), format!("Answer briefly.\n\n{d}Question: The colour of snow is\nAnswer:"));
+        // The prompt digest covers the demonstrations.
+        let bare = Prepared::new(&p, short("x", "The colour of snow is", "white"), sky, String::new(), false);
+        assert!(bare.prompt(&p, None).starts_with("Answer briefly.\n\nSky"));
+        assert_ne!(bare.prompt_sha256, item.prompt_sha256);
+        // Their own separator, when set.
+        let cfg: AugmentConfig = toml::from_str(
+            "[shortqa]\ndemonstrations = 2\ndemonstrations_file = \"demos.jsonl\"\ndemonstration = \"{question} {answer}.\"\ndemonstration_separator = \"\\n\"\n",
+        )
+        .unwrap();
+        let p = TaskPrompts::new(&cfg, Task::ShortQa).unwrap();
+        assert_eq!(render_demos(Task::ShortQa, &p, &demos, "d1", false), "The colour of snow is white.\nThe language of Brazil is Portuguese.\n");
+    }
+
+    #[test]
+    fn an_item_is_never_its_own_demonstration() {
+        let cfg: AugmentConfig =
+            toml::from_str("[shortqa]\ndemonstrations = 3\ndemonstrations_file = \"demos.jsonl\"\ndemonstration = \"{question} {answer}\"\n").unwrap();
+        let p = TaskPrompts::new(&cfg, Task::ShortQa).unwrap();
+        let demos = vec![short("a", "A is", "1"), short("b", "B is", "2"), short("c", "C is", "3"), short("d", "D is", "4")];
+        for (exclude, want) in [("a", "B is 2\n\nC is 3\n\nD is 4\n\n"), ("c", "A is 1\n\nB is 2\n\nD is 4\n\n"), ("z", "A is 1\n\nB is 2\n\nC is 3\n\n")] {
+            let d = render_demos(Task::ShortQa, &p, &demos, exclude, false);
+            assert_eq!(d, want, "{exclude}");
+            assert!(!d.contains(&format!("{} is", exclude.to_uppercase())), "{exclude}");
+        }
+    }
+
+    #[test]
+    fn a_template_with_demonstrations_but_no_demonstration_template_renders_them_as_before() {
+        // Each demonstration is the task's prompt without passages and without demonstrations,
+        // then its answer; they are placed, not prepended.
+        let cfg: AugmentConfig =
+            toml::from_str("[shortqa]\ndemonstrations = 1\ndemonstrations_file = \"demos.jsonl\"\ntemplate = \"{demonstrations}{passages}Q: {question} A:\"\n").unwrap();
+        let p = TaskPrompts::new(&cfg, Task::ShortQa).unwrap();
+        let d = render_demos(Task::ShortQa, &p, &[short("d1", "The capital of Peru is", "Lima")], "x", false);
+        assert_eq!(d, "Q: The capital of Peru is A: Lima\n\n");
+        let sky = vec![Passage { id: "p1".into(), title: "Sky".into(), text: "The sky is blue.".into() }];
+        let item = Prepared::new(&p, short("x", "The colour of snow is", "white"), sky, d, false);
+        assert_eq!(item.prompt(&p, None), "Q: The capital of Peru is A: Lima\n\nSky\nThe sky is blue.\n\nQ: The colour of snow is A:");
+    }
+
+    #[test]
+    fn multiple_choice_demonstrations_show_options_and_the_answer_letter() {
+        let cfg: AugmentConfig = toml::from_str(
+            "[mc]\ndemonstrations = 1\ndemonstrations_file = \"demos.jsonl\"\nchoice = \"{letter}. {choice}\"\n\
+             template = \"{demonstrations}{passages}{question}\\n{choices}\\nAnswer:\"\n\
+             reader_template = \"Examples:\\n{demonstrations}{question}\\n{choices}\"\n\
+             demonstration = \"{question}\\n{choices}\\nAnswer: {answer}\"\n",
+        )
+        .unwrap();
+        let p = TaskPrompts::new(&cfg, Task::Mc).unwrap();
+        let demo = Probe { id: "d".into(), subject: "s".into(), question: "Which is even?".into(), choices: vec!["3".into(), "4".into()], answer: 1, aliases: vec![] };
+        let d = render_demos(Task::Mc, &p, &[demo], "q1", false);
+        assert_eq!(d, "Which is even?\nA. 3\nB. 4\nAnswer: B\n\n");
+        let item = Prepared::new(&p, probe(), vec![], d.clone(), false);
+        assert_eq!(item.prompt(&p, None), format!("{d}Which colour?\nA. red\nB. blue\nAnswer:"));
+        // A local reader's template places them too.
+        let item = Prepared::new(&p, probe(), vec![], d.clone(), true);
+        assert_eq!(item.reader_prompt(&p), format!("Examples:\n{d}Which colour?\nA. red\nB. blue"));
+    }
+
+    #[test]
+    fn misspelt_demonstration_placeholders_are_refused() {
+        for (recipe, what) in [
+            ("[shortqa]\ndemonstration = \"{question} {answr}\"\n", "shortqa.demonstration"),
+            ("[shortqa]\ndemonstration = \"{passages}{question} {answer}\"\n", "shortqa.demonstration"),
+            ("[shortqa]\nreader_template = \"{passages}{question}\"\n", "shortqa.reader_template"),
+        ] {
+            let e = TaskPrompts::new(&toml::from_str(recipe).unwrap(), Task::ShortQa).unwrap_err().to_string();
+            assert!(e.contains(what) && e.contains("unknown placeholder"), "{recipe}: {e}");
+        }
     }
 
     #[test]

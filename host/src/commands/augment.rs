@@ -244,7 +244,8 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
 /// What, besides the prompt's digest, decides an answer: the target, its settings that change
 /// replies (with the model the connector says it asks, named or served, and the server
 /// without its port), everything that shapes prompts (templates, the passage template and
-/// separator, the passage cut: a reader's prompt digest covers the passages uncut), and the
+/// separator, the passage cut: a reader's prompt digest covers the passages uncut; the
+/// demonstration template and separator), and the
 /// answering settings. Connection settings (base URL, timeouts, retries, cache) are left out,
 /// so a local server restarted on another port keeps its answers.
 fn setup_sha256(target: &str, settings: &Value, p: &TaskPrompts) -> String {
@@ -255,7 +256,7 @@ fn setup_sha256(target: &str, settings: &Value, p: &TaskPrompts) -> String {
     let mut kept = settings.as_object().cloned().unwrap_or_default();
     kept.retain(|k, _| !CONNECTION.contains(&k.as_str()));
     let answering = json!({"by_logprobs": p.by_logprobs, "max_tokens": p.max_tokens, "stop": p.stop});
-    let prompt = json!({
+    let mut prompt = json!({
         "template": p.template.source(),
         "reader_template": p.reader_template.source(),
         "choice": p.choice.source(),
@@ -263,6 +264,14 @@ fn setup_sha256(target: &str, settings: &Value, p: &TaskPrompts) -> String {
         "separator": p.separator,
         "passage_chars": p.passage_chars,
     });
+    // Keyed only when set, so recipes from before these settings keep their digests (and
+    // their results resume); the demonstrations themselves are in each item's prompt digest.
+    if let Some(d) = &p.demonstration {
+        prompt["demonstration"] = json!(d.source());
+    }
+    if let Some(s) = &p.demonstration_separator {
+        prompt["demonstration_separator"] = json!(s);
+    }
     crate::augment::sha256(&json!({"target": target, "settings": kept, "prompt": prompt, "answering": answering}).to_string())
 }
 
@@ -433,10 +442,16 @@ mod tests {
             "[mc]\nreader_template = \"{question}\"\n",
             "[mc]\ntemplate = \"{passages}{question}\"\n",
             "[mc]\nchoice = \"{letter}) {choice}\"\n",
+            "[mc]\ndemonstration = \"{question} {answer}\"\n",
+            "[mc]\ndemonstration_separator = \"\\n\"\n",
+            "[mc]\ntemplate = \"{demonstrations}{passages}{question}\"\n",
         ] {
             let p = TaskPrompts::new(&toml::from_str(recipe).unwrap(), Task::Mc).unwrap();
             assert_ne!(setup_sha256("fid", &settings, &p), h, "{recipe}");
         }
+        // Two demonstration templates are two setups, even when the demonstrations' count is 0.
+        let demo = |d: &str| TaskPrompts::new(&toml::from_str(&format!("[mc]\ndemonstration = {d:?}\n")).unwrap(), Task::Mc).unwrap();
+        assert_ne!(setup_sha256("fid", &settings, &demo("Q: {question} A: {answer}")), setup_sha256("fid", &settings, &demo("{question} {answer}")));
         // A local server restarted on another port is the same target; another model is not.
         assert_eq!(setup_sha256("fid", &json!({"base_url": "http://127.0.0.1:9999", "model": "m"}), &base), h);
         assert_ne!(setup_sha256("fid", &json!({"base_url": "http://127.0.0.1:8080", "model": "n"}), &base), h);
