@@ -228,11 +228,36 @@ mod tests {
     #[test]
     fn the_shipped_recipe_parses() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        let cfg = AugmentConfig::read(&root.join("configs/augment/openai.toml")).unwrap();
-        for task in [Task::Mc, Task::ShortQa] {
-            TaskPrompts::new(&cfg, task).unwrap();
+        for recipe in ["openai.toml", "chat.toml"] {
+            let cfg = AugmentConfig::read(&root.join("configs/augment").join(recipe)).unwrap();
+            for task in [Task::Mc, Task::ShortQa] {
+                TaskPrompts::new(&cfg, task).unwrap();
+            }
+            assert_eq!(cfg.target.name.as_deref(), Some("openai"), "{recipe}");
         }
-        assert_eq!(cfg.target.name.as_deref(), Some("openai"));
+    }
+
+    #[test]
+    fn the_chat_recipes_demonstrations_are_none_of_the_probes() {
+        // Drawn from wikidata training queries (scripts/experiments/make_demos.py): no
+        // demonstration is about a page a shortqa dev question is about, or is one of them.
+        use rak_retrieval::data::probes::load_shortqa;
+        use std::collections::HashSet;
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let cfg = AugmentConfig::read(&root.join("configs/augment/chat.toml")).unwrap();
+        let p = TaskPrompts::new(&cfg, Task::ShortQa).unwrap();
+        assert!(p.template.uses("demonstrations") && p.demonstration.is_some());
+        let demos = load_shortqa(&root.join(p.demonstrations_file.as_ref().unwrap())).unwrap();
+        assert_eq!(demos.len(), p.demonstrations);
+        let dev = load_shortqa(&root.join("data/minikilt/shortqa/dev.jsonl")).unwrap();
+        let pages: HashSet<&str> = dev.iter().flat_map(|d| d.pages.iter().map(String::as_str)).collect();
+        let questions: HashSet<String> = dev.iter().map(|d| d.question.trim().to_lowercase()).collect();
+        let ids: HashSet<&str> = dev.iter().map(|d| d.id.as_str()).collect();
+        for d in &demos {
+            assert!(!d.pages.is_empty() && d.pages.iter().all(|pg| !pages.contains(pg.as_str())), "{} is about a dev page: {:?}", d.id, d.pages);
+            assert!(!questions.contains(&d.question.trim().to_lowercase()), "{} is a dev question: {}", d.id, d.question);
+            assert!(!ids.contains(d.id.as_str()) && d.id.starts_with("wikidata:"), "{}", d.id);
+        }
     }
 
     #[test]
