@@ -1,30 +1,39 @@
 #!/usr/bin/env bash
 # Retrieval-augmented answering on mini-KILT dev with a real black-box LM (docs/RESULTS.md):
-# llama.cpp's llama-server serving SmolLM2-135M-Instruct (scripts/llama-server.sh), asked
-# through the `openai` connector with the prompts of configs/augment/openai.toml, for
-# `mc` (multiple choice) and `shortqa` (short answers), each closed book, with 3 BM25
-# passages and with 3 passages from zero-shot all-MiniLM-L6-v2 (exact inner product).
+# llama.cpp's llama-server serving a target from PyPI (scripts/llama-server.sh --model
+# TARGET; default SmolLM2-135M-Instruct), asked through the `openai` connector with the
+# prompts of a recipe (default configs/augment/openai.toml: AAR's and PopQA's), for `mc`
+# (multiple choice) and `shortqa` (short answers), each closed book, with 3 BM25 passages,
+# with 3 passages from zero-shot all-MiniLM-L6-v2 (exact inner product) and, given TRAINED,
+# with 3 passages from a model `host train` made.
 #
 #   scripts/experiments/augment_minikilt.sh            # every question (about 1.5 h on 2 cores)
 #   EVERY=4 scripts/experiments/augment_minikilt.sh    # every 4th question of each file
 #   TASKS=shortqa scripts/experiments/augment_minikilt.sh   # one task (default: mc shortqa)
+#   TARGET=qwen2.5-coder-1.5b CONFIG=configs/augment/chat.toml scripts/experiments/augment_minikilt.sh
+#   TRAINED=runs/taco3/taco-s42 TRAINED_TASK=wikidata ...   # + that model's passages (its
+#       queries encoded as TRAINED_TASK's, when it was trained with task names)
 #
 # Resumable: indexes are built once, `host augment` resumes its results files, and replies
-# are cached. Outputs under $OUT (default runs/augment): TASK-RETRIEVER.jsonl (one record per
-# question), TASK-RETRIEVER.summary.json, and table.md. BASE_URL uses a server of your own
-# instead of starting one (any OpenAI-compatible server; set MODEL for its model name).
+# are cached. Outputs under $OUT (default runs/augment/TARGET): TASK-RETRIEVER.jsonl (one
+# record per question), TASK-RETRIEVER.summary.json, table.md and stats.md (95% intervals,
+# paired comparisons against closed book: scripts/experiments/augment_stats.py). BASE_URL
+# uses a server of your own instead of starting one (any OpenAI-compatible server; set MODEL
+# for its model name).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 H=${HOST:-target/release/host}
 D=data/minikilt
 M=.cache/models/all-MiniLM-L6-v2
-OUT=${OUT:-runs/augment}
+TARGET=${TARGET:-smollm2}
+CONFIG=${CONFIG:-configs/augment/openai.toml}
+OUT=${OUT:-runs/augment/$TARGET}
 mkdir -p "$OUT"
 if [[ -n ${BASE_URL:-} ]]; then
     URL=$BASE_URL
 else
-    URL=$(scripts/llama-server.sh start)
-    trap 'scripts/llama-server.sh stop' EXIT
+    URL=$(scripts/llama-server.sh start --model "$TARGET")
+    trap 'scripts/llama-server.sh stop --model "$TARGET"' EXIT
 fi
 # EVERY=k asks every k-th question (the mc file is ordered by subject, so a prefix would
 # not do); a later full run into the same files asks only the rest.
@@ -40,19 +49,34 @@ if [[ ! -f $OUT/minilm-flat/index.json ]]; then
     $H encode --encoder dpr --model $M --input $D/corpus.jsonl --output "$OUT/minilm-corpus"
     $H index build --kind flat --embeddings "$OUT/minilm-corpus" --output "$OUT/minilm-flat" >/dev/null
 fi
+RETRIEVERS=(none bm25 minilm)
+if [[ -n ${TRAINED:-} ]]; then
+    RETRIEVERS+=(trained)
+    if [[ ! -f $OUT/trained-flat/index.json ]]; then
+        $H encode --encoder dpr --model "$TRAINED" --input $D/corpus.jsonl --output "$OUT/trained-corpus"
+        $H index build --kind flat --embeddings "$OUT/trained-corpus" --output "$OUT/trained-flat" >/dev/null
+    fi
+fi
 
 for task in ${TASKS:-mc shortqa}; do
-    for r in none bm25 minilm; do
+    for r in "${RETRIEVERS[@]}"; do
+        model=$M config=$CONFIG
         case $r in
             none) spec=none ;;
             bm25) spec=bm25:$OUT/bm25 ;;
             minilm) spec=dense:$OUT/minilm-flat ;;
+            trained) spec=dense:$OUT/trained-flat model=$TRAINED
+                # The recipe's [retrieval] task: the task name the queries are encoded with.
+                if [[ -n ${TRAINED_TASK:-} ]]; then
+                    config=$OUT/recipe-trained.toml
+                    sed "s/^\[retrieval\]$/[retrieval]\ntask = \"$TRAINED_TASK\"/" "$CONFIG" > "$config"
+                fi ;;
         esac
         echo "== $task, passages: $r $(date -u +%H:%M:%S)"
         status=0
-        $H augment --target openai --config configs/augment/openai.toml --task $task \
+        $H augment --target openai --config "$config" --task $task \
             --input "$(input_of $task)" --output "$OUT/$task-$r.jsonl" --base-url "$URL" \
-            ${MODEL:+--model "$MODEL"} --retriever "$spec" --k 3 --encoder dpr --encoder-model $M \
+            ${MODEL:+--model "$MODEL"} --retriever "$spec" --k 3 --encoder dpr --encoder-model "$model" \
             > "$OUT/$task-$r.summary.json" || status=$?
         # Exit 3: some questions failed (their records say why); a rerun asks them again.
         [[ $status == 0 || $status == 3 ]] || exit $status
@@ -60,3 +84,4 @@ for task in ${TASKS:-mc shortqa}; do
 done
 
 scripts/experiments/augment_table.py "$OUT" "$D" | tee "$OUT/table.md"
+scripts/experiments/augment_stats.py "$OUT" "$D" | tee "$OUT/stats.md"
