@@ -114,7 +114,14 @@ impl FakeServer {
         FakeServer { url, state, stop }
     }
 
+    /// Every request but `GET /v1/models` (which the connector sends once at start, to learn
+    /// what the server serves): what the items asked.
     pub fn log(&self) -> Vec<Logged> {
+        self.log_all().into_iter().filter(|l| l.path != "/v1/models").collect()
+    }
+
+    /// Every request, `GET /v1/models` included.
+    pub fn log_all(&self) -> Vec<Logged> {
         self.state.log.lock().unwrap().clone()
     }
 

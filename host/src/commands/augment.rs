@@ -249,9 +249,9 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
 /// answering settings. Connection settings (base URL, timeouts, retries, cache) are left out,
 /// so a local server restarted on another port keeps its answers.
 fn setup_sha256(target: &str, settings: &Value, p: &TaskPrompts) -> String {
-    const CONNECTION: [&str; 13] = [
+    const CONNECTION: [&str; 14] = [
         "base_url", "api_key_env", "timeout_s", "connect_timeout_s", "concurrency", "max_retries", "retry_budget_s",
-        "backoff_base_s", "backoff_max_s", "cache", "cache_dir", "device", "batch_size",
+        "backoff_base_s", "backoff_max_s", "cache", "cache_dir", "max_response_bytes", "device", "batch_size",
     ];
     let mut kept = settings.as_object().cloned().unwrap_or_default();
     kept.retain(|k, _| !CONNECTION.contains(&k.as_str()));
@@ -264,8 +264,10 @@ fn setup_sha256(target: &str, settings: &Value, p: &TaskPrompts) -> String {
         "separator": p.separator,
         "passage_chars": p.passage_chars,
     });
-    // Keyed only when set, so recipes from before these settings keep their digests (and
-    // their results resume); the demonstrations themselves are in each item's prompt digest.
+    // Keyed only when set, so results made since the prompt settings entered the digest
+    // (2026-11-26) still resume; results files from before it are refused (rerun them with
+    // --overwrite or into a new output). The demonstrations themselves are in each item's
+    // prompt digest.
     if let Some(d) = &p.demonstration {
         prompt["demonstration"] = json!(d.source());
     }

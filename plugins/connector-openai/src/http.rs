@@ -11,7 +11,7 @@
 //! Only replies the operation accepted are cached: `post` hands each reply to the caller's
 //! check and caches it only when the check passes, so a malformed 2xx (`{"choices": []}`,
 //! `null`, a forced token the server ignored) fails its item now and is asked again next time.
-//! Bodies are parsed and cached exactly as the server sent them; the API key is scrubbed from
+//! Bodies are parsed and cached as the server sent them (re-serialized); the API key is scrubbed from
 //! error messages only (a 2xx body that quotes the key is refused, never stored).
 
 use serde_json::{json, Value};
@@ -218,8 +218,9 @@ pub struct Http {
     client: reqwest::blocking::Client,
     /// Server root, without a trailing `/` or `/v1`.
     pub base: String,
-    /// The model asked for (named, or the one the server said it serves), part of every cache
-    /// key (llama.cpp's native endpoints take none in their bodies).
+    /// The server and the model every cache key holds (see [`Http::set_identity`]; llama.cpp's
+    /// native endpoints take no model in their bodies).
+    key_server: String,
     model: String,
     max_body: u64,
     key: Option<ApiKey>,
@@ -271,6 +272,7 @@ impl Http {
         }
         Ok(Http {
             client,
+            key_server: cfg.base.clone(),
             base: cfg.base,
             model: cfg.model,
             max_body: cfg.max_response_bytes,
@@ -283,9 +285,22 @@ impl Http {
         })
     }
 
-    /// The model every cache key holds; set once the server said what it serves.
-    pub fn set_model(&mut self, model: String) {
+    /// The server every cache key holds.
+    pub fn key_server(&self) -> &str {
+        &self.key_server
+    }
+
+    /// What every cache key holds besides the request: the server and the model (by default
+    /// the base URL as given and the model setting; the connector sets the server without its
+    /// port and the model the server says it serves).
+    pub fn set_identity(&mut self, server: String, model: String) {
+        self.key_server = server;
         self.model = model;
+    }
+
+    /// Whether a reply to `body` at `path` is in the cache.
+    pub fn has_cached(&self, path: &str, body: &Value) -> bool {
+        self.cache.as_ref().is_some_and(|c| c.path(&cache_key(&self.key_server, &self.model, path, &body.to_string())).exists())
     }
 
     /// POST `body` to `path` (e.g. `/v1/completions`) and hand the reply's JSON to `accept`,
@@ -294,7 +309,7 @@ impl Http {
     /// it refuses (one an older version cached unchecked) is removed and asked afresh.
     pub fn post<T>(&self, path: &str, body: &Value, accept: impl Fn(&Value) -> Result<T, ApiError>) -> Result<(T, bool), ApiError> {
         let body_text = body.to_string();
-        let key = cache_key(&server_of(&self.base), &self.model, path, &body_text);
+        let key = cache_key(&self.key_server, &self.model, path, &body_text);
         if let Some(cache) = &self.cache {
             if let Some(reply) = cache.get(&key) {
                 match accept(&reply) {
@@ -468,6 +483,11 @@ impl Http {
             }
             return match serde_json::from_str::<Value>(&text) {
                 Ok(v) if v.get("error").is_some_and(|e| !e.is_null()) => Attempt::Fail(classify(status.as_u16(), &v, &self.scrub(text.into_owned()))),
+                // The body as it will be cached and quoted (JSON escapes such as `\/` undone).
+                Ok(v) if self.quotes_key(&v.to_string()) => Attempt::Fail(ApiError::new(
+                    ErrorKind::BadReply,
+                    format!("{path}: HTTP {status} with a body that quotes the API key; it is neither used nor cached"),
+                )),
                 Ok(v) => Attempt::Done(v),
                 Err(e) => Attempt::Retry { why: format!("HTTP {status} with a body that is not JSON ({e}): {}", self.quote(&text, 200)), after },
             };

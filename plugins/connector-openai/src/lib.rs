@@ -18,9 +18,10 @@
 //!   continuation token with a logit bias on llama.cpp's native `/completion`
 //!   (`"forced_logit_bias"`).
 //! - `stats` → request, retry, cache-hit and token totals.
-//! - `describe` → `{model, model_from, server}`: the model asked for (`model_from`: `setting`,
-//!   or `server` when `model` is empty and the server named the one it serves at
-//!   `/v1/models`) and the server without its port: what the replies depend on.
+//! - `describe` → `{model, requested, model_from, server}`: what the replies depend on, as
+//!   the cache keys them: the model the server serves when it lists exactly one at
+//!   `/v1/models` (else the one named) and the server without its port; `requested` is the
+//!   model sent with requests (`model_from`: `setting`, or `server` when `model` is empty).
 //!
 //! Failures of one request come back as `{"error": {"kind", "message", ...}}`, never as a
 //! failed call, so one bad item never fails a batch. The API key is read from the environment
@@ -35,6 +36,7 @@ use rak_core::plugin::{Connector, PluginInfo};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -80,7 +82,7 @@ fn schema() -> Value {
         "backoff_max_s": {"type": "float", "default": 30.0, "help": "largest backoff step"},
         "cache": {"type": "bool", "default": true, "help": "keep replies the connector accepted on disk, keyed by (server without its port, model named or served, path, request body), so a rerun asks nothing twice and a local server restarted on another port keeps its replies"},
         "cache_dir": {"type": "path", "default": "$RAK_CACHE/openai (~/.cache/rak/openai)", "help": "where replies are cached"},
-        "top_logprobs": {"type": "int", "default": 20, "help": "alternatives asked for per position when choosing among answer letters, cut to each endpoint's limit (OpenAI's: 5 on completions, 20 on chat)"},
+        "top_logprobs": {"type": "int", "default": 20, "help": "alternatives asked for per position when choosing among answer letters: at most 20 on chat (OpenAI's limit); on completions as many until the server refuses the number, then 5 (OpenAI's limit there)"},
         "logprob_floor": {"type": "float", "default": null, "help": "value for an answer letter missing from the top list (default: the list's lowest value)"},
         "max_response_bytes": {"type": "int", "default": MAX_RESPONSE_BYTES, "help": "largest reply body read (16 MiB); a larger one fails its request, unread past the limit"},
         "continuation_method": {"type": "string", "default": "auto", "help": "auto (tries each in this order and keeps the first that works), echo (prompt log-probabilities echoed by /v1/completions: OpenAI legacy, vLLM), prompt_logprobs (vLLM's prompt_logprobs, aligned with its /tokenize) or forced (llama.cpp: /tokenize + /completion with a logit bias per token)"},
@@ -94,14 +96,24 @@ enum Endpoint {
 }
 
 impl Endpoint {
-    /// The most alternatives per position the endpoint takes: OpenAI refuses more than 5 as
-    /// `logprobs` on `/v1/completions` and more than 20 as `top_logprobs` on chat.
+    /// The most alternatives per position the endpoint takes: OpenAI refuses more than 20 as
+    /// `top_logprobs` on chat. On `/v1/completions` OpenAI's limit is 5, other servers' is
+    /// higher: see `completions_logprobs_cap`.
     fn max_top_logprobs(self) -> u32 {
         match self {
-            Endpoint::Completions => 5,
+            Endpoint::Completions => u32::MAX,
             Endpoint::Chat => 20,
         }
     }
+}
+
+/// OpenAI's limit on `logprobs` on `/v1/completions`.
+const OPENAI_COMPLETIONS_LOGPROBS: u32 = 5;
+
+/// A refusal of the request's `logprobs` (OpenAI: 400, "... logprobs ... must be less than
+/// or equal to 5").
+fn refuses_logprobs(e: &ApiError) -> bool {
+    e.kind == ErrorKind::Rejected && e.status == Some(400) && e.message.to_lowercase().contains("logprobs")
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -123,14 +135,19 @@ impl ContinuationMethod {
 
 pub struct OpenAi {
     http: Http,
-    /// The model named in the settings, or the one the server said it serves.
+    /// The model sent with requests: named in the settings, or the one the server serves.
     model: String,
+    /// The model replies come from: the server's one listed model, else the one named.
+    served: String,
     model_from: &'static str,
     endpoint: Endpoint,
     top_logprobs: u32,
     floor: Option<f64>,
     /// Fixed by the settings, or found on first use (`auto`).
     continuation: Mutex<Option<ContinuationMethod>>,
+    /// The most `logprobs` asked of `/v1/completions`: no limit until the server refuses a
+    /// number by name (OpenAI's 5).
+    completions_logprobs_cap: AtomicU32,
 }
 
 impl PluginInfo for OpenAi {
@@ -200,44 +217,59 @@ impl PluginInfo for OpenAi {
             cache_dir,
             max_response_bytes,
         })?;
-        // An empty model is the server's one: its name keys the cache and the host's resume,
-        // so another model behind the same address (or the same one on a new port) is told
-        // apart by what it is, not by where it listens.
+        // What replies depend on is the model the server serves, not where it listens (the
+        // cache and the host's resume are keyed on the server without its port): a server
+        // that lists exactly one model at /v1/models (llama.cpp: its GGUF, vLLM: its one
+        // served name) is keyed on that model, even when a name it ignores was given, so two
+        // llama-servers run under one model name are told apart; a server that lists several
+        // (OpenAI) or none is keyed on the model named, which is then what names the model.
+        let listed = served_models(&http);
+        let one_served = match &listed {
+            Ok(ids) if ids.len() == 1 => Some(ids[0].clone()),
+            _ => None,
+        };
         let (model, model_from) = if s.model.trim().is_empty() {
-            let served = served_model(&http)?;
-            http.set_model(served.clone());
-            (served, "server")
+            match (&one_served, &listed) {
+                (Some(one), _) => (one.clone(), "server"),
+                (None, Err(e)) => bail!(
+                    "model is empty and the server at {} does not say which model it serves (GET /v1/models: {e}); name the model in `model` (or --model)",
+                    http.base
+                ),
+                (None, Ok(ids)) if ids.is_empty() => bail!("model is empty and GET {}/v1/models lists no model; name the model in `model` (or --model)", http.base),
+                (None, Ok(ids)) => bail!(
+                    "model is empty and the server at {} serves {} models ({}{}); name one in `model` (or --model)",
+                    http.base,
+                    ids.len(),
+                    ids.iter().take(8).cloned().collect::<Vec<_>>().join(", "),
+                    if ids.len() > 8 { ", ..." } else { "" }
+                ),
+            }
         } else {
             (s.model, "setting")
         };
+        let base_is_openai = http::server_of(&http.base).starts_with("https://api.openai.com");
+        let served = one_served.unwrap_or_else(|| model.clone());
+        http.set_identity(http::server_of(&http.base), served.clone());
         Ok(OpenAi {
             http,
             model,
+            served,
             model_from,
             endpoint,
             top_logprobs: s.top_logprobs.unwrap_or(20),
             floor: s.logprob_floor,
             continuation: Mutex::new(continuation),
+            // OpenAI's own API is known to refuse more than 5; any other server is asked first.
+            completions_logprobs_cap: AtomicU32::new(if base_is_openai { OPENAI_COMPLETIONS_LOGPROBS } else { u32::MAX }),
         })
     }
 }
 
-/// The one model the server serves, from `GET /v1/models` (llama.cpp lists its GGUF file or
-/// alias, vLLM its served model names).
-fn served_model(http: &Http) -> Result<String> {
-    let reply = http.get("/v1/models").map_err(|e| {
-        anyhow::anyhow!(
-            "model is empty and the server at {} does not say which model it serves (GET /v1/models: {}); name the model in `model` (or --model)",
-            http.base,
-            e.message
-        )
-    })?;
-    let ids: Vec<&str> = reply["data"].as_array().map(|a| a.iter().filter_map(|m| m["id"].as_str()).filter(|id| !id.is_empty()).collect()).unwrap_or_default();
-    match ids[..] {
-        [one] => Ok(one.to_string()),
-        [] => bail!("model is empty and GET {}/v1/models lists no model; name the model in `model` (or --model)", http.base),
-        _ => bail!("model is empty and the server at {} serves {} models ({}); name one in `model` (or --model)", http.base, ids.len(), ids.join(", ")),
-    }
+/// The models the server lists at `GET /v1/models` (llama.cpp its GGUF file or alias, vLLM
+/// its served model names, OpenAI every model the key may use).
+fn served_models(http: &Http) -> Result<Vec<String>, String> {
+    let reply = http.get("/v1/models").map_err(|e| e.message)?;
+    Ok(reply["data"].as_array().map(|a| a.iter().filter_map(|m| m["id"].as_str()).filter(|id| !id.is_empty()).map(str::to_string).collect()).unwrap_or_default())
 }
 
 fn default_cache_dir() -> Result<PathBuf> {
@@ -259,7 +291,7 @@ impl Connector for OpenAi {
             "choice_logprobs" => self.choice_logprobs(&request),
             "continuation_logprob" => self.continuation_logprob(&request),
             "stats" => return Ok(self.http.stats.to_json()),
-            "describe" => return Ok(json!({"model": self.model, "model_from": self.model_from, "server": http::server_of(&self.http.base)})),
+            "describe" => return Ok(json!({"model": self.served, "requested": self.model, "model_from": self.model_from, "server": self.http.key_server()})),
             other => bail!("unknown op {other:?} (known: complete, choice_logprobs, continuation_logprob, stats, describe)"),
         };
         // Replies are quoted into some messages; none may carry the key out.
@@ -293,13 +325,30 @@ impl OpenAi {
             body["stop"] = stop.clone();
         }
         let top = top.map(|k| k.min(self.endpoint.max_top_logprobs()));
-        let path = match self.endpoint {
+        match self.endpoint {
             Endpoint::Completions => {
                 body["prompt"] = json!(prompt);
-                if let Some(k) = top {
-                    body["logprobs"] = json!(k);
+                let Some(k) = top else { return self.http.post("/v1/completions", &body, accept) };
+                // OpenAI takes at most 5 as `logprobs` here; llama.cpp and vLLM take more. Ask
+                // for what the recipe says until a server refuses it by name, then for 5.
+                let mut cap = self.completions_logprobs_cap.load(Ordering::Relaxed);
+                // A reply cached with 5 means this server refused more on an earlier run.
+                if k.min(cap) > OPENAI_COMPLETIONS_LOGPROBS {
+                    body["logprobs"] = json!(OPENAI_COMPLETIONS_LOGPROBS);
+                    if self.http.has_cached("/v1/completions", &body) {
+                        self.completions_logprobs_cap.store(OPENAI_COMPLETIONS_LOGPROBS, Ordering::Relaxed);
+                        cap = OPENAI_COMPLETIONS_LOGPROBS;
+                    }
                 }
-                "/v1/completions"
+                body["logprobs"] = json!(k.min(cap));
+                match self.http.post("/v1/completions", &body, &accept) {
+                    Err(e) if k.min(cap) > OPENAI_COMPLETIONS_LOGPROBS && refuses_logprobs(&e) => {
+                        self.completions_logprobs_cap.store(OPENAI_COMPLETIONS_LOGPROBS, Ordering::Relaxed);
+                        body["logprobs"] = json!(OPENAI_COMPLETIONS_LOGPROBS);
+                        self.http.post("/v1/completions", &body, accept)
+                    }
+                    other => other,
+                }
             }
             Endpoint::Chat => {
                 body["messages"] = json!([{"role": "user", "content": prompt}]);
@@ -307,10 +356,9 @@ impl OpenAi {
                     body["logprobs"] = json!(true);
                     body["top_logprobs"] = json!(k);
                 }
-                "/v1/chat/completions"
+                self.http.post("/v1/chat/completions", &body, accept)
             }
-        };
-        self.http.post(path, &body, accept)
+        }
     }
 
     /// The generated text of a reply; a reply without one is malformed.
