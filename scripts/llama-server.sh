@@ -34,6 +34,8 @@
 # within every model's training context) or LLAMA_CTX (the total, shared by the slots),
 # LLAMA_CACHE_RAM (512 MiB of prompt cache), LLAMA_START_TIMEOUT (120 s).
 set -euo pipefail
+# `bin=$(cmd_build)` and the like: a failing step inside a command substitution stops it too.
+shopt -s inherit_errexit
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LLAMA_VERSION=11434.0.0
 CMAKE_VERSION=4.4.4
@@ -305,6 +307,12 @@ EOF
 
 cmd_build() {
     if [[ -x $BIN ]]; then echo "$BIN"; return; fi
+    # One build per machine at a time: two models started at once on a fresh machine would
+    # both build and race on the cached binary. The second waits, then finds it built.
+    mkdir -p "$CACHE"
+    exec 8>"$CACHE/llama-server-build.lock"
+    if command -v flock >/dev/null && ! flock -w 3600 8; then say "another build of llama-server held $CACHE/llama-server-build.lock for an hour"; exit 1; fi
+    if [[ -x $BIN ]]; then exec 8>&-; echo "$BIN"; return; fi
     local work
     work=$(mktemp -d "${TMPDIR:-/tmp}/llama-build.XXXXXX")
     trap 'rm -rf "$work"' RETURN
@@ -330,8 +338,9 @@ cmd_build() {
     "$work/venv/bin/cmake" --build "$work/build" --target llama-server -j "$(nproc)" \
         >"$work/build.log" 2>&1 || { tail -50 "$work/build.log" >&2; exit 1; }
     mkdir -p "$BIN_DIR"
-    cp "$work/build/bin/llama-server" "$BIN.part"
-    mv "$BIN.part" "$BIN"
+    cp "$work/build/bin/llama-server" "$BIN.part.$$"
+    mv "$BIN.part.$$" "$BIN"
+    exec 8>&-
     say "built $BIN"
     echo "$BIN"
 }
@@ -381,13 +390,17 @@ terminate() { # PID START
 lock() { # DIR
     mkdir -p "$1"
     exec 9>"$1/lock"
-    if command -v flock >/dev/null; then flock -w 600 9; fi
+    if command -v flock >/dev/null && ! flock -w 600 9; then say "another start or stop held $1/lock for 10 minutes"; exit 1; fi
 }
 
 cmd_start() { # NAME
     local name=$1 dir=$STATE/$1
     lock "$dir"
-    if running "$dir"; then cat "$dir/url"; return; fi
+    if running "$dir"; then
+        if [[ -f $dir/url ]]; then cat "$dir/url"; return; fi
+        # A start interrupted before the server was ready left it without a URL: start over.
+        stop_one "$dir"
+    fi
     local bin model slots ctx pid start url
     bin=$(cmd_build)
     model=$(py fetch "$name")
@@ -403,6 +416,8 @@ cmd_start() { # NAME
     pid=$!
     start=$(proc_start "$pid" || true)
     echo "$pid $start" >"$dir/pid"
+    # Interrupted while waiting (Ctrl-C, a killed caller): the server goes too.
+    trap 'terminate "$pid" "$start"; rm -f "$dir/pid"; exit 130' INT TERM HUP
     if ! url=$(py wait "$pid" "$dir/log" "${LLAMA_START_TIMEOUT:-120}"); then
         terminate "$pid" "$start"
         rm -f "$dir/pid"
@@ -411,6 +426,7 @@ cmd_start() { # NAME
         exit 1
     fi
     echo "$url" >"$dir/url"
+    trap - INT TERM HUP
     echo "$url"
 }
 
@@ -468,7 +484,7 @@ case $sub in
     start) cmd_start "${name:-$DEFAULT_MODEL}" ;;
     url)
         name=${name:-$DEFAULT_MODEL}
-        if running "$STATE/$name"; then cat "$STATE/$name/url"; else say "$name is not running"; exit 1; fi ;;
+        if running "$STATE/$name" && [[ -f $STATE/$name/url ]]; then cat "$STATE/$name/url"; else say "$name is not running (or still starting)"; exit 1; fi ;;
     stop) cmd_stop "$name" ;;
     *) usage ;;
 esac
