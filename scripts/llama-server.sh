@@ -293,6 +293,9 @@ def wait(pid, log, timeout):
 
 if cmd == "check":
     model(args[0])
+elif cmd == "alias":
+    m, _ = model(args[0])
+    print(f"{args[0]}-{m['version']}-{m['sha256'][:12]}")
 elif cmd == "fetch":
     print(fetch(args[0]))
 elif cmd == "info":
@@ -401,16 +404,18 @@ cmd_start() { # NAME
         # A start interrupted before the server was ready left it without a URL: start over.
         stop_one "$dir"
     fi
-    local bin model slots ctx pid start url
+    local bin model slots ctx pid start url alias
     bin=$(cmd_build)
     model=$(py fetch "$name")
     slots=${LLAMA_PARALLEL:-4}
     ctx=${LLAMA_CTX:-$((${LLAMA_SLOT_CTX:-2048} * slots))}
     rm -f "$dir/pid" "$dir/url"
     # --port 0: llama-server binds a free port itself and logs it (no pick-then-bind race).
-    # No --alias: /v1/models names the GGUF's path, which holds the package and its version
-    # (the openai connector keys its response cache by that name).
-    setsid "$bin" -m "$model" --host 127.0.0.1 --port 0 \
+    # --alias NAME-VERSION-SHA: what /v1/models names, so what the openai connector keys its
+    # cache and a run's resume on: the model's content, not where the cache keeps its file.
+    alias=$(py alias "$name")
+    : >"$dir/log"   # there before the waiter reads it, however late the server starts
+    setsid "$bin" -m "$model" --alias "$alias" --host 127.0.0.1 --port 0 \
         -t "${LLAMA_THREADS:-2}" -c "$ctx" -np "$slots" --cache-ram "${LLAMA_CACHE_RAM:-512}" \
         --no-webui </dev/null >"$dir/log" 2>&1 9>&- &
     pid=$!
