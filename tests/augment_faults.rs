@@ -617,7 +617,9 @@ fn the_cache_and_the_resume_follow_the_served_model_not_the_port() {
 #[test]
 fn a_second_run_on_the_same_output_is_refused() {
     let dir = TempDir::new("augment-lock");
-    let server = FakeServer::start(Options { delay: Duration::from_millis(100), ..Options::default() });
+    // 20 items at 400 ms each: the second run has about 8 s to start (libtorch included) and
+    // reach the lock while the first still holds it, even on a loaded machine.
+    let server = FakeServer::start(Options { delay: Duration::from_millis(400), ..Options::default() });
     let cfg = recipe(dir.path(), &server.url, ", cache = false");
     let out_path = dir.path().join("results.jsonl");
     let first = augment_command(&cfg, "mc", 20, &out_path, &["--workers", "1"], KEY).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();

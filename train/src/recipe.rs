@@ -101,7 +101,8 @@ pub struct TrainSection {
     pub exclude_gold_pages: bool,
     /// Hard negatives never hold one of the query's answers (DPR's rule, its `has_answer`):
     /// the miner searches deeper and keeps its top passages whose text holds no gold answer
-    /// string. Tasks whose answers are labels (FEVER's SUPPORTS) are in effect unchanged.
+    /// string. Answers that are labels (FEVER's SUPPORTS) are matched as words too: on
+    /// mini-KILT 1 of fever's 392 top BM25 negatives held one.
     pub exclude_answer_negatives: bool,
     /// `nce` (one positive per query) or `multi_positive` (AAR's: every positive of a query).
     pub loss: LossKind,
