@@ -1,0 +1,3 @@
+fn main() {
+    rak_build::link_libtorch();
+}

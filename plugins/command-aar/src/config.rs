@@ -1,0 +1,536 @@
+//! The command line and the TOML recipe of `host aar-train`, resolved into one [`Config`]:
+//! flags override the recipe, then everything is checked before any work starts.
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use std::path::{Path, PathBuf};
+
+pub const USAGE: &str = "usage: host aar-train --source DIR|CONNECTOR --encoder E --model DIR --config FILE.toml --output-dir OUT \
+[--max-queries N] [--base-url URL] [--seed N] [--device cpu|cuda] [--overwrite]
+
+  --source DIR        white-box source: a local T5 / Flan-T5 checkpoint read by the `fid` reader
+  --source openai     black-box source: a connector plugin (openai: any OpenAI-compatible server)
+  --encoder, --model  the starting retriever (encoder plugin and checkpoint)
+  --config            the recipe: [source], [data], [aar], [train], [model] (configs/aar/)
+  --output-dir        the run's folder: stages/ (resumable), analysis.json, summary.json, the final model
+  --max-queries       a fixed subset of the source task's queries (evenly spaced over the file)
+  --base-url          the black-box server (overrides [source].settings.base_url)
+  --seed              the run's seed (train.seed and the negatives' draw)
+  --device            cpu, cuda or cuda:N for the retriever, the trainer and a white-box source
+  --overwrite         redo the stages whose inputs changed (and those after them)";
+
+/// The flags as given.
+#[derive(Debug, Default)]
+pub struct Flags {
+    pub source: Option<String>,
+    pub encoder: Option<String>,
+    pub model: Option<PathBuf>,
+    pub config: Option<PathBuf>,
+    pub output_dir: Option<PathBuf>,
+    pub max_queries: Option<usize>,
+    pub base_url: Option<String>,
+    pub seed: Option<u64>,
+    pub device: Option<String>,
+    pub overwrite: bool,
+}
+
+/// What the command line asks for.
+pub enum Parsed {
+    Help,
+    Run(Flags),
+}
+
+impl Flags {
+    pub fn parse(args: &[String]) -> Result<Parsed> {
+        let mut f = Flags::default();
+        let mut it = args.iter();
+        while let Some(arg) = it.next() {
+            if arg == "-h" || arg == "--help" {
+                return Ok(Parsed::Help);
+            }
+            let Some(name) = arg.strip_prefix("--") else { bail!("unexpected argument {arg:?}\n{USAGE}") };
+            let (name, inline) = match name.split_once('=') {
+                Some((n, v)) => (n, Some(v.to_string())),
+                None => (name, None),
+            };
+            if name == "overwrite" {
+                if inline.is_some() {
+                    bail!("--overwrite takes no value");
+                }
+                f.overwrite = true;
+                continue;
+            }
+            let value = match inline {
+                Some(v) => v,
+                None => it.next().cloned().with_context(|| format!("--{name} needs a value"))?,
+            };
+            let number = |what: &str| -> Result<u64> { value.parse().with_context(|| format!("--{what} {value:?}: not a non-negative integer")) };
+            match name {
+                "source" => f.source = Some(value.clone()),
+                "encoder" => f.encoder = Some(value.clone()),
+                "model" => f.model = Some(PathBuf::from(&value)),
+                "config" => f.config = Some(PathBuf::from(&value)),
+                "output-dir" => f.output_dir = Some(PathBuf::from(&value)),
+                "max-queries" => f.max_queries = Some(number("max-queries")? as usize),
+                "base-url" => f.base_url = Some(value.clone()),
+                "seed" => f.seed = Some(number("seed")?),
+                "device" => f.device = Some(value.clone()),
+                other => bail!(
+                    "unknown flag --{other} (known: --source, --encoder, --model, --config, --output-dir, --max-queries, --base-url, --seed, --device, --overwrite)"
+                ),
+            }
+        }
+        Ok(Parsed::Run(f))
+    }
+}
+
+/// The recipe file (`configs/aar/*.toml`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Recipe {
+    #[serde(default)]
+    source: SourceSection,
+    data: DataSection,
+    #[serde(default)]
+    aar: AarSection,
+    /// A `host train` recipe's [train] section, passed to the host's train service.
+    #[serde(default)]
+    train: Map<String, Value>,
+    #[serde(default)]
+    model: ModelSection,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SourceSection {
+    /// `white-box` (a reader over a local checkpoint) or `black-box` (a connector).
+    kind: Option<String>,
+    /// White-box: the checkpoint directory.
+    model: Option<PathBuf>,
+    reader: Option<String>,
+    connector: Option<String>,
+    /// The reader's or the connector's settings.
+    #[serde(default)]
+    settings: Map<String, Value>,
+    /// Black-box prompt: `{passage}`, `{title}`, `{question}`.
+    template: Option<String>,
+    /// Black-box continuation whose log-likelihood is the score: `{answer}`.
+    continuation: Option<String>,
+    /// White-box prompt, read after each passage's first `passage_chars` characters: `{question}`.
+    reader_template: Option<String>,
+    /// Black-box: queries in flight at once.
+    workers: Option<usize>,
+    /// White-box: queries per reader request.
+    batch_size: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DataSection {
+    corpus: PathBuf,
+    task_dir: PathBuf,
+    task: String,
+    #[serde(default = "default_split")]
+    split: String,
+    max_queries: Option<usize>,
+}
+
+fn default_split() -> String {
+    "train".into()
+}
+
+/// AAR's constants (REFERENCE §6), every one a setting.
+#[derive(Debug, Clone, Deserialize, serde::Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AarSection {
+    /// `aar` (the top K LM-preferred passages become positives); `replug` is refused for now.
+    pub mode: String,
+    pub n: usize,
+    pub k: usize,
+    pub exactly_three: bool,
+    pub negatives_depth: usize,
+    pub negatives_sampled: usize,
+    pub negatives_per_query: usize,
+    pub passage_chars: usize,
+}
+
+impl Default for AarSection {
+    fn default() -> Self {
+        AarSection {
+            mode: "aar".into(),
+            n: 10,
+            k: 2,
+            exactly_three: false,
+            negatives_depth: 200,
+            negatives_sampled: 30,
+            negatives_per_query: 7,
+            passage_chars: 500,
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelSection {
+    encoder: Option<String>,
+    path: Option<PathBuf>,
+    #[serde(default)]
+    settings: Map<String, Value>,
+}
+
+/// Where passage scores come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Source {
+    /// A reader plugin (`fid`) over a local checkpoint: cross-attention preferences.
+    WhiteBox { reader: String, model: PathBuf, prompt: String, batch_size: usize },
+    /// A connector plugin (`openai`): log-likelihood of the gold answer.
+    BlackBox { connector: String, prompt: String, continuation: String, workers: usize },
+}
+
+/// Everything a run needs, flags applied.
+#[derive(Debug)]
+pub struct Config {
+    pub source: Source,
+    /// The reader's or connector's settings.
+    pub source_settings: Map<String, Value>,
+    pub encoder: String,
+    pub model: PathBuf,
+    pub encoder_settings: Map<String, Value>,
+    pub corpus: PathBuf,
+    pub task_dir: PathBuf,
+    pub task: String,
+    pub split: String,
+    pub max_queries: Option<usize>,
+    pub aar: AarSection,
+    /// The [train] section with AAR's settings applied (loss, hard negatives, seed).
+    pub train: Map<String, Value>,
+    pub seed: u64,
+    pub device: Option<String>,
+    pub output_dir: PathBuf,
+    pub overwrite: bool,
+}
+
+pub const DEFAULT_TEMPLATE: &str = "{title}\n{passage}\n\nQ: {question} A:";
+pub const DEFAULT_CONTINUATION: &str = " {answer}";
+pub const DEFAULT_READER_TEMPLATE: &str = " {question}";
+
+/// The recipe's settings as `host plugins inspect` shows them, and the stages.
+pub fn schema() -> Value {
+    let d = AarSection::default();
+    json!({
+        "usage": USAGE,
+        "recipe": {
+            "source.kind": {"type": "string", "default": null, "help": "white-box (a reader over a local checkpoint) or black-box (a connector); --source DIR means white-box, --source NAME a connector"},
+            "source.model": {"type": "path", "default": null, "help": "white-box: the T5 / Flan-T5 checkpoint (--source DIR)"},
+            "source.reader": {"type": "string", "default": "fid", "help": "white-box: the reader plugin (its passage_preferences)"},
+            "source.connector": {"type": "string", "default": "openai", "help": "black-box: the connector plugin (its continuation_logprob)"},
+            "source.settings": {"type": "object", "default": {}, "help": "the reader's or the connector's settings (host plugins inspect on its file); --base-url sets base_url"},
+            "source.template": {"type": "string", "default": DEFAULT_TEMPLATE, "help": "black-box prompt: {passage} (its first passage_chars characters), {title}, {question}"},
+            "source.continuation": {"type": "string", "default": DEFAULT_CONTINUATION, "help": "black-box: the text scored after the prompt; {answer} is the query's first answer"},
+            "source.reader_template": {"type": "string", "default": DEFAULT_READER_TEMPLATE, "help": "white-box prompt the reader appends to each passage's first passage_chars characters: {question}"},
+            "source.workers": {"type": "int", "default": 4, "help": "black-box: queries scored at once (the connector's concurrency caps requests)"},
+            "source.batch_size": {"type": "int", "default": 8, "help": "white-box: queries per reader request (also the reader's batch_size unless its settings give one)"},
+            "data.corpus": {"type": "path", "required": true, "help": "BEIR corpus.jsonl"},
+            "data.task_dir": {"type": "path", "required": true, "help": "folder of <task>/queries.<split>.jsonl (with answers for black-box sources) and qrels.<split>.tsv"},
+            "data.task": {"type": "string", "required": true, "help": "the source task"},
+            "data.split": {"type": "string", "default": "train"},
+            "data.max_queries": {"type": "int", "default": null, "help": "a fixed, evenly spaced subset of the queries with gold (--max-queries)"},
+            "aar.mode": {"type": "string", "default": d.mode, "help": "aar (top K LM-preferred passages become positives); replug (LM-supervised KL) is not implemented yet"},
+            "aar.n": {"type": "int", "default": d.n, "help": "passages scored per query (the starting retriever's top N)"},
+            "aar.k": {"type": "int", "default": d.k, "help": "LM-preferred passages added as positives (the top K that are not gold); 0: gold only (the human-label baseline, no source asked)"},
+            "aar.exactly_three": {"type": "bool", "default": d.exactly_three, "help": "keep only queries that end with exactly 3 positives (the authors' filter)"},
+            "aar.negatives_depth": {"type": "int", "default": d.negatives_depth, "help": "negatives come from the starting retriever's top this many, minus the positives"},
+            "aar.negatives_sampled": {"type": "int", "default": d.negatives_sampled, "help": "negatives kept per query, drawn with a seed derived from (seed, \"aar-negatives\")"},
+            "aar.negatives_per_query": {"type": "int", "default": d.negatives_per_query, "help": "negatives per query in each training step (the trainer's hard_negatives)"},
+            "aar.passage_chars": {"type": "int", "default": d.passage_chars, "help": "characters of each passage the source reads"},
+            "train": {"type": "object", "help": "a host train recipe's [train] section (learning_rate, per_device_train_batch_size, max_steps, optim, ...); loss is multi_positive, hard_negatives is aar.negatives_per_query"},
+            "model": {"type": "object", "help": "the retriever's [model] section as host train reads it: encoder, path, settings (max_length, ...)"},
+        },
+        "stages": [
+            {"name": "retrieve", "does": "the starting retriever's top max(N, negatives_depth) per query (encode_corpus, a flat index, search)", "files": "stages/retrieve/retrieved.jsonl"},
+            {"name": "score", "does": "the source LM scores the top N: white-box passage_preferences, black-box continuation_logprob of the answer; failures recorded and skipped", "files": "stages/score/scores.jsonl (per query, resumed by query id)"},
+            {"name": "select", "does": "positives = gold ∪ top K LM-preferred; negatives sampled from the top negatives_depth minus positives; analysis.json", "files": "stages/select/examples.json"},
+            {"name": "train", "does": "the host's train service on those examples with loss multi_positive (resumes from its checkpoints)", "files": "stages/train/"},
+            {"name": "final", "does": "the trained model written into the output folder", "files": "OUT/config.json, OUT/model.safetensors, ..."},
+        ],
+    })
+}
+
+impl Config {
+    pub fn resolve(flags: Flags) -> Result<Config> {
+        let path = flags.config.clone().context(format!("--config is required\n{USAGE}"))?;
+        let text = std::fs::read_to_string(&path).with_context(|| format!("{}: cannot read", path.display()))?;
+        let recipe: Recipe = toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Self::from_recipe(recipe, flags, &path)
+    }
+
+    fn from_recipe(r: Recipe, flags: Flags, path: &Path) -> Result<Config> {
+        let output_dir = flags.output_dir.clone().context("--output-dir is required")?;
+        let aar = r.aar;
+        match aar.mode.as_str() {
+            "aar" => {}
+            // TODO(REPLUG): the LM-supervised mode (REFERENCE §6, its end) trains the retriever's
+            // distribution over the N passages toward the LM's by KL; it needs a loss the trainer
+            // does not have yet.
+            "replug" => bail!(
+                "{}: aar.mode = \"replug\" (REPLUG's LM-supervised retrieval, a KL loss between the retriever's and the LM's distributions over the N passages) is not implemented yet; use mode = \"aar\"",
+                path.display()
+            ),
+            other => bail!("{}: aar.mode {other:?}: expected \"aar\"", path.display()),
+        }
+        if aar.n == 0 {
+            bail!("{}: aar.n must be at least 1", path.display());
+        }
+        if aar.k > aar.n {
+            bail!("{}: aar.k = {} is more than aar.n = {}: at most the N scored passages can be LM-preferred", path.display(), aar.k, aar.n);
+        }
+        if aar.negatives_per_query > aar.negatives_sampled {
+            bail!("{}: aar.negatives_per_query = {} is more than aar.negatives_sampled = {}", path.display(), aar.negatives_per_query, aar.negatives_sampled);
+        }
+        if aar.negatives_sampled > aar.negatives_depth {
+            bail!("{}: aar.negatives_sampled = {} is more than aar.negatives_depth = {}", path.display(), aar.negatives_sampled, aar.negatives_depth);
+        }
+        if aar.passage_chars == 0 {
+            bail!("{}: aar.passage_chars must be positive", path.display());
+        }
+
+        let s = r.source;
+        let given = flags.source.as_deref();
+        // --source DIR: white-box; --source NAME: a connector.
+        let kind = match (given, s.kind.as_deref()) {
+            (Some(v), _) if Path::new(v).is_dir() => "white-box",
+            (Some(_), _) => "black-box",
+            (None, Some(k @ ("white-box" | "black-box"))) => k,
+            (None, Some(other)) => bail!("{}: source.kind {other:?}: expected \"white-box\" or \"black-box\"", path.display()),
+            (None, None) => bail!("no source: give --source DIR (white-box) or --source openai (black-box), or source.kind in {}", path.display()),
+        };
+        let mut source_settings = s.settings;
+        let source = if kind == "white-box" {
+            let model = match given {
+                Some(v) => PathBuf::from(v),
+                None => s.model.clone().with_context(|| format!("{}: a white-box source needs source.model (or --source DIR)", path.display()))?,
+            };
+            if !model.is_dir() {
+                bail!("source model {}: not a directory (a white-box source is a local T5 / Flan-T5 checkpoint)", model.display());
+            }
+            if s.template.is_some() || s.continuation.is_some() {
+                bail!("{}: source.template and source.continuation are for black-box sources; a white-box source reads source.reader_template after each passage", path.display());
+            }
+            if flags.base_url.is_some() {
+                bail!("--base-url is for black-box sources; --source {} is a white-box checkpoint", model.display());
+            }
+            let prompt = s.reader_template.clone().unwrap_or_else(|| DEFAULT_READER_TEMPLATE.into());
+            check_template(&prompt, &["question"], "source.reader_template")?;
+            let batch_size = s.batch_size.unwrap_or(8);
+            if batch_size == 0 {
+                bail!("{}: source.batch_size must be positive", path.display());
+            }
+            // The reader cuts passages itself: it must cut where AAR's setting says.
+            match source_settings.get("passage_chars") {
+                Some(v) if v.as_u64() != Some(aar.passage_chars as u64) => {
+                    bail!("{}: source.settings.passage_chars = {v} differs from aar.passage_chars = {}; set aar.passage_chars only", path.display(), aar.passage_chars)
+                }
+                _ => {
+                    source_settings.insert("passage_chars".into(), json!(aar.passage_chars));
+                }
+            }
+            source_settings.entry("batch_size").or_insert(json!(batch_size));
+            if let Some(d) = &flags.device {
+                source_settings.insert("device".into(), json!(d));
+            }
+            source_settings.insert("model".into(), json!(model));
+            Source::WhiteBox { reader: s.reader.clone().unwrap_or_else(|| "fid".into()), model, prompt, batch_size }
+        } else {
+            if s.reader_template.is_some() {
+                bail!("{}: source.reader_template is for white-box sources; a black-box source reads source.template", path.display());
+            }
+            let prompt = s.template.clone().unwrap_or_else(|| DEFAULT_TEMPLATE.into());
+            check_template(&prompt, &["passage", "title", "question"], "source.template")?;
+            if !prompt.contains("{passage}") {
+                bail!("source.template {prompt:?} has no {{passage}}: the passage is what is scored");
+            }
+            let continuation = s.continuation.clone().unwrap_or_else(|| DEFAULT_CONTINUATION.into());
+            check_template(&continuation, &["answer"], "source.continuation")?;
+            if !continuation.contains("{answer}") {
+                bail!("source.continuation {continuation:?} has no {{answer}}: the answer's log-likelihood is the score");
+            }
+            if let Some(url) = &flags.base_url {
+                source_settings.insert("base_url".into(), json!(url));
+            }
+            let workers = s.workers.unwrap_or(4);
+            if workers == 0 {
+                bail!("{}: source.workers must be positive", path.display());
+            }
+            let connector = match given {
+                Some(name) => name.to_string(),
+                None => s.connector.clone().unwrap_or_else(|| "openai".into()),
+            };
+            Source::BlackBox { connector, prompt, continuation, workers }
+        };
+
+        let m = r.model;
+        let encoder = flags.encoder.clone().or(m.encoder).context("no encoder: give --encoder or model.encoder")?;
+        let model = flags.model.clone().or(m.path).context("no starting retriever: give --model or model.path")?;
+        let mut encoder_settings = m.settings;
+        if let Some(d) = &flags.device {
+            encoder_settings.insert("device".into(), json!(d));
+        }
+
+        let mut train = r.train;
+        let seed = match (flags.seed, train.get("seed")) {
+            (Some(s), _) => s,
+            (None, Some(v)) => v.as_u64().with_context(|| format!("{}: train.seed {v}: not a non-negative integer", path.display()))?,
+            (None, None) => 42,
+        };
+        train.insert("seed".into(), json!(seed));
+        for (key, want, instead) in [
+            ("loss", json!("multi_positive"), "AAR's loss is always multi_positive"),
+            ("hard_negatives", json!(aar.negatives_per_query), "set aar.negatives_per_query"),
+        ] {
+            match train.get(key) {
+                Some(v) if *v != want => bail!("{}: train.{key} = {v}: {instead}", path.display()),
+                _ => {
+                    train.insert(key.into(), want);
+                }
+            }
+        }
+        train.entry("optim").or_insert(json!("adamw"));
+
+        let d = r.data;
+        let max_queries = flags.max_queries.or(d.max_queries);
+        if max_queries == Some(0) {
+            bail!("max_queries must be at least 1");
+        }
+        Ok(Config {
+            source,
+            source_settings,
+            encoder,
+            model,
+            encoder_settings,
+            corpus: d.corpus,
+            task_dir: d.task_dir,
+            task: d.task,
+            split: d.split,
+            max_queries,
+            aar,
+            train,
+            seed,
+            device: flags.device,
+            output_dir,
+            overwrite: flags.overwrite,
+        })
+    }
+
+    pub fn queries_file(&self) -> PathBuf {
+        self.task_dir.join(&self.task).join(format!("queries.{}.jsonl", self.split))
+    }
+
+    pub fn qrels_file(&self) -> PathBuf {
+        self.task_dir.join(&self.task).join(format!("qrels.{}.tsv", self.split))
+    }
+
+    /// How deep the starting retriever searches: the N to score and the negatives' pool.
+    pub fn depth(&self) -> usize {
+        self.aar.n.max(self.aar.negatives_depth)
+    }
+
+    /// Whether queries are encoded with their task's name (the trainer's `task_names`).
+    pub fn task_names(&self) -> bool {
+        self.train.get("task_names").and_then(Value::as_bool).unwrap_or(true)
+    }
+
+    /// The settings of the retriever's encoder for checkpoint `model`.
+    pub fn encoder_settings_for(&self, model: &Path) -> Value {
+        let mut s = self.encoder_settings.clone();
+        s.insert("model".into(), json!(model));
+        Value::Object(s)
+    }
+}
+
+/// Refuse placeholders a template does not know (a misspelt one would silently stay literal).
+pub fn check_template(template: &str, known: &[&str], what: &str) -> Result<()> {
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        let after = &rest[open + 1..];
+        let Some(close) = after.find('}') else { break };
+        let name = &after[..close];
+        if !known.contains(&name) {
+            let names: Vec<String> = known.iter().map(|k| format!("{{{k}}}")).collect();
+            bail!("{what} {template:?}: unknown placeholder {{{name}}} (known: {})", names.join(", "));
+        }
+        rest = &after[close + 1..];
+    }
+    Ok(())
+}
+
+/// Fill `{name}` placeholders in one pass (a value holding `{question}` stays as it is).
+pub fn fill(template: &str, values: &[(&str, &str)]) -> String {
+    let mut out = String::with_capacity(template.len() + 256);
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let after = &rest[open + 1..];
+        match after.find('}').and_then(|close| values.iter().find(|(k, _)| *k == &after[..close]).map(|(_, v)| (close, v))) {
+            Some((close, v)) => {
+                out.push_str(v);
+                rest = &after[close + 1..];
+            }
+            None => {
+                out.push('{');
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flags(args: &[&str]) -> Flags {
+        match Flags::parse(&args.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap() {
+            Parsed::Run(f) => f,
+            Parsed::Help => panic!("help"),
+        }
+    }
+
+    fn recipe(extra: &str) -> Recipe {
+        toml::from_str(&format!("[data]\ncorpus = \"c.jsonl\"\ntask_dir = \"t\"\ntask = \"squad\"\n{extra}")).unwrap()
+    }
+
+    #[test]
+    fn templates_fill_once_and_refuse_unknown_placeholders() {
+        assert_eq!(fill("{title}: {passage} Q: {question}", &[("title", "T"), ("passage", "{question}"), ("question", "q")]), "T: {question} Q: q");
+        assert!(check_template("{passage} {questoin}", &["passage", "question"], "t").unwrap_err().to_string().contains("{questoin}"));
+        check_template("{passage} {question}", &["passage", "question"], "t").unwrap();
+    }
+
+    #[test]
+    fn flags_override_the_recipe_and_aar_sets_the_trainer() {
+        let f = flags(&["--source", "openai", "--encoder", "dpr", "--model", "m", "--output-dir", "o", "--seed", "7", "--base-url", "http://x:1", "--max-queries=5"]);
+        let c = Config::from_recipe(recipe("[source]\nsettings = { base_url = \"http://y\" }\n[train]\nseed = 3\n"), f, Path::new("r.toml")).unwrap();
+        assert_eq!(c.seed, 7);
+        assert_eq!(c.train["seed"], 7);
+        assert_eq!(c.train["loss"], "multi_positive");
+        assert_eq!(c.train["hard_negatives"], 7);
+        assert_eq!(c.source_settings["base_url"], "http://x:1");
+        assert_eq!(c.max_queries, Some(5));
+        assert!(matches!(c.source, Source::BlackBox { ref connector, .. } if connector == "openai"));
+    }
+
+    #[test]
+    fn replug_and_contradictions_are_refused() {
+        let f = || flags(&["--source", "openai", "--encoder", "dpr", "--model", "m", "--output-dir", "o"]);
+        let e = Config::from_recipe(recipe("[aar]\nmode = \"replug\"\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
+        assert!(e.contains("not implemented"), "{e}");
+        let e = Config::from_recipe(recipe("[train]\nloss = \"nce\"\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
+        assert!(e.contains("multi_positive"), "{e}");
+        let e = Config::from_recipe(recipe("[aar]\nk = 11\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
+        assert!(e.contains("aar.k"), "{e}");
+        let e = Config::from_recipe(recipe("[source]\ntemplate = \"{question}\"\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
+        assert!(e.contains("{passage}"), "{e}");
+    }
+}

@@ -1,0 +1,261 @@
+//! The files a run reads (BEIR queries, qrels and corpus), content digests that key its
+//! stages, and the append-only JSONL record files that make long stages resumable.
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use std::collections::{HashMap, HashSet};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+
+/// One source-task query.
+#[derive(Debug, Clone)]
+pub struct Query {
+    pub id: String,
+    pub text: String,
+    pub answers: Vec<String>,
+}
+
+#[derive(Deserialize)]
+struct QueryLine {
+    #[serde(rename = "_id")]
+    id: String,
+    text: String,
+    #[serde(default)]
+    answers: Vec<Value>,
+}
+
+/// The queries of a BEIR `queries.jsonl` (answers kept when present; non-string answers, as
+/// labels written as numbers, are kept as their text).
+pub fn read_queries(path: &Path) -> Result<Vec<Query>> {
+    let file = std::fs::File::open(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    let mut out = Vec::new();
+    for (n, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.with_context(|| format!("{}:{}: cannot read", path.display(), n + 1))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let q: QueryLine = serde_json::from_str(&line).with_context(|| format!("{}:{}: not a query (\"_id\", \"text\")", path.display(), n + 1))?;
+        let answers = q
+            .answers
+            .into_iter()
+            .filter_map(|a| match a {
+                Value::String(s) => Some(s),
+                Value::Null => None,
+                other => Some(other.to_string()),
+            })
+            .filter(|a| !a.trim().is_empty())
+            .collect();
+        out.push(Query { id: q.id, text: q.text, answers });
+    }
+    Ok(out)
+}
+
+/// Relevant passages (grade >= 1) per query, in file order, from a BEIR qrels TSV.
+pub fn read_qrels(path: &Path) -> Result<HashMap<String, Vec<String>>> {
+    let file = std::fs::File::open(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    let mut out: HashMap<String, Vec<String>> = HashMap::new();
+    for (n, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.with_context(|| format!("{}:{}: cannot read", path.display(), n + 1))?;
+        let cols: Vec<&str> = line.split('\t').map(str::trim).collect();
+        if line.trim().is_empty() || (n == 0 && cols.first() == Some(&"query-id")) {
+            continue;
+        }
+        if cols.len() < 3 {
+            bail!("{}:{}: expected query-id, corpus-id and score separated by tabs", path.display(), n + 1);
+        }
+        let grade: f64 = cols[2].parse().with_context(|| format!("{}:{}: score {:?} is not a number", path.display(), n + 1, cols[2]))?;
+        if grade >= 1.0 {
+            let list = out.entry(cols[0].to_string()).or_default();
+            if !list.iter().any(|p| p == cols[1]) {
+                list.push(cols[1].to_string());
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[derive(Deserialize)]
+struct PassageId {
+    #[serde(rename = "_id")]
+    id: String,
+}
+
+#[derive(Deserialize)]
+struct PassageLine {
+    #[serde(rename = "_id")]
+    id: String,
+    #[serde(default)]
+    title: String,
+    #[serde(default)]
+    text: String,
+}
+
+/// A passage's title and text.
+#[derive(Debug, Clone)]
+pub struct Passage {
+    pub title: String,
+    pub text: String,
+}
+
+fn corpus_lines(path: &Path, mut each: impl FnMut(usize, &str) -> Result<()>) -> Result<()> {
+    let file = std::fs::File::open(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    for (n, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.with_context(|| format!("{}:{}: cannot read", path.display(), n + 1))?;
+        if !line.trim().is_empty() {
+            each(n + 1, &line)?;
+        }
+    }
+    Ok(())
+}
+
+/// Every passage id of a corpus.
+pub fn corpus_ids(path: &Path) -> Result<HashSet<String>> {
+    let mut ids = HashSet::new();
+    corpus_lines(path, |n, line| {
+        let p: PassageId = serde_json::from_str(line).with_context(|| format!("{}:{n}: not a passage (\"_id\")", path.display()))?;
+        ids.insert(p.id);
+        Ok(())
+    })?;
+    Ok(ids)
+}
+
+/// The passages of a corpus that `wanted` names (streamed: the corpus is never held whole).
+pub fn corpus_passages(path: &Path, wanted: &HashSet<&str>) -> Result<HashMap<String, Passage>> {
+    let mut out = HashMap::with_capacity(wanted.len());
+    corpus_lines(path, |n, line| {
+        let p: PassageLine = serde_json::from_str(line).with_context(|| format!("{}:{n}: not a passage (\"_id\", \"title\", \"text\")", path.display()))?;
+        if wanted.contains(p.id.as_str()) {
+            out.insert(p.id, Passage { title: p.title, text: p.text });
+        }
+        Ok(())
+    })?;
+    if let Some(missing) = wanted.iter().find(|id| !out.contains_key(**id)) {
+        bail!("{}: passage {missing:?} is not in the corpus (was it rewritten since the retrieval stage?)", path.display());
+    }
+    Ok(out)
+}
+
+/// SHA-256 of a file's contents.
+pub fn file_sha256(path: &Path) -> Result<String> {
+    let mut file = std::fs::File::open(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).with_context(|| format!("{}: cannot read", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+/// SHA-256 over a checkpoint folder: every regular file below it (relative name and
+/// contents), in name order. What a model is, whatever its path.
+pub fn dir_sha256(dir: &Path) -> Result<String> {
+    fn walk(dir: &Path, base: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+        for e in std::fs::read_dir(dir).with_context(|| format!("{}: cannot list", dir.display()))? {
+            let e = e?;
+            let name = e.file_name();
+            // Leftover temporaries of interrupted writes are not part of the checkpoint.
+            if name.to_string_lossy().starts_with('.') {
+                continue;
+            }
+            let path = e.path();
+            let meta = std::fs::metadata(&path).with_context(|| format!("{}: cannot stat", path.display()))?;
+            if meta.is_dir() {
+                walk(&path, base, out)?;
+            } else if meta.is_file() {
+                out.push(path.strip_prefix(base).unwrap_or(&path).to_path_buf());
+            }
+        }
+        Ok(())
+    }
+    let mut files = Vec::new();
+    walk(dir, dir, &mut files)?;
+    files.sort();
+    let mut hasher = Sha256::new();
+    for rel in files {
+        hasher.update(rel.to_string_lossy().as_bytes());
+        hasher.update([0]);
+        hasher.update(file_sha256(&dir.join(&rel))?.as_bytes());
+    }
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+/// An append-only JSONL file of per-query records: what a stage has done so far. A kill can
+/// leave a partial last line; opening cuts it off, so every record read back is whole.
+pub struct RecordLog {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl RecordLog {
+    /// Open (creating) `path`; returns the log and the records already in it, in order.
+    pub fn open(path: &Path) -> Result<(RecordLog, Vec<Value>)> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+        }
+        let bytes = match std::fs::read(path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e).with_context(|| format!("{}: cannot read", path.display())),
+        };
+        let mut records = Vec::new();
+        let mut whole = 0;
+        for line in bytes.split_inclusive(|&b| b == b'\n') {
+            if !line.ends_with(b"\n") {
+                break;
+            }
+            match serde_json::from_slice::<Value>(line) {
+                Ok(v) => records.push(v),
+                // A line cut by a crash and completed by a later append cannot happen (the
+                // partial tail is removed first); a torn line in the middle means the file was
+                // edited or damaged.
+                Err(e) => bail!("{}: a damaged record at byte {whole}: {e}; remove the file to redo this stage", path.display()),
+            }
+            whole += line.len();
+        }
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+        if whole < bytes.len() {
+            file.set_len(whole as u64).with_context(|| format!("{}: cannot cut the partial last record", path.display()))?;
+        }
+        Ok((RecordLog { path: path.to_path_buf(), file }, records))
+    }
+
+    /// Append records in one write, flushed to the disk before returning.
+    pub fn append(&mut self, records: &[Value]) -> Result<()> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let mut buf = Vec::new();
+        for r in records {
+            serde_json::to_writer(&mut buf, r)?;
+            buf.push(b'\n');
+        }
+        self.file.write_all(&buf).with_context(|| format!("{}: cannot append", self.path.display()))?;
+        self.file.sync_data().with_context(|| format!("{}: cannot sync to disk", self.path.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_partial_last_record_is_cut_and_appends_follow_whole_ones() {
+        let dir = std::env::temp_dir().join(format!("aar-records-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("r.jsonl");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(&path, "{\"a\":1}\n{\"a\":2}\n{\"a\":").unwrap();
+        let (mut log, records) = RecordLog::open(&path).unwrap();
+        assert_eq!(records, vec![serde_json::json!({"a": 1}), serde_json::json!({"a": 2})]);
+        log.append(&[serde_json::json!({"a": 3})]).unwrap();
+        drop(log);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"a\":1}\n{\"a\":2}\n{\"a\":3}\n");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

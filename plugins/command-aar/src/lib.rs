@@ -1,0 +1,352 @@
+//! `host aar-train`: an augmentation-adapted retriever (AAR, REFERENCE §6), trained on the
+//! passages a source LM prefers, done entirely through the host's services (encoders,
+//! `encode_corpus`, `build_index`, `search`, readers, connectors, `train`), as a third party's
+//! command would.
+//!
+//! ```text
+//! host aar-train --source DIR|openai --encoder E --model DIR --config FILE.toml --output-dir OUT
+//!     [--max-queries N] [--base-url URL] [--seed N] [--device D] [--overwrite]
+//! ```
+//!
+//! Stages, each persisted under `OUT/stages/` ([`stages`]): a rerun skips the finished ones and
+//! resumes the first unfinished one, so a kill anywhere loses nothing.
+//! 1. `retrieve` ([`retrieve`]): the source task's queries with gold; the starting retriever's
+//!    top `max(N, negatives_depth)` for each.
+//! 2. `score` ([`score`]): the source LM scores the top N: white-box (`--source DIR`, the `fid`
+//!    reader's cross-attention `passage_preferences`) or black-box (`--source openai`, the
+//!    connector's `continuation_logprob` of the gold answer).
+//! 3. `select` ([`select`]): positives = gold ∪ the top K LM-preferred passages that are not
+//!    gold (optionally only queries with exactly three); negatives = the retriever's top
+//!    `negatives_depth` minus the positives, `negatives_sampled` drawn with a seed derived from
+//!    (seed, "aar-negatives"); `OUT/analysis.json` (LM-preferred vs human positives).
+//! 4. `train`: the host's `train` service on those examples, `loss = "multi_positive"`, in
+//!    `OUT/stages/train` (resumed from its checkpoints).
+//! 5. `final`: the trained model saved into `OUT` itself, which `host search --model OUT` and
+//!    `host augment --encoder-model OUT` use directly.
+//!
+//! The summary (queries, scored, failed, positives added, overlap) is printed on stdout as
+//! JSON and kept in `OUT/summary.json`.
+//!
+//! TODO(REPLUG): the LM-supervised mode of REPLUG (REFERENCE §6, its end), the retriever's
+//! distribution over the N passages (softmax of scores / γ) trained toward the LM's (softmax
+//! of the answer's log-likelihoods / β) by KL, from the same `score` stage. It needs a KL loss
+//! in the trainer (a `train.loss` that takes per-passage targets), which it does not have yet;
+//! `aar.mode = "replug"` is refused with an error until then.
+
+mod config;
+mod data;
+mod retrieve;
+mod score;
+mod select;
+mod stages;
+
+use anyhow::{bail, Context, Result};
+use config::{Config, Flags, Parsed, Source};
+use rak_core::plugin::{Command, Encoder, Host};
+use serde_json::{json, Value};
+use stages::{RunLock, Stages, Start};
+use std::path::Path;
+
+pub struct AarTrain;
+
+impl Command for AarTrain {
+    const NAME: &'static str = "aar-train";
+    const ABOUT: &'static str = "Train an augmentation-adapted retriever (AAR) on the passages a source LM prefers";
+
+    fn settings_schema() -> Value {
+        config::schema()
+    }
+
+    fn run(args: &[String], host: &Host) -> Result<i32> {
+        let flags = match Flags::parse(args)? {
+            Parsed::Help => {
+                eprintln!("{}", config::USAGE);
+                return Ok(0);
+            }
+            Parsed::Run(f) => f,
+        };
+        let cfg = Config::resolve(flags)?;
+        let summary = train(&cfg, host)?;
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+        Ok(0)
+    }
+}
+
+rak_core::export_command!(AarTrain);
+
+/// Connector settings that decide how requests travel, not what the replies say: left out of
+/// the score stage's key (a server restarted on another port keeps its scores).
+const CONNECTION_SETTINGS: [&str; 12] = [
+    "base_url",
+    "api_key_env",
+    "timeout_s",
+    "connect_timeout_s",
+    "concurrency",
+    "max_retries",
+    "retry_budget_s",
+    "backoff_base_s",
+    "backoff_max_s",
+    "cache",
+    "cache_dir",
+    "max_response_bytes",
+];
+
+/// The whole run; the summary.
+fn train(cfg: &Config, host: &Host) -> Result<Value> {
+    let out = &cfg.output_dir;
+    let stages_dir = out.join("stages");
+    std::fs::create_dir_all(&stages_dir).with_context(|| format!("{}: cannot create", stages_dir.display()))?;
+    let _lock = RunLock::take(&out.join("stages.lock"))?;
+    let stages = Stages::new(stages_dir, cfg.overwrite)?;
+    let (source_kind, source_name) = match &cfg.source {
+        Source::WhiteBox { reader, model, .. } => ("white-box", format!("{reader}:{}", model.display())),
+        Source::BlackBox { connector, .. } => ("black-box", connector.clone()),
+    };
+    host.log(&format!("aar-train: source {source_kind} {source_name}; retriever {} from {}; task {} ({})", cfg.encoder, cfg.model.display(), cfg.task, cfg.split))?;
+
+    // Keys: everything each stage's output depends on, by content, each including the last.
+    let retrieve_key = json!({
+        "encoder": cfg.encoder,
+        "encoder_settings": cfg.encoder_settings,
+        "model_sha256": data::dir_sha256(&cfg.model)?,
+        "corpus_sha256": data::file_sha256(&cfg.corpus)?,
+        "queries_sha256": data::file_sha256(&cfg.queries_file())?,
+        "qrels_sha256": data::file_sha256(&cfg.qrels_file())?,
+        "task": cfg.task,
+        "split": cfg.split,
+        "task_names": cfg.task_names(),
+        "max_queries": cfg.max_queries,
+        "depth": cfg.depth(),
+    });
+    let source_key = match &cfg.source {
+        Source::WhiteBox { reader, model, prompt, batch_size } => json!({
+            "kind": "white-box", "reader": reader, "model_sha256": data::dir_sha256(model)?, "prompt": prompt, "batch_size": batch_size,
+            "settings": without(&cfg.source_settings, &["model"]),
+        }),
+        Source::BlackBox { connector, prompt, continuation, .. } => json!({
+            "kind": "black-box", "connector": connector, "prompt": prompt, "continuation": continuation,
+            "settings": without(&cfg.source_settings, &CONNECTION_SETTINGS),
+        }),
+    };
+    let a = &cfg.aar;
+    let score_key = json!({"retrieve": retrieve_key, "n": a.n, "passage_chars": a.passage_chars, "asked": a.k > 0, "source": if a.k > 0 { source_key } else { Value::Null }});
+    let select_key = json!({
+        "score": score_key, "k": a.k, "exactly_three": a.exactly_three, "negatives_depth": a.negatives_depth,
+        "negatives_sampled": a.negatives_sampled, "seed": cfg.seed,
+    });
+    let train_key = json!({"select": select_key, "train": cfg.train, "device": cfg.device});
+    let final_key = json!({"train": train_key});
+
+    let (queries, retrieve_report, retrieve_how) = retrieve::run(cfg, host, &stages, &retrieve_key)?;
+    log_stage(host, "retrieve", retrieve_how)?;
+    let (scores, score_report, score_how) = score::run(cfg, host, &stages, &score_key, &queries)?;
+    log_stage(host, "score", score_how)?;
+    let (examples, select_report, select_how) = select_stage(cfg, host, &stages, &select_key, &queries, &scores)?;
+    log_stage(host, "select", select_how)?;
+    let (train_report, train_how) = train_stage(cfg, host, &stages, &train_key, examples)?;
+    log_stage(host, "train", train_how)?;
+    let final_how = final_stage(cfg, host, &stages, &final_key)?;
+    log_stage(host, "final", final_how)?;
+
+    let analysis = &select_report["analysis"];
+    let summary = json!({
+        "output_dir": out,
+        "source": {"kind": source_kind, "name": source_name},
+        "queries": retrieve_report["queries"],
+        "queries_read": retrieve_report["queries_read"],
+        "dropped_without_gold": retrieve_report["dropped_without_gold"].as_u64().unwrap_or(0) + retrieve_report["dropped_gold_not_in_corpus"].as_u64().unwrap_or(0),
+        "fewer_than_n_retrieved": retrieve_report["fewer_than_n_retrieved"],
+        "scored": score_report["scored"].as_u64().unwrap_or(0),
+        "failed": score_report["failed"].as_u64().unwrap_or(0),
+        "skipped_without_answer": score_report["skipped_without_answer"].as_u64().unwrap_or(0),
+        "positives_added": select_report["positives_added"],
+        "examples": select_report["examples"],
+        "dropped_not_exactly_three": select_report["dropped_not_exactly_three"],
+        "dropped_without_negatives": select_report["dropped_without_negatives"],
+        "overlap": analysis["overlap"],
+        "train": {"steps": train_report["steps"], "output_dir": train_report["output_dir"]},
+        "stages": {"retrieve": retrieve_how, "score": score_how, "select": select_how, "train": train_how, "final": final_how},
+        "model": out,
+    });
+    rak_core::fsutil::write_bytes(&out.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+    if summary["failed"].as_u64().unwrap_or(0) > 0 {
+        host.log(&format!(
+            "aar-train: {} of the source's items failed and were skipped (their passages cannot be LM-preferred); see {}",
+            summary["failed"],
+            stages.folder("score").join("scores.jsonl").display()
+        ))?;
+    }
+    Ok(summary)
+}
+
+fn log_stage(host: &Host, name: &str, how: &str) -> Result<()> {
+    host.log(&format!("aar-train: stage {name}: {how}"))
+}
+
+fn without(settings: &serde_json::Map<String, Value>, keys: &[&str]) -> Value {
+    Value::Object(settings.iter().filter(|(k, _)| !keys.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect())
+}
+
+/// Stage (c) and (d): the training examples, and the analysis of LM vs human positives.
+fn select_stage(
+    cfg: &Config,
+    host: &Host,
+    stages: &Stages,
+    key: &Value,
+    queries: &[retrieve::Retrieved],
+    scores: &std::collections::HashMap<String, score::Scores>,
+) -> Result<(Value, Value, &'static str)> {
+    let file = stages.folder("select").join("examples.json");
+    let how = match stages.begin("select", key)? {
+        Start::Done(report) => {
+            let text = std::fs::read_to_string(&file).with_context(|| format!("{}: cannot read", file.display()))?;
+            let saved: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", file.display()))?;
+            return Ok((saved["examples"].clone(), report, "done earlier"));
+        }
+        Start::Resume => "resumed",
+        Start::Fresh => "ran",
+    };
+    let a = &cfg.aar;
+    let bar = host.progress("aar: select", queries.len() as u64)?;
+    let negatives_seed = select::Rng::derive(cfg.seed, &["aar-negatives"]).next_u64();
+    let mut examples = Vec::new();
+    let (mut added_total, mut not_three, mut no_negatives) = (0usize, 0usize, 0usize);
+    // The analysis: over queries the source scored.
+    let (mut with_scores, mut lm_picks, mut lm_gold, mut queries_lm_gold, mut gold_in_n) = (0usize, 0usize, 0usize, 0usize, 0usize);
+    let (mut picks_given_gold, mut gold_given_gold) = (0usize, 0usize);
+    for q in queries {
+        let top = score::top_n(q, a.n);
+        let s: Vec<Option<f64>> = match scores.get(&q.id) {
+            Some(s) if s.passages == top => s.scores.clone(),
+            Some(_) => bail!("the scores of query {:?} name other passages than its retrieval; remove {} to redo the stages", q.id, stages.folder("score").display()),
+            None => vec![None; top.len()],
+        };
+        let sel = select::select_positives(&q.gold, top, &s, a.k);
+        let gold_retrieved = top.iter().any(|p| q.gold.contains(p));
+        gold_in_n += gold_retrieved as usize;
+        if s.iter().any(Option::is_some) {
+            with_scores += 1;
+            let g = sel.lm_top.iter().filter(|p| q.gold.contains(p)).count();
+            lm_picks += sel.lm_top.len();
+            lm_gold += g;
+            queries_lm_gold += (g > 0) as usize;
+            if gold_retrieved {
+                picks_given_gold += sel.lm_top.len();
+                gold_given_gold += g;
+            }
+        }
+        bar.inc(1)?;
+        if a.exactly_three && sel.positives.len() != 3 {
+            not_three += 1;
+            continue;
+        }
+        let mut rng = select::Rng::derive(negatives_seed, &[&q.id]);
+        let negatives = select::select_negatives(&q.hits, &sel.positives, a.negatives_depth, a.negatives_sampled, &mut rng);
+        if a.negatives_per_query > 0 && negatives.is_empty() {
+            no_negatives += 1;
+            continue;
+        }
+        added_total += sel.added.len();
+        examples.push(json!({
+            "query_id": q.id, "query": q.query, "answers": q.answers, "positives": sel.positives, "negatives": negatives,
+            "gold": q.gold, "lm_preferred": sel.added,
+        }));
+    }
+    drop(bar);
+    if not_three > 0 {
+        host.log(&format!("aar-train: exactly_three: dropped {not_three} queries that do not end with exactly 3 positives"))?;
+    }
+    if no_negatives > 0 {
+        host.log(&format!("aar-train: dropped {no_negatives} queries without a negative (every retrieved passage is a positive)"))?;
+    }
+    let share = |a: usize, b: usize| if b == 0 { Value::Null } else { json!(a as f64 / b as f64) };
+    let analysis = json!({
+        "source_k": a.k,
+        "n": a.n,
+        "queries": queries.len(),
+        "queries_with_lm_scores": with_scores,
+        "lm_preferred": lm_picks,
+        "lm_preferred_gold": lm_gold,
+        "overlap": share(lm_gold, lm_picks),
+        "overlap_help": "share of the top K LM-preferred passages (gold or not) that are human-labelled gold; the AAR paper reports about 13% (Flan-T5-base on MS MARCO)",
+        "queries_with_gold_in_lm_top_k": share(queries_lm_gold, with_scores),
+        "gold_in_retrieved_top_n": share(gold_in_n, queries.len()),
+        "overlap_where_gold_in_top_n": share(gold_given_gold, picks_given_gold),
+        "positives_added": added_total,
+        "positives_added_per_example": share(added_total, examples.len()),
+        "examples": examples.len(),
+    });
+    if examples.is_empty() {
+        bail!("no training example is left ({} queries: {not_three} without exactly 3 positives, {no_negatives} without negatives)", queries.len());
+    }
+    let saved = json!({"seed": cfg.seed, "negatives_seed": negatives_seed, "negatives_seed_from": "(seed, \"aar-negatives\"), then per query (negatives_seed, query_id)", "examples": examples});
+    rak_core::fsutil::write_bytes(&file, serde_json::to_string(&saved)?.as_bytes())?;
+    rak_core::fsutil::write_bytes(&cfg.output_dir.join("analysis.json"), serde_json::to_string_pretty(&analysis)?.as_bytes())?;
+    let report = json!({
+        "examples": examples.len(),
+        "positives_added": added_total,
+        "dropped_not_exactly_three": not_three,
+        "dropped_without_negatives": no_negatives,
+        "negatives_seed": negatives_seed,
+        "analysis": analysis,
+    });
+    stages.finish("select", &report)?;
+    Ok((saved["examples"].clone(), report, how))
+}
+
+/// Stage (e): the host's train service on the selected examples.
+fn train_stage(cfg: &Config, host: &Host, stages: &Stages, key: &Value, examples: Value) -> Result<(Value, &'static str)> {
+    let folder = stages.folder("train");
+    let how = match stages.begin("train", key)? {
+        Start::Done(report) => return Ok((report, "done earlier")),
+        Start::Resume => "resumed",
+        Start::Fresh => "ran",
+    };
+    let given: Vec<Value> = examples
+        .as_array()
+        .context("examples")?
+        .iter()
+        .map(|e| json!({"query_id": e["query_id"], "query": e["query"], "positives": e["positives"], "negatives": e["negatives"], "answers": e["answers"]}))
+        .collect();
+    let earlier = has_checkpoint(&folder);
+    let mut request = json!({
+        "recipe": {
+            "model": {"encoder": cfg.encoder, "path": cfg.model, "settings": cfg.encoder_settings},
+            "data": {"corpus": cfg.corpus, "task_dir": cfg.task_dir, "tasks": [cfg.task], "split": cfg.split},
+            "train": cfg.train,
+        },
+        "output_dir": folder,
+        "encoder": cfg.encoder,
+        "model": cfg.model,
+        "examples": [{"name": cfg.task, "examples": given}],
+    });
+    if let Some(d) = &cfg.device {
+        request["device"] = json!(d);
+    }
+    if earlier {
+        request["resume"] = json!("latest");
+    } else {
+        request["overwrite"] = json!(true);
+    }
+    let reply = host.train(request)?;
+    stages.finish("train", &reply)?;
+    Ok((reply, how))
+}
+
+fn has_checkpoint(dir: &Path) -> bool {
+    std::fs::read_dir(dir).map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with("checkpoint-") && e.path().is_dir())).unwrap_or(false)
+}
+
+/// Stage (f): the trained model, as its encoder saves it, into the output folder.
+fn final_stage(cfg: &Config, host: &Host, stages: &Stages, key: &Value) -> Result<&'static str> {
+    let how = match stages.begin("final", key)? {
+        Start::Done(_) => return Ok("done earlier"),
+        Start::Resume => "resumed",
+        Start::Fresh => "ran",
+    };
+    let trained = stages.folder("train");
+    let encoder = host.encoder(&cfg.encoder, &cfg.encoder_settings_for(&trained))?;
+    encoder.save(&cfg.output_dir)?;
+    stages.finish("final", &json!({"model": cfg.output_dir, "from": trained}))?;
+    Ok(how)
+}

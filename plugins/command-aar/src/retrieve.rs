@@ -1,0 +1,199 @@
+//! Stage (a): the source task's queries with gold, and the starting retriever's top
+//! `max(N, negatives_depth)` passages for each, through the host's services (the corpus
+//! encoded with `encode_corpus`, a flat index, `search`).
+
+use crate::config::Config;
+use crate::data::{corpus_ids, read_qrels, read_queries, RecordLog};
+use crate::select::spaced_subset;
+use crate::stages::{Stages, Start};
+use anyhow::{bail, Context, Result};
+use rak_core::plugin::Host;
+use serde_json::{json, Value};
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+
+/// One query with what the starting retriever found for it.
+#[derive(Debug, Clone)]
+pub struct Retrieved {
+    pub id: String,
+    pub query: String,
+    pub answers: Vec<String>,
+    /// Relevant passages that are in the corpus (at least one).
+    pub gold: Vec<String>,
+    /// The retriever's ranking, best first (at most `depth`; fewer in a small corpus).
+    pub hits: Vec<String>,
+}
+
+impl Retrieved {
+    fn to_json(&self) -> Value {
+        json!({"query_id": self.id, "query": self.query, "answers": self.answers, "gold": self.gold, "hits": self.hits})
+    }
+
+    fn from_json(v: &Value) -> Result<Retrieved> {
+        let strings = |key: &str| -> Result<Vec<String>> { serde_json::from_value(v[key].clone()).with_context(|| format!("a retrieval record without {key:?}")) };
+        Ok(Retrieved {
+            id: v["query_id"].as_str().context("a retrieval record without query_id")?.to_string(),
+            query: v["query"].as_str().context("a retrieval record without query")?.to_string(),
+            answers: strings("answers")?,
+            gold: strings("gold")?,
+            hits: strings("hits")?,
+        })
+    }
+}
+
+/// Queries searched per call of the search service.
+const SEARCH_CHUNK: usize = 256;
+
+const RESULT_FILE: &str = "retrieved.jsonl";
+const PARTIAL_FILE: &str = "retrieved.part.jsonl";
+
+/// Run (or resume, or skip) the stage; its queries and report.
+pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value) -> Result<(Vec<Retrieved>, Value, &'static str)> {
+    let folder = stages.folder("retrieve");
+    let how = match stages.begin("retrieve", key)? {
+        Start::Done(report) => {
+            remove_work(&folder);
+            return Ok((load(&folder.join(RESULT_FILE))?, report, "done earlier"));
+        }
+        Start::Resume => "resumed",
+        Start::Fresh => "ran",
+    };
+    std::fs::create_dir_all(&folder).with_context(|| format!("{}: cannot create", folder.display()))?;
+
+    let queries = read_queries(&cfg.queries_file())?;
+    let qrels = read_qrels(&cfg.qrels_file())?;
+    let known = corpus_ids(&cfg.corpus)?;
+    let (mut without_gold, mut gold_not_in_corpus) = (0usize, 0usize);
+    let mut candidates = Vec::new();
+    for q in queries.iter() {
+        let judged = qrels.get(&q.id).map(Vec::as_slice).unwrap_or_default();
+        let gold: Vec<String> = judged.iter().filter(|p| known.contains(*p)).cloned().collect();
+        if judged.is_empty() {
+            without_gold += 1;
+        } else if gold.is_empty() {
+            gold_not_in_corpus += 1;
+        } else {
+            candidates.push((q, gold));
+        }
+    }
+    if candidates.is_empty() {
+        bail!(
+            "{}: no query has a relevant passage in {} ({} without judgements, {} whose judged passages are not in the corpus)",
+            cfg.queries_file().display(),
+            cfg.corpus.display(),
+            without_gold,
+            gold_not_in_corpus
+        );
+    }
+    if without_gold + gold_not_in_corpus > 0 {
+        host.log(&format!(
+            "aar-train: dropped {without_gold} queries without relevant passages in {} and {gold_not_in_corpus} whose relevant passages are not in the corpus",
+            cfg.qrels_file().display()
+        ))?;
+    }
+    let with_gold = candidates.len();
+    let chosen: Vec<(&crate::data::Query, Vec<String>)> = match cfg.max_queries {
+        Some(n) => spaced_subset(candidates.len(), n).into_iter().map(|i| candidates[i].clone()).collect(),
+        None => candidates,
+    };
+
+    let depth = cfg.depth();
+    let encoder = host.encoder(&cfg.encoder, &cfg.encoder_settings_for(&cfg.model))?;
+    let (emb, index_dir) = (folder.join("emb"), folder.join("index"));
+    host.encode_corpus(&encoder, json!({"input": cfg.corpus, "output": emb}))?;
+    if !index_dir.join("index.json").exists() {
+        host.build_index(json!({"kind": "flat", "embeddings": emb, "output": index_dir}))?;
+    }
+    let index = host.open_index(&index_dir)?;
+    let count = index.info()?["count"].as_u64().unwrap_or(0) as usize;
+    if count < depth {
+        host.log(&format!(
+            "aar-train: the corpus has {count} passages, fewer than the {depth} asked for (max of aar.n and aar.negatives_depth); every query gets those {count}"
+        ))?;
+    }
+
+    let (mut log, earlier) = RecordLog::open(&folder.join(PARTIAL_FILE))?;
+    let mut found: HashMap<String, Retrieved> = HashMap::new();
+    for r in &earlier {
+        let r = Retrieved::from_json(r)?;
+        found.insert(r.id.clone(), r);
+    }
+    let pending: Vec<&(&crate::data::Query, Vec<String>)> = chosen.iter().filter(|(q, _)| !found.contains_key(&q.id)).collect();
+    if !found.is_empty() {
+        host.log(&format!("aar-train: retrieve: {} queries searched earlier, {} to go", found.len(), pending.len()))?;
+    }
+    let task = cfg.task_names().then_some(cfg.task.as_str());
+    let bar = host.progress("aar: retrieve", pending.len() as u64)?;
+    for chunk in pending.chunks(SEARCH_CHUNK) {
+        let list: Vec<Value> = chunk.iter().map(|(q, _)| json!({"_id": q.id, "text": q.text})).collect();
+        let run = host.search(&index, Some(&encoder), json!({"queries": list, "k": depth, "task": task}))?;
+        let mut records = Vec::with_capacity(chunk.len());
+        for (q, gold) in chunk {
+            let hits: Vec<(String, f64)> = serde_json::from_value(run[&q.id].clone()).unwrap_or_default();
+            let r = Retrieved { id: q.id.clone(), query: q.text.clone(), answers: q.answers.clone(), gold: gold.clone(), hits: hits.into_iter().map(|(p, _)| p).collect() };
+            records.push(r.to_json());
+            found.insert(r.id.clone(), r);
+        }
+        log.append(&records)?;
+        bar.inc(chunk.len() as u64)?;
+    }
+    drop(bar);
+    drop(log);
+
+    // The result in the queries' order, whole or not at all.
+    let ordered: Vec<Retrieved> = chosen.iter().map(|(q, _)| found.remove(&q.id).expect("every chosen query searched")).collect();
+    let result = folder.join(RESULT_FILE);
+    rak_core::fsutil::write_atomically(&result, |tmp| {
+        let mut text = String::new();
+        for r in &ordered {
+            text.push_str(&r.to_json().to_string());
+            text.push('\n');
+        }
+        std::fs::write(tmp, text).with_context(|| format!("{}: cannot write", tmp.display()))
+    })?;
+    let n = cfg.aar.n;
+    let short = ordered.iter().filter(|r| r.hits.len() < n).count();
+    if short > 0 {
+        host.log(&format!("aar-train: {short} queries have fewer than N = {n} retrieved passages; they are scored on what there is"))?;
+    }
+    let gold_in_top_n = ordered.iter().filter(|r| r.hits.iter().take(n).any(|h| r.gold.contains(h))).count();
+    let report = json!({
+        "queries_read": queries.len(),
+        "dropped_without_gold": without_gold,
+        "dropped_gold_not_in_corpus": gold_not_in_corpus,
+        "queries_with_gold": with_gold,
+        "queries": ordered.len(),
+        "max_queries": cfg.max_queries,
+        "depth": depth,
+        "corpus_passages": count,
+        "fewer_than_n_retrieved": short,
+        "fewest_retrieved": ordered.iter().map(|r| r.hits.len()).min(),
+        "gold_in_top_n": gold_in_top_n,
+    });
+    stages.finish("retrieve", &report)?;
+    let _ = std::fs::remove_file(folder.join(PARTIAL_FILE));
+    remove_work(&folder);
+    Ok((ordered, report, how))
+}
+
+/// The corpus embeddings and index are as large as the corpus; the ranking is what is kept.
+fn remove_work(folder: &Path) {
+    for d in ["emb", "index"] {
+        let _ = std::fs::remove_dir_all(folder.join(d));
+    }
+}
+
+fn load(path: &Path) -> Result<Vec<Retrieved>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read (remove the stages folder's retrieve.done.json to redo the stage)", path.display()))?;
+    let mut seen = HashSet::new();
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let r = Retrieved::from_json(&serde_json::from_str(l).with_context(|| format!("{}: a damaged record", path.display()))?)?;
+            if !seen.insert(r.id.clone()) {
+                bail!("{}: query {:?} twice", path.display(), r.id);
+            }
+            Ok(r)
+        })
+        .collect()
+}

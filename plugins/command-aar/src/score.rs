@@ -1,0 +1,327 @@
+//! Stage (b): the source LM scores each query's top N passages.
+//!
+//! - White-box (REFERENCE §6, the paper's): the reader's `passage_preferences`, FiD
+//!   cross-attention of the first decoder step over `passage[:passage_chars] + prompt`, queries
+//!   sent `batch_size` at a time in fixed chunks of the query order, so a resumed run puts the
+//!   same queries in the same batch as an uninterrupted one.
+//! - Black-box (beyond the paper): the connector's `continuation_logprob`, log P(answer |
+//!   prompt with the passage), one request per passage, `workers` queries at once. An item
+//!   whose request fails is recorded with its error, never scored, and counted; the connector
+//!   caches the replies it accepted, so a rerun asks nothing twice.
+//!
+//! Records (`scores.jsonl`, one per query, appended as queries finish): `query_id`,
+//! `passages` (the top N ids), `scores` (a number or null per passage), `errors` (null or a
+//! message per passage), `skipped` (why a query was not asked, else null). A resumed stage
+//! skips the queries it has records for, except records with failed items, which are asked
+//! again (their answered items come from the connector's cache); the latest record wins.
+
+use crate::config::{fill, Config, Source};
+use crate::data::{corpus_passages, Passage, RecordLog};
+use crate::retrieve::Retrieved;
+use crate::stages::{Stages, Start};
+use anyhow::{bail, Context, Result};
+use rak_core::plugin::{Connector, Host, HostProgress, Reader};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// One query's scores, aligned with its top N passages.
+#[derive(Debug, Clone)]
+pub struct Scores {
+    pub passages: Vec<String>,
+    pub scores: Vec<Option<f64>>,
+}
+
+const RESULT_FILE: &str = "scores.jsonl";
+const SOURCE_FILE: &str = "source.json";
+
+/// The top N of a query (fewer when the corpus is small).
+pub fn top_n(r: &Retrieved, n: usize) -> &[String] {
+    &r.hits[..n.min(r.hits.len())]
+}
+
+/// Run (or resume, or skip) the stage; the scores by query, its report, and how it started.
+pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[Retrieved]) -> Result<(HashMap<String, Scores>, Value, &'static str)> {
+    let folder = stages.folder("score");
+    let how = match stages.begin("score", key)? {
+        Start::Done(report) => return Ok((load(&folder.join(RESULT_FILE))?, report, "done earlier")),
+        Start::Resume => "resumed",
+        Start::Fresh => "ran",
+    };
+    if cfg.aar.k == 0 {
+        let report = json!({"skipped": "aar.k = 0: the positives are gold only, no source is asked"});
+        stages.finish("score", &report)?;
+        return Ok((HashMap::new(), report, how));
+    }
+    let (mut log, earlier) = RecordLog::open(&folder.join(RESULT_FILE))?;
+    let mut latest: HashMap<String, Value> = HashMap::new();
+    for r in earlier {
+        let id = r["query_id"].as_str().context("a score record without query_id")?.to_string();
+        latest.insert(id, r);
+    }
+    let n = cfg.aar.n;
+    let wanted: HashSet<&str> = queries.iter().flat_map(|q| top_n(q, n)).map(String::as_str).collect();
+    let passages = corpus_passages(&cfg.corpus, &wanted)?;
+    match &cfg.source {
+        Source::WhiteBox { reader, prompt, batch_size, .. } => {
+            let mut reader = host.reader(reader, &serde_json::Value::Object(cfg.source_settings.clone()))?;
+            let recorded: HashSet<String> = latest.keys().cloned().collect();
+            let done = |q: &Retrieved| recorded.contains(&q.id);
+            let todo = queries.iter().filter(|q| !done(q)).count();
+            if todo < queries.len() {
+                host.log(&format!("aar-train: score: {} queries scored earlier, {todo} to go", queries.len() - todo))?;
+            }
+            let bar = host.progress("aar: score (white-box)", todo as u64)?;
+            for chunk in queries.chunks(*batch_size) {
+                if chunk.iter().all(done) {
+                    continue;
+                }
+                // The whole chunk is asked, recorded or not: batches are the same as an
+                // uninterrupted run's, so are the scores, to the last bit.
+                let items: Vec<Value> = chunk
+                    .iter()
+                    .map(|q| {
+                        let ps: Vec<Value> = top_n(q, n).iter().map(|id| json!({"title": passages[id].title, "text": passages[id].text})).collect();
+                        json!({"prompt": fill(prompt, &[("question", &q.query)]), "passages": ps})
+                    })
+                    .collect();
+                let reply = reader.passage_preferences(json!({"items": items}))?;
+                let got = reply["items"].as_array().context("passage_preferences: the reply has no items")?;
+                if got.len() != chunk.len() {
+                    bail!("passage_preferences: {} items asked, {} answered", chunk.len(), got.len());
+                }
+                let mut records = Vec::new();
+                for (q, item) in chunk.iter().zip(got) {
+                    if done(q) {
+                        continue;
+                    }
+                    let ids = top_n(q, n);
+                    let scores: Vec<Option<f64>> = serde_json::from_value(item["scores"].clone()).context("passage_preferences: an item without scores")?;
+                    if scores.len() != ids.len() {
+                        bail!("passage_preferences: {} scores for {} passages of query {:?}", scores.len(), ids.len(), q.id);
+                    }
+                    records.push(json!({"query_id": q.id, "passages": ids, "scores": scores, "errors": vec![Value::Null; ids.len()], "skipped": null}));
+                }
+                log.append(&records)?;
+                for r in records {
+                    latest.insert(r["query_id"].as_str().unwrap_or_default().to_string(), r);
+                }
+                bar.inc(chunk.iter().filter(|q| !done(q)).count() as u64)?;
+            }
+        }
+        Source::BlackBox { connector, prompt, continuation, workers } => {
+            let conn = host.connector(connector, &serde_json::Value::Object(cfg.source_settings.clone()))?;
+            check_source(&conn, &folder.join(SOURCE_FILE))?;
+            // Queries not recorded, or recorded with failed items (asked again).
+            let pending: Vec<&Retrieved> = queries.iter().filter(|q| latest.get(&q.id).is_none_or(has_failures)).collect();
+            if pending.len() < queries.len() {
+                host.log(&format!("aar-train: score: {} queries scored earlier, {} to go", queries.len() - pending.len(), pending.len()))?;
+            }
+            let bar = host.progress("aar: score (black-box)", pending.len() as u64)?;
+            let log = Mutex::new(&mut log);
+            let fresh: Mutex<Vec<Value>> = Mutex::new(Vec::new());
+            let next = AtomicUsize::new(0);
+            let job = BlackBox { conn: &conn, prompt, continuation, n, passages: &passages, chars: cfg.aar.passage_chars };
+            std::thread::scope(|s| -> Result<()> {
+                let handles: Vec<_> = (0..(*workers).min(pending.len().max(1)))
+                    .map(|_| {
+                        s.spawn(|| -> Result<()> {
+                            loop {
+                                let i = next.fetch_add(1, Ordering::Relaxed);
+                                let Some(q) = pending.get(i) else { return Ok(()) };
+                                let record = job.score(q);
+                                log.lock().unwrap_or_else(|e| e.into_inner()).append(std::slice::from_ref(&record))?;
+                                fresh.lock().unwrap_or_else(|e| e.into_inner()).push(record);
+                                inc(&bar)?;
+                            }
+                        })
+                    })
+                    .collect();
+                for h in handles {
+                    h.join().map_err(|_| anyhow::anyhow!("a scoring thread panicked"))??;
+                }
+                Ok(())
+            })?;
+            for r in fresh.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                latest.insert(r["query_id"].as_str().unwrap_or_default().to_string(), r);
+            }
+        }
+    }
+    drop(log);
+
+    let report = report(queries, &latest, n)?;
+    if report["scored"].as_u64() == Some(0) && report["failed"].as_u64().unwrap_or(0) > 0 {
+        bail!(
+            "every item the source was asked failed ({} items; first errors: {}); nothing is scored. Fix the source and rerun: the stage resumes and asks the failed items again",
+            report["failed"],
+            report["first_errors"]
+        );
+    }
+    for q in queries {
+        if !latest.contains_key(&q.id) {
+            bail!("query {:?} has no score record after the stage", q.id);
+        }
+    }
+    stages.finish("score", &report)?;
+    let scores = latest.iter().map(|(id, r)| Ok((id.clone(), parse(r)?))).collect::<Result<_>>()?;
+    Ok((scores, report, how))
+}
+
+fn inc(bar: &HostProgress) -> Result<()> {
+    bar.inc(1)
+}
+
+fn has_failures(r: &Value) -> bool {
+    r["errors"].as_array().is_some_and(|e| e.iter().any(|x| !x.is_null()))
+}
+
+/// What the scores depend on besides the settings: the model the server serves and the server
+/// (the connector's `describe`, without the port). Recorded when the stage starts; a resume
+/// against another model is refused rather than mixing two sources' scores.
+fn check_source(conn: &rak_core::plugin::HostConnector, path: &Path) -> Result<()> {
+    let described = conn.complete(json!({"op": "describe"})).unwrap_or(Value::Null);
+    let now = if described.get("error").is_some() { Value::Null } else { json!({"model": described["model"], "server": described["server"]}) };
+    match std::fs::read_to_string(path) {
+        Ok(text) => {
+            let then: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+            if then != now {
+                bail!(
+                    "{}: this stage was begun with the source {then}, which is now {now}; point --base-url at the same model, or remove score.key.json beside that folder to score everything again",
+                    path.display()
+                );
+            }
+            Ok(())
+        }
+        Err(_) => rak_core::fsutil::write_bytes(path, now.to_string().as_bytes()),
+    }
+}
+
+struct BlackBox<'a> {
+    conn: &'a rak_core::plugin::HostConnector,
+    prompt: &'a str,
+    continuation: &'a str,
+    n: usize,
+    passages: &'a HashMap<String, Passage>,
+    chars: usize,
+}
+
+impl BlackBox<'_> {
+    /// One query's record: every passage asked, failures recorded, never raised.
+    fn score(&self, q: &Retrieved) -> Value {
+        let ids = top_n(q, self.n);
+        let Some(answer) = q.answers.first() else {
+            return json!({"query_id": q.id, "passages": ids, "scores": vec![Value::Null; ids.len()], "errors": vec![Value::Null; ids.len()],
+                "skipped": "no answer to score"});
+        };
+        let continuation = fill(self.continuation, &[("answer", answer)]);
+        let (mut scores, mut errors, mut methods) = (Vec::new(), Vec::new(), Vec::new());
+        for id in ids {
+            let p = &self.passages[id];
+            let prompt = fill(self.prompt, &[("passage", char_prefix(&p.text, self.chars)), ("title", &p.title), ("question", &q.query)]);
+            let reply = self.conn.complete(json!({"op": "continuation_logprob", "prompt": prompt, "continuation": continuation}));
+            match reply {
+                Ok(r) if r.get("error").is_none() => match r["logprob"].as_f64() {
+                    Some(lp) if lp.is_finite() => {
+                        scores.push(json!(lp));
+                        errors.push(Value::Null);
+                        methods.push(r["method"].clone());
+                    }
+                    _ => {
+                        scores.push(Value::Null);
+                        errors.push(json!(format!("no finite logprob in the reply: {}", short(&r.to_string()))));
+                        methods.push(Value::Null);
+                    }
+                },
+                Ok(r) => {
+                    let e = &r["error"];
+                    scores.push(Value::Null);
+                    errors.push(json!(format!("{}: {}", e["kind"].as_str().unwrap_or("error"), short(e["message"].as_str().unwrap_or("")))));
+                    methods.push(Value::Null);
+                }
+                Err(e) => {
+                    scores.push(Value::Null);
+                    errors.push(json!(short(&format!("{e:#}"))));
+                    methods.push(Value::Null);
+                }
+            }
+        }
+        json!({"query_id": q.id, "passages": ids, "scores": scores, "errors": errors, "methods": methods, "skipped": null, "continuation": continuation})
+    }
+}
+
+/// The first `chars` characters of `text` (Python's `text[:chars]`, as the reader cuts).
+pub fn char_prefix(text: &str, chars: usize) -> &str {
+    match text.char_indices().nth(chars) {
+        Some((i, _)) => &text[..i],
+        None => text,
+    }
+}
+
+fn short(s: &str) -> String {
+    if s.chars().count() > 300 { format!("{}...", char_prefix(s, 300)) } else { s.to_string() }
+}
+
+fn parse(r: &Value) -> Result<Scores> {
+    Ok(Scores {
+        passages: serde_json::from_value(r["passages"].clone()).context("a score record without passages")?,
+        scores: serde_json::from_value(r["scores"].clone()).context("a score record without scores")?,
+    })
+}
+
+/// Counts over the latest record of every query.
+fn report(queries: &[Retrieved], latest: &HashMap<String, Value>, n: usize) -> Result<Value> {
+    let (mut items, mut scored, mut failed, mut skipped, mut unscored) = (0usize, 0usize, 0usize, 0usize, 0usize);
+    let mut methods: BTreeMap<String, usize> = BTreeMap::new();
+    let mut first_errors = Vec::new();
+    for q in queries {
+        let Some(r) = latest.get(&q.id) else { continue };
+        if !r["skipped"].is_null() {
+            skipped += 1;
+            unscored += 1;
+            continue;
+        }
+        let s = parse(r)?;
+        if s.passages != top_n(q, n) {
+            bail!("the score record of query {:?} names other passages than its retrieval", q.id);
+        }
+        items += s.scores.len();
+        let ok = s.scores.iter().filter(|x| x.is_some()).count();
+        scored += ok;
+        if ok == 0 {
+            unscored += 1;
+        }
+        for (i, e) in r["errors"].as_array().into_iter().flatten().enumerate() {
+            if let Some(msg) = e.as_str() {
+                failed += 1;
+                if first_errors.len() < 5 {
+                    first_errors.push(json!({"query_id": q.id, "passage": s.passages.get(i), "error": msg}));
+                }
+            }
+        }
+        for m in r["methods"].as_array().into_iter().flatten().filter_map(Value::as_str) {
+            *methods.entry(m.to_string()).or_default() += 1;
+        }
+    }
+    Ok(json!({
+        "queries": queries.len(),
+        "items": items,
+        "scored": scored,
+        "failed": failed,
+        "skipped_without_answer": skipped,
+        "queries_without_scores": unscored,
+        "methods": methods,
+        "first_errors": first_errors,
+    }))
+}
+
+/// The latest record of each query in a finished stage's file.
+fn load(path: &Path) -> Result<HashMap<String, Scores>> {
+    let (_, records) = RecordLog::open(path)?;
+    let mut out = HashMap::new();
+    for r in &records {
+        out.insert(r["query_id"].as_str().context("a score record without query_id")?.to_string(), parse(r)?);
+    }
+    Ok(out)
+}

@@ -1,0 +1,166 @@
+//! The run's stages on disk (`OUT/stages/`): each stage `NAME` has a key (`NAME.key.json`,
+//! everything its output depends on, earlier stages' keys included), its work folder
+//! (`NAME/`) and, once finished, `NAME.done.json` (what it reports). Every mark is written
+//! under a temporary name and renamed, so a kill leaves either no mark or a whole one.
+//!
+//! A rerun skips finished stages whose key is unchanged and resumes the first unfinished one
+//! from its folder. A stage whose key changed is refused, naming what changed, unless
+//! `--overwrite` is given: then it and every later stage are redone, and the earlier ones kept.
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// The stages in order.
+pub const ORDER: [&str; 5] = ["retrieve", "score", "select", "train", "final"];
+
+/// How a stage starts.
+pub enum Start {
+    /// Finished earlier with the same key: its report.
+    Done(Value),
+    /// Begun earlier with the same key: continue from its folder.
+    Resume,
+    /// Nothing of it (or of any later stage) is left.
+    Fresh,
+}
+
+pub struct Stages {
+    dir: PathBuf,
+    overwrite: bool,
+}
+
+fn read_json(path: &Path) -> Result<Option<Value>> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(Some(serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("{}: cannot read", path.display())),
+    }
+}
+
+fn write_json(path: &Path, v: &Value) -> Result<()> {
+    rak_core::fsutil::write_bytes(path, serde_json::to_string_pretty(v)?.as_bytes())
+}
+
+/// The top-level keys whose values differ, for the user.
+fn differences(then: &Value, now: &Value) -> Vec<String> {
+    let empty = serde_json::Map::new();
+    let (a, b) = (then.as_object().unwrap_or(&empty), now.as_object().unwrap_or(&empty));
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|k| a.get(k.as_str()) != b.get(k.as_str()))
+        .map(|k| {
+            let show = |v: Option<&Value>| {
+                let s = v.map(Value::to_string).unwrap_or_else(|| "absent".into());
+                if s.len() > 160 { format!("{}...", &s[..s.char_indices().nth(157).map(|(i, _)| i).unwrap_or(s.len())]) } else { s }
+            };
+            format!("  {k}: {} then, {} now", show(a.get(k.as_str())), show(b.get(k.as_str())))
+        })
+        .collect()
+}
+
+impl Stages {
+    pub fn new(dir: PathBuf, overwrite: bool) -> Result<Self> {
+        std::fs::create_dir_all(&dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+        Ok(Stages { dir, overwrite })
+    }
+
+    /// The work folder of a stage.
+    pub fn folder(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    fn key_path(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("{name}.key.json"))
+    }
+
+    fn done_path(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("{name}.done.json"))
+    }
+
+    /// Remove stage `name` and every later one.
+    fn clear_from(&self, name: &str) -> Result<()> {
+        let from = ORDER.iter().position(|s| *s == name).expect("a known stage");
+        for s in &ORDER[from..] {
+            for f in [self.done_path(s), self.key_path(s)] {
+                match std::fs::remove_file(&f) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e).with_context(|| format!("{}: cannot remove", f.display())),
+                }
+            }
+            let folder = self.folder(s);
+            if folder.exists() {
+                std::fs::remove_dir_all(&folder).with_context(|| format!("{}: cannot remove", folder.display()))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Where stage `name` with inputs `key` starts (see the module docs).
+    pub fn begin(&self, name: &str, key: &Value) -> Result<Start> {
+        let key_path = self.key_path(name);
+        match read_json(&key_path)? {
+            Some(then) if then == *key => match read_json(&self.done_path(name))? {
+                Some(done) => Ok(Start::Done(done)),
+                None => Ok(Start::Resume),
+            },
+            Some(then) => {
+                if !self.overwrite {
+                    bail!(
+                        "{}: the {name} stage was run with other inputs; rerun with the same ones, or with --overwrite to redo it and the stages after it:\n{}",
+                        self.dir.display(),
+                        differences(&then, key).join("\n")
+                    );
+                }
+                self.clear_from(name)?;
+                write_json(&key_path, key)?;
+                Ok(Start::Fresh)
+            }
+            None => {
+                // Anything of this stage or a later one without this stage's key is a leftover.
+                self.clear_from(name)?;
+                write_json(&key_path, key)?;
+                Ok(Start::Fresh)
+            }
+        }
+    }
+
+    /// Mark stage `name` finished with its report.
+    pub fn finish(&self, name: &str, report: &Value) -> Result<()> {
+        write_json(&self.done_path(name), report)
+    }
+}
+
+/// An exclusive lock on the run's folder for as long as it is held (one run per output folder:
+/// two would append to the same record files). Released when the process ends, however.
+pub struct RunLock(#[allow(dead_code)] std::fs::File);
+
+impl RunLock {
+    pub fn take(path: &Path) -> Result<RunLock> {
+        use std::io::{Read, Seek, Write};
+        use std::os::unix::io::AsRawFd;
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .with_context(|| format!("{}: cannot open", path.display()))?;
+        // Safety: flock on a descriptor this function owns.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            bail!(
+                "{}: another aar-train (pid {}) is running on this output folder; wait for it or stop it",
+                path.display(),
+                holder.trim().split_whitespace().next().unwrap_or("unknown")
+            );
+        }
+        file.set_len(0)?;
+        file.rewind()?;
+        writeln!(file, "{}", std::process::id())?;
+        Ok(RunLock(file))
+    }
+}
