@@ -169,6 +169,13 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         "model": out,
     });
     rak_core::fsutil::write_bytes(&out.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+    let short = retrieve_report["fewer_than_n_retrieved"].as_u64().unwrap_or(0);
+    if short > 0 {
+        host.log(&format!(
+            "aar-train: {short} queries have fewer than N = {} retrieved passages (the corpus has {}); they were scored on what there is",
+            a.n, retrieve_report["corpus_passages"]
+        ))?;
+    }
     if summary["failed"].as_u64().unwrap_or(0) > 0 {
         host.log(&format!(
             "aar-train: {} of the source's items failed and were skipped (their passages cannot be LM-preferred); see {}",

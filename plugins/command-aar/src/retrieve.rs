@@ -153,9 +153,6 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value) -> Result<(V
     })?;
     let n = cfg.aar.n;
     let short = ordered.iter().filter(|r| r.hits.len() < n).count();
-    if short > 0 {
-        host.log(&format!("aar-train: {short} queries have fewer than N = {n} retrieved passages; they are scored on what there is"))?;
-    }
     let gold_in_top_n = ordered.iter().filter(|r| r.hits.iter().take(n).any(|h| r.gold.contains(h))).count();
     let report = json!({
         "queries_read": queries.len(),

@@ -1,0 +1,497 @@
+//! `host aar-train` (the `aar-train` command plugin) end to end on small real slices of
+//! mini-KILT with all-MiniLM-L6-v2 as the starting retriever: white-box on the committed T5
+//! fixture (random weights: the preferences mean nothing, the plumbing is what is tested),
+//! black-box on the fault-injecting fake OpenAI server and on the real SmolLM2; a run killed in
+//! a stage resumes there and ends with the uninterrupted run's model; bad inputs are counted,
+//! never fatal.
+
+use rak_core::readers::fid::FidReader;
+use rak_e2e::fake_openai::{FakeServer, Fault, Options};
+use rak_e2e::*;
+use serde_json::{json, Value};
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+fn t5_fixture() -> PathBuf {
+    root().join("tests/fixtures/t5/t5-v1_1")
+}
+
+/// A few training steps, a checkpoint after each.
+const TRAIN: &str = "optim = \"adamw\"\nlearning_rate = 5e-5\nper_device_train_batch_size = 4\nmax_steps = 4\nsave_steps = 1\nlogging_steps = 1\nwarmup_ratio = 0.0\nscore_scale = 20.0";
+
+/// Data in mini-KILT's layout (`queries` squad train queries after `skip`, their gold and every
+/// 40th other passage) and an aar-train recipe over it.
+fn setup(dir: &Path, skip: usize, queries: usize, source: &str, aar: &str, train: &str) -> PathBuf {
+    task_data(dir, &[("squad", "squad", skip, queries)], "");
+    write_recipe(dir, source, aar, train)
+}
+
+fn write_recipe(dir: &Path, source: &str, aar: &str, train: &str) -> PathBuf {
+    let recipe = dir.join("aar.toml");
+    std::fs::write(
+        &recipe,
+        format!(
+            "[source]\n{source}\n\n[data]\ncorpus = \"{}\"\ntask_dir = \"{}\"\ntask = \"squad\"\n\n[aar]\n{aar}\n\n[train]\n{train}\n\n[model]\nencoder = \"dpr\"\nsettings = {{ max_length = 64 }}\n",
+            dir.join("corpus.jsonl").display(),
+            dir.join("tasks").display()
+        ),
+    )
+    .unwrap();
+    recipe
+}
+
+fn aar_cmd(recipe: &Path, out: &Path, source: &str, extra: &[&str]) -> Command {
+    let mut c = Command::new(host_bin());
+    c.args(["aar-train", "--source", source, "--encoder", "dpr", "--model", p(&minilm_dir()), "--config", p(recipe), "--output-dir", p(out)])
+        .args(extra)
+        .env_remove("RAK_PLUGIN_PATH");
+    c
+}
+
+fn summary(o: &Output) -> Value {
+    assert!(o.status.success(), "aar-train failed:\n{}", stderr(o));
+    serde_json::from_str(&stdout(o)).unwrap_or_else(|e| panic!("summary is not JSON ({e}): {}", stdout(o)))
+}
+
+fn weights(dir: &Path) -> Vec<(String, tch::Tensor)> {
+    let mut w = tch::Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
+    w.sort_by(|a, b| a.0.cmp(&b.0));
+    w
+}
+
+fn same_weights(a: &Path, b: &Path) {
+    let (wa, wb) = (weights(a), weights(b));
+    assert_eq!(wa.len(), wb.len());
+    for ((na, ta), (nb, tb)) in wa.iter().zip(wb.iter()) {
+        assert_eq!(na, nb);
+        let diff = (ta - tb).abs().max().double_value(&[]);
+        assert!(diff <= 1e-6, "{na}: final weights differ by {diff}");
+    }
+}
+
+fn read_json(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+}
+
+fn jsonl(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect()
+}
+
+/// The examples of a finished run, checked against AAR's rules: positives are gold and then
+/// the top K LM-preferred passages that are not gold, all among the scored top N (K of them
+/// where N and the source's answers allow); negatives hold no positive and come from the
+/// retriever's top `depth`.
+fn check_examples(out: &Path, n: usize, k: usize, depth: usize) -> Vec<Value> {
+    let examples = read_json(&out.join("stages/select/examples.json"))["examples"].as_array().unwrap().clone();
+    let by_query = |file: &str| -> std::collections::HashMap<String, Value> {
+        jsonl(&out.join(file)).into_iter().map(|r| (r["query_id"].as_str().unwrap().to_string(), r)).collect()
+    };
+    let (retrieved, scores) = (by_query("stages/retrieve/retrieved.jsonl"), by_query("stages/score/scores.jsonl"));
+    for e in &examples {
+        let (gold, positives, negatives, added) = (strings(&e["gold"]), strings(&e["positives"]), strings(&e["negatives"]), strings(&e["lm_preferred"]));
+        let qid = e["query_id"].as_str().unwrap();
+        let hits = strings(&retrieved[qid]["hits"]);
+        assert_eq!(&positives[..gold.len()], &gold[..], "positives begin with gold: {e}");
+        assert_eq!(&positives[gold.len()..], &added[..], "then the LM-preferred: {e}");
+        assert!(added.iter().all(|a| !gold.contains(a) && hits[..n.min(hits.len())].contains(a)), "LM-preferred passages are non-gold top-N passages: {e}");
+        let rec = &scores[qid];
+        let scored_non_gold = strings(&rec["passages"]).iter().zip(rec["scores"].as_array().unwrap()).filter(|(p, s)| !s.is_null() && !gold.contains(p)).count();
+        assert_eq!(added.len(), k.min(scored_non_gold), "K LM-preferred where N allows: {e} {rec}");
+        // Best first among the scored non-gold passages.
+        let score_of = |id: &String| strings(&rec["passages"]).iter().position(|p| p == id).and_then(|i| rec["scores"][i].as_f64()).unwrap();
+        let best_left_out = strings(&rec["passages"]).iter().filter(|p| !gold.contains(p) && !added.contains(p)).filter_map(|p| {
+            let i = strings(&rec["passages"]).iter().position(|x| x == p).unwrap();
+            rec["scores"][i].as_f64()
+        }).fold(f64::NEG_INFINITY, f64::max);
+        assert!(added.iter().all(|a| score_of(a) >= best_left_out), "the LM-preferred are the best scored: {e} {rec}");
+        assert!(negatives.iter().all(|x| !positives.contains(x) && hits[..depth.min(hits.len())].contains(x)), "negatives: {e}");
+        assert_eq!(negatives.iter().collect::<HashSet<_>>().len(), negatives.len(), "distinct negatives: {e}");
+    }
+    examples
+}
+
+/// White-box end to end on the T5 fixture: every stage's file, the summary and analysis, the
+/// reader's preferences exactly as the `fid` reader computes them, a model `host search` uses,
+/// and a rerun that finds everything done.
+#[test]
+fn white_box_end_to_end_on_the_t5_fixture() {
+    let dir = TempDir::new("aar-white");
+    let (n, k) = (5, 2);
+    let recipe = setup(dir.path(), 0, 8, "reader_template = \" {question}\"\nbatch_size = 3", "n = 5\nk = 2\nnegatives_depth = 30\nnegatives_sampled = 10\nnegatives_per_query = 2", TRAIN);
+    let out = dir.path().join("out");
+    let o = aar_cmd(&recipe, &out, p(&t5_fixture()), &[]).output().unwrap();
+    let s = summary(&o);
+    assert_eq!((s["queries"].as_u64(), s["scored"].as_u64(), s["failed"].as_u64()), (Some(8), Some(8 * n as u64), Some(0)), "{s}");
+    assert_eq!(s["source"]["kind"], "white-box");
+    for stage in ["retrieve", "score", "select", "train", "final"] {
+        assert!(out.join(format!("stages/{stage}.done.json")).exists(), "{stage} not marked done");
+        assert_eq!(s["stages"][stage], "ran");
+    }
+    for f in ["stages/retrieve/retrieved.jsonl", "stages/score/scores.jsonl", "stages/select/examples.json", "analysis.json", "summary.json", "model.safetensors"] {
+        assert!(out.join(f).exists(), "{f} missing");
+    }
+    assert!(!out.join("stages/retrieve/emb").exists(), "the corpus embeddings are removed once the ranking is kept");
+    let examples = check_examples(&out, n, k, 30);
+    assert_eq!(examples.len(), 8);
+    assert_eq!(s["positives_added"].as_u64(), Some(examples.iter().map(|e| e["lm_preferred"].as_array().unwrap().len() as u64).sum()));
+    let a = read_json(&out.join("analysis.json"));
+    let (picks, gold) = (a["lm_preferred"].as_u64().unwrap(), a["lm_preferred_gold"].as_u64().unwrap());
+    assert_eq!(picks, 8 * k as u64, "{a}");
+    assert!((a["overlap"].as_f64().unwrap() - gold as f64 / picks as f64).abs() < 1e-12, "{a}");
+    assert_eq!(s["overlap"], a["overlap"]);
+    // The trained model is the train stage's, and training moved it.
+    same_weights(&out, &out.join("stages/train"));
+    let moved = weights(&out).iter().zip(weights(&minilm_dir()).iter()).any(|((_, a), (_, b))| a.size() == b.size() && (a - b).abs().max().double_value(&[]) > 0.0);
+    assert!(moved, "training changed nothing");
+
+    // The scores are the reader's own, on the prompt AAR builds (passage[:500] + prompt).
+    let mut reader = FidReader::create(json!({"model": t5_fixture(), "passage_chars": 500})).unwrap();
+    let corpus = rak_retrieval::data::beir::load_corpus(&dir.path().join("corpus.jsonl")).unwrap();
+    let record = &jsonl(&out.join("stages/score/scores.jsonl"))[0];
+    let query = &jsonl(&out.join("stages/retrieve/retrieved.jsonl"))[0];
+    let passages: Vec<Value> = strings(&record["passages"]).iter().map(|id| json!({"title": corpus.get(id.as_str()).unwrap().title, "text": corpus.get(id.as_str()).unwrap().text})).collect();
+    let prompt = format!(" {}", query["query"].as_str().unwrap());
+    let direct = reader.passage_preferences(json!({"items": [{"prompt": prompt, "passages": passages}]})).unwrap();
+    for (a, b) in record["scores"].as_array().unwrap().iter().zip(direct["items"][0]["scores"].as_array().unwrap()) {
+        assert!((a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-6, "{record} vs {direct}");
+    }
+
+    // `host search` uses the output folder as a model.
+    let (emb, idx, run) = (dir.path().join("emb"), dir.path().join("idx"), dir.path().join("run.trec"));
+    let queries = dir.path().join("tasks/squad/queries.train.jsonl");
+    for args in [
+        vec!["encode", "--encoder", "dpr", "--model", p(&out), "--input", p(&dir.path().join("corpus.jsonl")), "--output", p(&emb)],
+        vec!["index", "build", "--kind", "flat", "--embeddings", p(&emb), "--output", p(&idx)],
+        vec!["search", "--index", p(&idx), "--encoder", "dpr", "--model", p(&out), "--queries", p(&queries), "--k", "5", "--output", p(&run)],
+    ] {
+        let o = host(&args);
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    }
+    assert_eq!(std::fs::read_to_string(&run).unwrap().lines().count(), 8 * 5);
+
+    // A rerun finds every stage done and says the same.
+    let again = summary(&aar_cmd(&recipe, &out, p(&t5_fixture()), &[]).output().unwrap());
+    for stage in ["retrieve", "score", "select", "train", "final"] {
+        assert_eq!(again["stages"][stage], "done earlier");
+    }
+    assert_eq!((again["scored"].clone(), again["overlap"].clone(), again["examples"].clone()), (s["scored"].clone(), s["overlap"].clone(), s["examples"].clone()));
+}
+
+/// Kill `child` (SIGKILL) once `ready` holds, after `delay` more; whether it was still running.
+fn kill_when(child: &mut std::process::Child, ready: impl Fn() -> bool, delay: Duration) -> bool {
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(300) {
+        if ready() || child.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(delay);
+    let alive = child.try_wait().unwrap().is_none();
+    let _ = child.kill();
+    let _ = child.wait();
+    alive
+}
+
+/// Delays drawn from a fixed seed (a small LCG): the kills land at the same moments each run.
+fn delays(seed: u64, max_ms: u64) -> impl Iterator<Item = Duration> {
+    let mut x = seed;
+    std::iter::from_fn(move || {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        Some(Duration::from_millis((x >> 33) % max_ms))
+    })
+}
+
+fn lines(path: &Path) -> usize {
+    std::fs::read_to_string(path).map(|t| t.lines().count()).unwrap_or(0)
+}
+
+fn has_checkpoint(dir: &Path) -> bool {
+    std::fs::read_dir(dir).map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with("checkpoint-"))).unwrap_or(false)
+}
+
+/// White-box: SIGKILL in the score stage (after its first record) and in the train stage (after
+/// its first checkpoint), at moments drawn from a fixed seed; the rerun resumes in that stage
+/// and ends with the uninterrupted run's weights.
+#[test]
+fn a_run_killed_in_scoring_and_training_resumes_to_the_same_model() {
+    let dir = TempDir::new("aar-kill");
+    let recipe = setup(dir.path(), 40, 12, "batch_size = 2", "n = 10\nk = 2\nnegatives_depth = 40\nnegatives_sampled = 8\nnegatives_per_query = 2", TRAIN);
+    let whole = dir.path().join("whole");
+    let s = summary(&aar_cmd(&recipe, &whole, p(&t5_fixture()), &[]).output().unwrap());
+
+    let killed = dir.path().join("killed");
+    let mut d = delays(22, 60);
+    let scores = killed.join("stages/score/scores.jsonl");
+    let mut child = aar_cmd(&recipe, &killed, p(&t5_fixture()), &[]).stderr(Stdio::null()).stdout(Stdio::null()).spawn().unwrap();
+    let in_scoring = kill_when(&mut child, || lines(&scores) > 0, d.next().unwrap()) && !killed.join("stages/score.done.json").exists();
+    let recorded = lines(&scores);
+    let mut d = delays(22, 1500);
+    let train = killed.join("stages/train");
+    let mut child = aar_cmd(&recipe, &killed, p(&t5_fixture()), &[]).stderr(Stdio::null()).stdout(Stdio::null()).spawn().unwrap();
+    let in_training = kill_when(&mut child, || has_checkpoint(&train), d.next().unwrap()) && !killed.join("stages/train.done.json").exists();
+    assert!(in_training, "the kill did not land in training");
+    eprintln!("killed in scoring after {recorded} of 12 records: {in_scoring}");
+
+    let o = aar_cmd(&recipe, &killed, p(&t5_fixture()), &[]).output().unwrap();
+    let r = summary(&o);
+    assert_eq!(r["stages"]["train"], "resumed", "{r}");
+    assert!(stderr(&o).contains("resumed from"), "{}", stderr(&o));
+    for stage in ["retrieve", "score", "select"] {
+        assert_eq!(r["stages"][stage], "done earlier", "{r}");
+    }
+    assert_eq!(lines(&scores), 12, "one record per query, none repeated");
+    assert_eq!((r["overlap"].clone(), r["positives_added"].clone()), (s["overlap"].clone(), s["positives_added"].clone()));
+    assert_eq!(std::fs::read(whole.join("stages/select/examples.json")).unwrap(), std::fs::read(killed.join("stages/select/examples.json")).unwrap());
+    same_weights(&whole, &killed);
+    same_weights(&killed, &killed.join("stages/train"));
+}
+
+/// The fake server's settings for a recipe: its model named (it lists none), tokens forced
+/// one by one as on llama.cpp, the cache in the test's folder, no retries.
+fn fake_source(cache: &Path, extra: &str) -> String {
+    format!(
+        "settings = {{ base_url = \"http://127.0.0.1:9\", model = \"fake\", continuation_method = \"forced\", cache_dir = \"{}\", max_retries = 0, concurrency = 4 }}\nworkers = 3\n{extra}",
+        cache.display()
+    )
+}
+
+/// Black-box on the fake server: each passage scored by the connector's continuation
+/// log-likelihood of the first answer after the recipe's prompt; a run killed while scoring
+/// resumes by query id and ends with the uninterrupted run's model; a rerun over the same
+/// cache asks the server nothing.
+#[test]
+fn black_box_scores_through_the_connector_and_resumes_a_killed_scoring() {
+    let dir = TempDir::new("aar-black");
+    let server = FakeServer::start(Options { delay: Duration::from_millis(3), ..Options::default() });
+    let cache = dir.path().join("cache");
+    let source = fake_source(&cache, "template = \"{title}: {passage}\\nQ: {question}\\nA:\"\ncontinuation = \" {answer}\"");
+    let recipe = setup(dir.path(), 100, 8, &source, "n = 4\nk = 1\nnegatives_depth = 30\nnegatives_sampled = 6\nnegatives_per_query = 2\npassage_chars = 120", TRAIN);
+    let whole = dir.path().join("whole");
+    let s = summary(&aar_cmd(&recipe, &whole, "openai", &["--base-url", &server.url]).output().unwrap());
+    assert_eq!((s["scored"].as_u64(), s["failed"].as_u64(), s["source"]["kind"].as_str()), (Some(32), Some(0), Some("black-box")), "{s}");
+    let records = jsonl(&whole.join("stages/score/scores.jsonl"));
+    let retrieved = jsonl(&whole.join("stages/retrieve/retrieved.jsonl"));
+    let corpus = rak_retrieval::data::beir::load_corpus(&dir.path().join("corpus.jsonl")).unwrap();
+    // What the server was asked: the prompt as the recipe builds it (the passage cut at 120
+    // characters), the continuation " ANSWER" forced token by token.
+    let asked: HashSet<String> = server.log().iter().filter(|l| l.path == "/tokenize").map(|l| l.prompt.clone()).collect();
+    for q in &retrieved {
+        let rec = records.iter().find(|r| r["query_id"] == q["query_id"]).unwrap();
+        assert!(rec["methods"].as_array().unwrap().iter().all(|m| m == "forced_logit_bias"), "{rec}");
+        let answer = q["answers"][0].as_str().unwrap();
+        assert_eq!(rec["continuation"], format!(" {answer}"));
+        // One token per character on the fake: log P = -0.5 per character of " ANSWER".
+        let want = -0.5 * (answer.chars().count() + 1) as f64;
+        assert!(rec["scores"].as_array().unwrap().iter().all(|x| (x.as_f64().unwrap() - want).abs() < 1e-9), "{rec}");
+        for id in strings(&rec["passages"]) {
+            let d = corpus.get(id.as_str()).unwrap();
+            let cut: String = d.text.chars().take(120).collect();
+            let prompt = format!("{}: {cut}\nQ: {}\nA:", d.title, q["query"].as_str().unwrap());
+            assert!(asked.contains(&prompt), "never asked {prompt:?}");
+        }
+    }
+    check_examples(&whole, 4, 1, 30);
+
+    // Killed while scoring (its own cache, so the server is really asked), then resumed.
+    let killed = dir.path().join("killed");
+    let recipe2 = write_recipe(dir.path(), &fake_source(&dir.path().join("cache2"), "template = \"{title}: {passage}\\nQ: {question}\\nA:\"\ncontinuation = \" {answer}\""),
+        "n = 4\nk = 1\nnegatives_depth = 30\nnegatives_sampled = 6\nnegatives_per_query = 2\npassage_chars = 120", TRAIN);
+    let scores = killed.join("stages/score/scores.jsonl");
+    let before = server.log().len();
+    let mut child = aar_cmd(&recipe2, &killed, "openai", &["--base-url", &server.url]).stderr(Stdio::null()).stdout(Stdio::null()).spawn().unwrap();
+    let landed = kill_when(&mut child, || lines(&scores) > 0, delays(7, 200).next().unwrap()) && !killed.join("stages/score.done.json").exists();
+    assert!(landed, "the kill did not land while scoring");
+    let o = aar_cmd(&recipe2, &killed, "openai", &["--base-url", &server.url]).output().unwrap();
+    let r = summary(&o);
+    assert_eq!(r["stages"]["score"], "resumed", "{r}");
+    assert!(stderr(&o).contains("scored earlier"), "{}", stderr(&o));
+    assert_eq!(lines(&scores), 8, "one record per query");
+    // Nothing answered was asked again, but for what was on the wire when the kill came (at
+    // most the connector's concurrency): the records and the connector's cache hold the rest.
+    let ok = |log: &[rak_e2e::fake_openai::Logged]| log.iter().filter(|l| l.outcome == "ok").count();
+    let (whole_asked, killed_asked) = (ok(&server.log()[..before]), ok(&server.log()[before..]));
+    assert!(killed_asked <= whole_asked + 4, "the killed and resumed runs asked {killed_asked} times, the whole run {whole_asked}");
+    same_weights(&whole, &killed);
+
+    // A new run over the first cache asks the server nothing.
+    let before = server.log().len();
+    let again = dir.path().join("again");
+    summary(&aar_cmd(&recipe, &again, "openai", &["--base-url", &server.url]).output().unwrap());
+    assert_eq!(server.log().len(), before, "a rerun over the same cache asked the server again");
+    same_weights(&whole, &again);
+}
+
+/// Bad inputs are counted, never fatal: queries without gold are dropped; a corpus smaller
+/// than N gives what there is; items the source fails are recorded, skipped and counted (and a
+/// stage where every item failed stops, then resumes against a healthy server); a query
+/// without an answer is not asked. Changed inputs are refused, or with --overwrite redone from
+/// the first stage they touch.
+#[test]
+fn bad_inputs_are_counted_and_failures_skipped() {
+    let dir = TempDir::new("aar-bad");
+    // A tiny corpus: the gold passages of 6 queries and 3 others.
+    task_data(dir.path(), &[("squad", "squad", 300, 6)], "");
+    let corpus_path = dir.path().join("corpus.jsonl");
+    let gold: HashSet<String> = std::fs::read_to_string(dir.path().join("tasks/squad/qrels.train.tsv")).unwrap().lines().skip(1).map(|l| l.split('\t').nth(1).unwrap().to_string()).collect();
+    let all: Vec<String> = std::fs::read_to_string(&corpus_path).unwrap().lines().map(String::from).collect();
+    let mut others = 0;
+    let kept: Vec<String> = all
+        .into_iter()
+        .filter(|l| {
+            let id = serde_json::from_str::<Value>(l).unwrap()["_id"].as_str().unwrap().to_string();
+            gold.contains(&id) || {
+                others += 1;
+                others <= 3
+            }
+        })
+        .collect();
+    std::fs::write(&corpus_path, kept.join("\n") + "\n").unwrap();
+    let passages = kept.len();
+    assert!(passages < 10, "{passages} passages");
+    // Two queries without gold (one unjudged, one judged on a passage the corpus lacks) and one
+    // without answers.
+    let qfile = dir.path().join("tasks/squad/queries.train.jsonl");
+    let mut q = std::fs::read_to_string(&qfile).unwrap();
+    q.push_str("{\"_id\": \"x:unjudged\", \"text\": \"who is nobody?\", \"answers\": [\"no one\"]}\n");
+    q.push_str("{\"_id\": \"x:missing\", \"text\": \"where is nowhere?\", \"answers\": [\"here\"]}\n");
+    let gold_of_first = std::fs::read_to_string(dir.path().join("tasks/squad/qrels.train.tsv")).unwrap().lines().nth(1).unwrap().split('\t').nth(1).unwrap().to_string();
+    q.push_str(&format!("{{\"_id\": \"x:noanswer\", \"text\": \"what has no answer?\", \"answers\": []}}\n"));
+    std::fs::write(&qfile, q).unwrap();
+    let mut qrels = std::fs::read_to_string(dir.path().join("tasks/squad/qrels.train.tsv")).unwrap();
+    qrels.push_str("x:missing\tnot:in:corpus\t1\n");
+    qrels.push_str(&format!("x:noanswer\t{gold_of_first}\t1\n"));
+    std::fs::write(dir.path().join("tasks/squad/qrels.train.tsv"), qrels).unwrap();
+
+    // Every item of the first server fails: the stage stops, nothing is marked done.
+    let down = FakeServer::start(Options { plan: Box::new(|_, _| Some(Fault::ServerError)), ..Options::default() });
+    let cache = dir.path().join("cache");
+    let aar = "n = 10\nk = 2\nnegatives_depth = 200\nnegatives_sampled = 30\nnegatives_per_query = 1";
+    let recipe = write_recipe(dir.path(), &fake_source(&cache, ""), aar, &TRAIN.replace("max_steps = 4", "max_steps = 2"));
+    let out = dir.path().join("out");
+    let o = aar_cmd(&recipe, &out, "openai", &["--base-url", &down.url]).output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("every item the source was asked failed"), "{}", stderr(&o));
+    assert!(stderr(&o).contains(&format!("the corpus has {passages} passages")), "{}", stderr(&o));
+    assert!(!out.join("stages/score.done.json").exists());
+
+    // A server that fails about a third of the prompts (by their length): the rerun resumes,
+    // asks the failed items again, and records, skips and counts those that fail again.
+    let fails = |prompt: &str| !prompt.starts_with('\u{1}') && prompt.contains("\n\nQ: ") && prompt.chars().count() % 3 == 0;
+    let flaky = FakeServer::start(Options { plan: Box::new(move |prompt, _| fails(prompt).then_some(Fault::ServerError)), ..Options::default() });
+    let o = aar_cmd(&recipe, &out, "openai", &["--base-url", &flaky.url]).output().unwrap();
+    let s = summary(&o);
+    let err = stderr(&o);
+    assert_eq!(s["stages"]["score"], "resumed", "{s}");
+    assert_eq!(s["queries_read"].as_u64(), Some(9), "{s}");
+    assert_eq!(s["dropped_without_gold"].as_u64(), Some(2), "{s}");
+    assert_eq!(s["queries"].as_u64(), Some(7), "{s}");
+    assert_eq!(s["fewer_than_n_retrieved"].as_u64(), Some(7), "{s}");
+    assert!(err.contains("fewer than N = 10"), "{err}");
+    assert_eq!(s["skipped_without_answer"].as_u64(), Some(1), "{s}");
+    let records = jsonl(&out.join("stages/score/scores.jsonl"));
+    let latest: std::collections::HashMap<String, &Value> = records.iter().map(|r| (r["query_id"].as_str().unwrap().to_string(), r)).collect();
+    let failed: Vec<(String, String)> = latest
+        .values()
+        .flat_map(|r| strings(&r["passages"]).into_iter().zip(r["errors"].as_array().unwrap().clone()).filter(|(_, e)| !e.is_null()).map(|(p, _)| (r["query_id"].as_str().unwrap().to_string(), p)))
+        .collect();
+    assert!(!failed.is_empty() && (failed.len() as u64) < 6 * passages as u64, "{} failed", failed.len());
+    assert_eq!(s["failed"].as_u64(), Some(failed.len() as u64), "{s}");
+    assert_eq!(s["scored"].as_u64(), Some(6 * passages as u64 - failed.len() as u64), "{s}");
+    assert!(err.contains("failed and were skipped"), "{err}");
+    let examples = check_examples(&out, 10, 2, 200);
+    assert_eq!(examples.len(), 7);
+    for e in &examples {
+        for a in strings(&e["lm_preferred"]) {
+            assert!(!failed.contains(&(e["query_id"].as_str().unwrap().to_string(), a.clone())), "a failed item became a positive: {e}");
+        }
+        if e["query_id"] == "x:noanswer" {
+            assert_eq!(e["lm_preferred"], json!([]), "{e}");
+        }
+    }
+    assert!(out.join("model.safetensors").exists());
+
+    // Changed inputs: refused, naming what changed; with --overwrite, redone from the train stage.
+    let recipe = write_recipe(dir.path(), &fake_source(&cache, ""), aar, &TRAIN.replace("max_steps = 4", "max_steps = 3"));
+    let o = aar_cmd(&recipe, &out, "openai", &["--base-url", &flaky.url]).output().unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("the train stage was run with other inputs") && stderr(&o).contains("--overwrite"), "{}", stderr(&o));
+    let s = summary(&aar_cmd(&recipe, &out, "openai", &["--base-url", &flaky.url, "--overwrite"]).output().unwrap());
+    assert_eq!((s["stages"]["select"].as_str(), s["stages"]["train"].as_str(), s["train"]["steps"].as_u64()), (Some("done earlier"), Some("ran"), Some(3)), "{s}");
+
+    // Settings that cannot work are errors before any work.
+    for (aar, needle) in [("mode = \"replug\"", "not implemented yet"), ("n = 2\nk = 3", "aar.k = 3 is more than aar.n = 2")] {
+        let recipe = write_recipe(dir.path(), &fake_source(&cache, ""), aar, TRAIN);
+        let o = aar_cmd(&recipe, &dir.path().join("never"), "openai", &[]).output().unwrap();
+        assert_eq!(o.status.code(), Some(1));
+        assert!(stderr(&o).contains(needle), "{}", stderr(&o));
+    }
+}
+
+/// `host plugins inspect` shows the recipe's settings and the stages.
+#[test]
+fn inspect_shows_settings_and_stages() {
+    let o = host(&["plugins", "inspect", p(&plugin_file("rak_command_aar"))]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["metadata"]["kind"], "command");
+    assert_eq!(v["metadata"]["name"], "aar-train");
+    assert_eq!(v["settings"]["recipe"]["aar.n"]["default"], 10);
+    assert_eq!(v["settings"]["recipe"]["aar.negatives_per_query"]["default"], 7);
+    let stages: Vec<&str> = v["settings"]["stages"].as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(stages, ["retrieve", "score", "select", "train", "final"]);
+}
+
+/// A llama-server of this test's own (its own state folder), stopped at drop.
+struct Llama {
+    url: String,
+    state: TempDir,
+}
+
+impl Llama {
+    fn start() -> Self {
+        let state = TempDir::new("aar-llama-state");
+        let out = Command::new(root().join("scripts/llama-server.sh")).arg("start").env("LLAMA_STATE_DIR", state.path()).output().unwrap();
+        assert!(out.status.success(), "llama-server did not start: {}", stderr(&out));
+        let url = stdout(&out).trim().to_string();
+        assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+        Llama { url, state }
+    }
+}
+
+impl Drop for Llama {
+    fn drop(&mut self) {
+        let _ = Command::new(root().join("scripts/llama-server.sh")).arg("stop").env("LLAMA_STATE_DIR", self.state.path()).output();
+    }
+}
+
+/// Black-box against the real SmolLM2 behind llama-server, 3 queries: the continuation
+/// log-likelihoods come from forced tokens (llama.cpp has no echo) and differ per passage.
+#[test]
+fn black_box_on_the_real_smollm2() {
+    let llama = Llama::start();
+    let dir = TempDir::new("aar-smollm2");
+    let source = format!("settings = {{ base_url = \"http://127.0.0.1:9\", cache_dir = \"{}\" }}\nworkers = 1", dir.path().join("cache").display());
+    let recipe = setup(dir.path(), 200, 3, &source, "n = 3\nk = 1\nnegatives_depth = 20\nnegatives_sampled = 4\nnegatives_per_query = 1\npassage_chars = 300", &TRAIN.replace("max_steps = 4", "max_steps = 2").replace("batch_size = 4", "batch_size = 3"));
+    let out = dir.path().join("out");
+    let s = summary(&aar_cmd(&recipe, &out, "openai", &["--base-url", &llama.url]).output().unwrap());
+    assert_eq!((s["scored"].as_u64(), s["failed"].as_u64()), (Some(9), Some(0)), "{s}");
+    for r in jsonl(&out.join("stages/score/scores.jsonl")) {
+        assert!(r["methods"].as_array().unwrap().iter().all(|m| m == "forced_logit_bias"), "{r}");
+        let scores: Vec<f64> = r["scores"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        assert!(scores.iter().all(|x| *x < 0.0), "{r}");
+        assert!(scores.windows(2).any(|w| w[0] != w[1]), "the passages change the answer's likelihood: {r}");
+    }
+    check_examples(&out, 3, 1, 20);
+    assert!(out.join("model.safetensors").exists());
+}
