@@ -452,6 +452,51 @@ fn inspect_shows_settings_and_stages() {
     assert_eq!(stages, ["retrieve", "score", "select", "train", "final"]);
 }
 
+/// Every recipe in configs/aar/ names only settings that exist: the plugin's own (its schema in
+/// `host plugins inspect`), the source's and the encoder's (their plugins' schemas), and a
+/// [train] section the trainer reads.
+#[test]
+fn every_aar_recipe_names_known_settings() {
+    let registry = rak_host::Registry::discover(&[rak_host::Source::Dir(release_dir())]).unwrap();
+    let schema_of = |name: &str| {
+        let plugin = registry.iter().find(|p| p.header.name == name).unwrap_or_else(|| panic!("no plugin {name}"));
+        rak_host::proxy::settings_schema(plugin)
+    };
+    let own = schema_of("aar-train")["recipe"].clone();
+    let mut seen = 0;
+    for entry in std::fs::read_dir(root().join("configs/aar")).unwrap().flatten() {
+        let path = entry.path();
+        if path.extension().and_then(|e| e.to_str()) != Some("toml") {
+            continue;
+        }
+        let recipe: toml::Table = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        for section in ["source", "data", "aar"] {
+            for key in recipe[section].as_table().unwrap().keys() {
+                assert!(own.get(format!("{section}.{key}")).is_some(), "{}: no setting {section}.{key}", path.display());
+            }
+        }
+        let source = &recipe["source"];
+        let plugin = match source["kind"].as_str().unwrap() {
+            "white-box" => source.get("reader").and_then(|r| r.as_str()).unwrap_or("fid"),
+            _ => source.get("connector").and_then(|r| r.as_str()).unwrap_or("openai"),
+        };
+        let source_schema = schema_of(plugin);
+        for key in source["settings"].as_table().unwrap().keys() {
+            assert!(source_schema.get(key).is_some(), "{}: {plugin} has no setting {key}", path.display());
+        }
+        let model = recipe["model"].as_table().unwrap();
+        let encoder = model["encoder"].as_str().unwrap();
+        let encoder_schema = schema_of(encoder);
+        for key in model["settings"].as_table().unwrap().keys() {
+            assert!(encoder_schema.get(key).is_some(), "{}: {encoder} has no setting {key}", path.display());
+        }
+        let train: rak_train::recipe::TrainSection = recipe["train"].clone().try_into().unwrap_or_else(|e| panic!("{}: [train]: {e}", path.display()));
+        assert!(train.optim.is_some(), "{}: no optimizer", path.display());
+        seen += 1;
+    }
+    assert!(seen >= 2, "{seen} recipes");
+}
+
 /// A llama-server of this test's own (its own state folder), stopped at drop.
 struct Llama {
     url: String,
