@@ -429,6 +429,15 @@ fn bad_inputs_are_counted_and_failures_skipped() {
     let s = summary(&aar_cmd(&recipe, &out, "openai", &["--base-url", &flaky.url, "--overwrite"]).output().unwrap());
     assert_eq!((s["stages"]["select"].as_str(), s["stages"]["train"].as_str(), s["train"]["steps"].as_u64()), (Some("done earlier"), Some("ran"), Some(3)), "{s}");
 
+    // k = 0: positives are gold only (the human-label baseline); the source is never asked
+    // (no --base-url: the recipe's placeholder address has no server).
+    let recipe = write_recipe(dir.path(), &fake_source(&cache, ""), &aar.replace("k = 2", "k = 0"), &TRAIN.replace("max_steps = 4", "max_steps = 2"));
+    let s = summary(&aar_cmd(&recipe, &dir.path().join("gold-only"), "openai", &[]).output().unwrap());
+    assert_eq!((s["scored"].as_u64(), s["positives_added"].as_u64(), s["examples"].as_u64()), (Some(0), Some(0), Some(7)), "{s}");
+    for e in read_json(&dir.path().join("gold-only/stages/select/examples.json"))["examples"].as_array().unwrap() {
+        assert_eq!(e["positives"], e["gold"], "{e}");
+    }
+
     // Settings that cannot work are errors before any work.
     for (aar, needle) in [("mode = \"replug\"", "not implemented yet"), ("n = 2\nk = 3", "aar.k = 3 is more than aar.n = 2")] {
         let recipe = write_recipe(dir.path(), &fake_source(&cache, ""), aar, TRAIN);

@@ -318,6 +318,9 @@ fn report(queries: &[Retrieved], latest: &HashMap<String, Value>, n: usize) -> R
 
 /// The latest record of each query in a finished stage's file.
 fn load(path: &Path) -> Result<HashMap<String, Scores>> {
+    if !path.exists() {
+        bail!("{}: missing, though the score stage is marked done; remove score.done.json beside its folder to score again", path.display());
+    }
     let (_, records) = RecordLog::open(path)?;
     let mut out = HashMap::new();
     for r in &records {
