@@ -366,7 +366,7 @@ fn bad_inputs_are_counted_and_failures_skipped() {
     q.push_str("{\"_id\": \"x:unjudged\", \"text\": \"who is nobody?\", \"answers\": [\"no one\"]}\n");
     q.push_str("{\"_id\": \"x:missing\", \"text\": \"where is nowhere?\", \"answers\": [\"here\"]}\n");
     let gold_of_first = std::fs::read_to_string(dir.path().join("tasks/squad/qrels.train.tsv")).unwrap().lines().nth(1).unwrap().split('\t').nth(1).unwrap().to_string();
-    q.push_str(&format!("{{\"_id\": \"x:noanswer\", \"text\": \"what has no answer?\", \"answers\": []}}\n"));
+    q.push_str("{\"_id\": \"x:noanswer\", \"text\": \"what has no answer?\", \"answers\": []}\n");
     std::fs::write(&qfile, q).unwrap();
     let mut qrels = std::fs::read_to_string(dir.path().join("tasks/squad/qrels.train.tsv")).unwrap();
     qrels.push_str("x:missing\tnot:in:corpus\t1\n");
@@ -387,7 +387,7 @@ fn bad_inputs_are_counted_and_failures_skipped() {
 
     // A server that fails about a third of the prompts (by their length): the rerun resumes,
     // asks the failed items again, and records, skips and counts those that fail again.
-    let fails = |prompt: &str| !prompt.starts_with('\u{1}') && prompt.contains("\n\nQ: ") && prompt.chars().count() % 3 == 0;
+    let fails = |prompt: &str| !prompt.starts_with('\u{1}') && prompt.contains("\n\nQ: ") && prompt.chars().count().is_multiple_of(3);
     let flaky = FakeServer::start(Options { plan: Box::new(move |prompt, _| fails(prompt).then_some(Fault::ServerError)), ..Options::default() });
     let o = aar_cmd(&recipe, &out, "openai", &["--base-url", &flaky.url]).output().unwrap();
     let s = summary(&o);

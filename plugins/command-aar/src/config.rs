@@ -38,7 +38,7 @@ pub struct Flags {
 /// What the command line asks for.
 pub enum Parsed {
     Help,
-    Run(Flags),
+    Run(Box<Flags>),
 }
 
 impl Flags {
@@ -81,7 +81,7 @@ impl Flags {
                 ),
             }
         }
-        Ok(Parsed::Run(f))
+        Ok(Parsed::Run(Box::new(f)))
     }
 }
 
@@ -492,7 +492,7 @@ mod tests {
 
     fn flags(args: &[&str]) -> Flags {
         match Flags::parse(&args.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap() {
-            Parsed::Run(f) => f,
+            Parsed::Run(f) => *f,
             Parsed::Help => panic!("help"),
         }
     }

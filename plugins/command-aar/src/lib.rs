@@ -63,7 +63,7 @@ impl Command for AarTrain {
                 eprintln!("{}", config::USAGE);
                 return Ok(0);
             }
-            Parsed::Run(f) => f,
+            Parsed::Run(f) => *f,
         };
         let cfg = Config::resolve(flags)?;
         let summary = train(&cfg, host)?;

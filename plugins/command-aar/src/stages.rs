@@ -155,7 +155,7 @@ impl RunLock {
             bail!(
                 "{}: another aar-train (pid {}) is running on this output folder; wait for it or stop it",
                 path.display(),
-                holder.trim().split_whitespace().next().unwrap_or("unknown")
+                holder.split_whitespace().next().unwrap_or("unknown")
             );
         }
         file.set_len(0)?;
