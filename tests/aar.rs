@@ -428,6 +428,14 @@ fn bad_inputs_are_counted_and_failures_skipped() {
     assert!(stderr(&o).contains("the train stage was run with other inputs") && stderr(&o).contains("--overwrite"), "{}", stderr(&o));
     let s = summary(&aar_cmd(&recipe, &out, "openai", &["--base-url", &flaky.url, "--overwrite"]).output().unwrap());
     assert_eq!((s["stages"]["select"].as_str(), s["stages"]["train"].as_str(), s["train"]["steps"].as_u64()), (Some("done earlier"), Some("ran"), Some(3)), "{s}");
+    // The authors' filter: only queries that end with exactly three positives; the scores are kept.
+    let recipe = write_recipe(dir.path(), &fake_source(&cache, ""), &format!("{aar}\nexactly_three = true"), &TRAIN.replace("max_steps = 4", "max_steps = 3"));
+    let s = summary(&aar_cmd(&recipe, &out, "openai", &["--base-url", &flaky.url, "--overwrite"]).output().unwrap());
+    assert_eq!((s["stages"]["score"].as_str(), s["stages"]["select"].as_str()), (Some("done earlier"), Some("ran")), "{s}");
+    let kept = read_json(&out.join("stages/select/examples.json"))["examples"].as_array().unwrap().clone();
+    assert!(kept.iter().all(|e| e["positives"].as_array().unwrap().len() == 3), "{kept:?}");
+    assert_eq!(kept.len() as u64 + s["dropped_not_exactly_three"].as_u64().unwrap(), 7, "{s}");
+    assert!(s["dropped_not_exactly_three"].as_u64().unwrap() >= 1, "the query without an answer has one positive: {s}");
 
     // k = 0: positives are gold only (the human-label baseline); the source is never asked
     // (no --base-url: the recipe's placeholder address has no server).
