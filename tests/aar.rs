@@ -137,7 +137,7 @@ fn white_box_end_to_end_on_the_t5_fixture() {
         assert!(out.join(format!("stages/{stage}.done.json")).exists(), "{stage} not marked done");
         assert_eq!(s["stages"][stage], "ran");
     }
-    for f in ["stages/retrieve/retrieved.jsonl", "stages/score/scores.jsonl", "stages/select/examples.json", "analysis.json", "summary.json", "model.safetensors"] {
+    for f in ["stages/retrieve/retrieved.jsonl", "stages/score/scores.jsonl", "stages/select/examples.json", "analysis.json", "stages/summary.json", "model.safetensors"] {
         assert!(out.join(f).exists(), "{f} missing");
     }
     assert!(!out.join("stages/retrieve/emb").exists(), "the corpus embeddings are removed once the ranking is kept");
@@ -179,8 +179,11 @@ fn white_box_end_to_end_on_the_t5_fixture() {
     }
     assert_eq!(std::fs::read_to_string(&run).unwrap().lines().count(), 8 * 5);
 
-    // A rerun finds every stage done and says the same.
+    // A rerun finds every stage done and says the same, and leaves the model's identity alone:
+    // embeddings made from it before are still its own.
     let again = summary(&aar_cmd(&recipe, &out, p(&t5_fixture()), &[]).output().unwrap());
+    let o = host(&["encode", "--encoder", "dpr", "--model", p(&out), "--input", p(&dir.path().join("corpus.jsonl")), "--output", p(&emb)]);
+    assert!(o.status.success() && stderr(&o).contains("already complete"), "{}", stderr(&o));
     for stage in ["retrieve", "score", "select", "train", "final"] {
         assert_eq!(again["stages"][stage], "done earlier");
     }

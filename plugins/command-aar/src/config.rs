@@ -13,7 +13,7 @@ pub const USAGE: &str = "usage: host aar-train --source DIR|CONNECTOR --encoder 
   --source openai     black-box source: a connector plugin (openai: any OpenAI-compatible server)
   --encoder, --model  the starting retriever (encoder plugin and checkpoint)
   --config            the recipe: [source], [data], [aar], [train], [model] (configs/aar/)
-  --output-dir        the run's folder: stages/ (resumable), analysis.json, summary.json, the final model
+  --output-dir        the run's folder: the final model, analysis.json, and stages/ (resumable; summary.json)
   --max-queries       a fixed subset of the source task's queries (evenly spaced over the file)
   --base-url          the black-box server (overrides [source].settings.base_url)
   --seed              the run's seed (train.seed and the negatives' draw)

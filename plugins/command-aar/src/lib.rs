@@ -25,7 +25,12 @@
 //!    `host augment --encoder-model OUT` use directly.
 //!
 //! The summary (queries, scored, failed, positives added, overlap) is printed on stdout as
-//! JSON and kept in `OUT/summary.json`.
+//! JSON and kept in `OUT/stages/summary.json`.
+//!
+//! `OUT` is also a model folder (`host encode --model OUT`), so everything else the run keeps
+//! lives under `OUT/stages/`: the host's checkpoint digest leaves out a subfolder that holds an
+//! `analysis.json`, so the select stage writes one there too, and rewriting the summary or the
+//! lock on a rerun never changes the model's identity (embeddings made from it stay valid).
 //!
 //! TODO(REPLUG): the LM-supervised mode of REPLUG (REFERENCE §6, its end), the retriever's
 //! distribution over the N passages (softmax of scores / γ) trained toward the LM's (softmax
@@ -96,7 +101,7 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
     let out = &cfg.output_dir;
     let stages_dir = out.join("stages");
     std::fs::create_dir_all(&stages_dir).with_context(|| format!("{}: cannot create", stages_dir.display()))?;
-    let _lock = RunLock::take(&out.join("stages.lock"))?;
+    let _lock = RunLock::take(&stages_dir.join("lock"))?;
     let stages = Stages::new(stages_dir, cfg.overwrite)?;
     let (source_kind, source_name) = match &cfg.source {
         Source::WhiteBox { reader, model, .. } => ("white-box", format!("{reader}:{}", model.display())),
@@ -168,7 +173,7 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         "stages": {"retrieve": retrieve_how, "score": score_how, "select": select_how, "train": train_how, "final": final_how},
         "model": out,
     });
-    rak_core::fsutil::write_bytes(&out.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+    rak_core::fsutil::write_bytes(&stages.file("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
     let short = retrieve_report["fewer_than_n_retrieved"].as_u64().unwrap_or(0);
     if short > 0 {
         host.log(&format!(
@@ -288,7 +293,11 @@ fn select_stage(
     }
     let saved = json!({"seed": cfg.seed, "negatives_seed": negatives_seed, "negatives_seed_from": "(seed, \"aar-negatives\"), then per query (negatives_seed, query_id)", "examples": examples});
     rak_core::fsutil::write_bytes(&file, serde_json::to_string(&saved)?.as_bytes())?;
-    rak_core::fsutil::write_bytes(&cfg.output_dir.join("analysis.json"), serde_json::to_string_pretty(&analysis)?.as_bytes())?;
+    // In the output folder for the user, and in the stages folder, where it also marks that
+    // folder as no part of the model for the host's checkpoint digest (see the module docs).
+    let analysis_text = serde_json::to_string_pretty(&analysis)?;
+    rak_core::fsutil::write_bytes(&stages.file("analysis.json"), analysis_text.as_bytes())?;
+    rak_core::fsutil::write_bytes(&cfg.output_dir.join("analysis.json"), analysis_text.as_bytes())?;
     let report = json!({
         "examples": examples.len(),
         "positives_added": added_total,

@@ -71,6 +71,11 @@ impl Stages {
         self.dir.join(name)
     }
 
+    /// A file of the run beside the stages (the summary, the lock).
+    pub fn file(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
     fn key_path(&self, name: &str) -> PathBuf {
         self.dir.join(format!("{name}.key.json"))
     }
