@@ -74,11 +74,17 @@ pub fn nce_loss_against(q: &Tensor, candidates: &Tensor, first: i64, group: usiz
 /// AAR's multi-positive loss (REFERENCE §6): for each (query, positive) pair, cross-entropy of
 /// that positive against every passage in the batch that is not one of the query's own
 /// positives; the mean over pairs. `positives[i]` lists the rows of `p` that are query `i`'s
-/// positives; scores are `scale · <q, p>` as in [`nce_loss`].
-pub fn multi_positive_loss(q: &Tensor, p: &Tensor, positives: &[Vec<i64>], scale: f64, exchange: &dyn Exchange) -> Result<Tensor> {
+/// positives; `copies[i]` the other rows of `p` that hold one of them (another query's
+/// positive or negative that is the same passage: never a negative of `i`; see
+/// [`copies_of_positives`]). Rows gathered from other processes are compared by row, not by
+/// passage. Scores are `scale · <q, p>` as in [`nce_loss`].
+pub fn multi_positive_loss(q: &Tensor, p: &Tensor, positives: &[Vec<i64>], copies: &[Vec<i64>], scale: f64, exchange: &dyn Exchange) -> Result<Tensor> {
     let (b, _) = q.size2()?;
     if positives.len() != b as usize || positives.iter().any(|ps| ps.is_empty()) {
         bail!("multi_positive_loss: every one of the {b} queries needs at least one positive");
+    }
+    if copies.len() != positives.len() {
+        bail!("multi_positive_loss: {} lists of copies for {b} queries", copies.len());
     }
     let all_q = exchange.gather(q)?;
     let all_p = exchange.gather(p)?;
@@ -89,7 +95,7 @@ pub fn multi_positive_loss(q: &Tensor, p: &Tensor, positives: &[Vec<i64>], scale
     let mut losses = Vec::new();
     for (i, ps) in positives.iter().enumerate() {
         let mut own = vec![false; n as usize];
-        for &r in ps {
+        for &r in ps.iter().chain(&copies[i]) {
             if r < 0 || r + p_off >= n {
                 bail!("multi_positive_loss: positive row {r} is outside the batch of {n} passages");
             }
@@ -105,6 +111,30 @@ pub fn multi_positive_loss(q: &Tensor, p: &Tensor, positives: &[Vec<i64>], scale
         }
     }
     Ok(Tensor::stack(&losses, 0).mean(Kind::Float))
+}
+
+/// For each query, the rows of `texts` other than its `positives` that hold the same passage
+/// as one of them (two queries on one gold paragraph, or a query's negative that is another's
+/// positive): what [`multi_positive_loss`] must not count as its negatives.
+pub fn copies_of_positives(texts: &[&str], positives: &[Vec<i64>]) -> Vec<Vec<i64>> {
+    let mut rows_of: std::collections::HashMap<&str, Vec<i64>> = std::collections::HashMap::new();
+    for (j, t) in texts.iter().enumerate() {
+        rows_of.entry(t).or_default().push(j as i64);
+    }
+    positives
+        .iter()
+        .map(|ps| {
+            let mut copies: Vec<i64> = ps
+                .iter()
+                .filter_map(|&r| texts.get(r as usize))
+                .flat_map(|t| rows_of[t].iter().copied())
+                .filter(|j| !ps.contains(j))
+                .collect();
+            copies.sort_unstable();
+            copies.dedup();
+            copies
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -158,10 +188,31 @@ mod tests {
     fn multi_positive_excludes_the_query_s_other_positives() {
         let q = t(&[1.0, 0.0], 1);
         let p = t(&[1.0, 0.0, 0.9, 0.0, 0.0, 1.0], 3);
-        let loss = multi_positive_loss(&q, &p, &[vec![0, 1]], 1.0, &Local).unwrap().double_value(&[]);
+        let loss = multi_positive_loss(&q, &p, &[vec![0, 1]], &[vec![]], 1.0, &Local).unwrap().double_value(&[]);
         // Pair (0): candidates {0, 2}; pair (1): candidates {1, 2}.
         let l0 = -(1f64.exp() / (1f64.exp() + 1.0)).ln();
         let l1 = -(0.9f64.exp() / (0.9f64.exp() + 1.0)).ln();
         assert!((loss - (l0 + l1) / 2.0).abs() < 1e-6);
+    }
+
+    /// Two queries on one gold passage: each one's copy of it in the other's rows is not its
+    /// negative (REFERENCE §6: "every passage ... that is not one of the query's own positives").
+    #[test]
+    fn multi_positive_never_takes_a_copy_of_a_positive_as_a_negative() {
+        // Rows: query 0's positive "g", its negative "n"; query 1's positive "g", its negative "m".
+        let texts = ["g", "n", "g", "m"];
+        let positives = vec![vec![0], vec![2]];
+        let copies = copies_of_positives(&texts, &positives);
+        assert_eq!(copies, vec![vec![2], vec![0]]);
+        let q = t(&[1.0, 0.0, 0.0, 1.0], 2);
+        let p = t(&[1.0, 0.0, 0.2, 0.1, 1.0, 0.0, 0.0, 0.3], 4);
+        let loss = multi_positive_loss(&q, &p, &positives, &copies, 1.0, &Local).unwrap().double_value(&[]);
+        // Query 0 (score 1 against "g"): candidates rows {0, 1, 3}; query 1 (score 0 against "g"): rows {2, 1, 3}.
+        let l0 = -(1f64.exp() / (1f64.exp() + 0.2f64.exp() + 0f64.exp())).ln();
+        let l1 = -(0f64.exp() / (0f64.exp() + 0.1f64.exp() + 0.3f64.exp())).ln();
+        assert!((loss - (l0 + l1) / 2.0).abs() < 1e-6, "{loss}");
+        // Without the copies, each query's own positive would also be its negative.
+        let naive = multi_positive_loss(&q, &p, &positives, &[vec![], vec![]], 1.0, &Local).unwrap().double_value(&[]);
+        assert!((naive - loss).abs() > 1e-3);
     }
 }

@@ -10,7 +10,7 @@
 //! uninterrupted one would without saving generator state.
 
 use crate::data::TaskData;
-use crate::loss::{multi_positive_loss, nce_loss, nce_loss_against, Exchange, Local};
+use crate::loss::{copies_of_positives, multi_positive_loss, nce_loss, nce_loss_against, Exchange, Local};
 use crate::rng::Rng;
 use crate::sampler::{SubBatch, TacoSampler, TacoSamplerState, TaskPerBatchSampler, TaskPerBatchState};
 use crate::schedule::linear_warmup_decay;
@@ -343,15 +343,20 @@ impl<'a> Trainer<'a> {
 
     /// One task's loss: its queries against its own passages or, with `step = (all, first)`,
     /// against every passage of the step (its own starting at row `first`).
-    fn task_loss(&self, g: &TaskGroup, q: &Tensor, own: &Tensor, step: Option<(&Tensor, i64)>) -> Result<Tensor> {
+    /// With the multi-positive loss, `step_texts` are the step's passages (every group's, in
+    /// order), which tell copies of a query's positives apart from its negatives.
+    fn task_loss(&self, g: &TaskGroup, q: &Tensor, own: &Tensor, step: Option<(&Tensor, i64)>, step_texts: &[&str]) -> Result<Tensor> {
         let (n, scale) = (1 + self.config.hard_negatives, self.config.score_scale);
         match (&g.positive_rows, step) {
             (None, None) => nce_loss(q, own, n, scale, self.exchange.as_ref()),
             (None, Some((all, first))) => nce_loss_against(q, all, first, n, scale),
-            (Some(rows), None) => multi_positive_loss(q, own, rows, scale, self.exchange.as_ref()),
+            (Some(rows), None) => {
+                let texts: Vec<&str> = g.passages.iter().map(String::as_str).collect();
+                multi_positive_loss(q, own, rows, &copies_of_positives(&texts, rows), scale, self.exchange.as_ref())
+            }
             (Some(rows), Some((all, first))) => {
                 let rows: Vec<Vec<i64>> = rows.iter().map(|r| r.iter().map(|x| x + first).collect()).collect();
-                multi_positive_loss(q, all, &rows, scale, &Local)
+                multi_positive_loss(q, all, &rows, &copies_of_positives(step_texts, &rows), scale, &Local)
             }
         }
     }
@@ -385,7 +390,7 @@ impl<'a> Trainer<'a> {
                 let _autocast = self.config.bf16.then(|| Autocast::bf16(device)).transpose()?;
                 self.encode_group(g)?
             };
-            let loss = self.task_loss(g, &q, &p, None)?;
+            let loss = self.task_loss(g, &q, &p, None, &[])?;
             let value = loss.double_value(&[]);
             if !value.is_finite() {
                 clear_grads(params)?;
@@ -423,10 +428,11 @@ impl<'a> Trainer<'a> {
             }
         }
         let step_passages = (self.config.in_batch_negatives == InBatchNegatives::Step).then(|| Tensor::cat(&encoded.iter().map(|(_, p)| p).collect::<Vec<_>>(), 0));
+        let step_texts: Vec<&str> = groups.iter().flat_map(|g| g.passages.iter().map(String::as_str)).collect();
         let mut losses = Vec::with_capacity(groups.len());
         let mut first = 0;
         for (g, (q, p)) in groups.iter().zip(&encoded) {
-            let loss = self.task_loss(g, q, p, step_passages.as_ref().map(|all| (all, first)))?;
+            let loss = self.task_loss(g, q, p, step_passages.as_ref().map(|all| (all, first)), &step_texts)?;
             first += p.size()[0];
             let value = loss.double_value(&[]);
             if !value.is_finite() {
