@@ -250,9 +250,14 @@ fn the_train_service_with_given_examples_equals_host_train() {
     }
     let multi = dir.path().join("service-multi");
     run("multi_positive", &multi);
-    for (a, b) in log(&cli).iter().zip(log(&multi)) {
-        assert!((a - b).abs() < 1e-4, "multi-positive with one positive is NCE: {:?} against {:?}", log(&multi), log(&cli));
-    }
+    // With one positive each, the multi-positive loss is NCE except that a copy of a query's
+    // positive elsewhere in the batch (these squad questions share gold paragraphs) is not its
+    // negative: at the first step (same weights) every task's loss is at most NCE's, and lower
+    // where such a copy was left out of the softmax.
+    let (nce0, multi0) = (&log(&cli)[..2], &log(&multi)[..2]);
+    assert!(multi0.iter().all(|v| v.is_finite()), "{multi0:?}");
+    assert!(nce0.iter().zip(multi0).all(|(n, m)| *m <= n + 1e-5), "multi-positive above NCE: {multi0:?} against {nce0:?}");
+    assert!(nce0.iter().zip(multi0).any(|(n, m)| *m < n - 1e-4), "no copy of a positive was left out: {multi0:?} against {nce0:?}");
 }
 
 /// A TOML recipe as the JSON the `train` service takes.
