@@ -7,7 +7,7 @@ use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
 
 pub const USAGE: &str = "usage: host aar-train --source DIR|CONNECTOR --encoder E --model DIR --config FILE.toml --output-dir OUT \
-[--max-queries N] [--base-url URL] [--seed N] [--device cpu|cuda] [--overwrite]
+[--max-queries N] [--base-url URL] [--seed N] [--device cpu|cuda] [--overwrite] [--retry-failed]
 
   --source DIR        white-box source: a local T5 / Flan-T5 checkpoint read by the `fid` reader
   --source openai     black-box source: a connector plugin (openai: any OpenAI-compatible server)
@@ -18,7 +18,8 @@ pub const USAGE: &str = "usage: host aar-train --source DIR|CONNECTOR --encoder 
   --base-url          the black-box server (overrides [source].settings.base_url)
   --seed              the run's seed (train.seed and the negatives' draw)
   --device            cpu, cuda or cuda:N for the retriever, the trainer and a white-box source
-  --overwrite         redo the stages whose inputs changed (and those after them)";
+  --overwrite         redo the stages whose inputs changed (and those after them)
+  --retry-failed      ask the source again for the items a finished score stage recorded as failed, then redo the stages after it";
 
 /// The flags as given.
 #[derive(Debug, Default)]
@@ -33,6 +34,7 @@ pub struct Flags {
     pub seed: Option<u64>,
     pub device: Option<String>,
     pub overwrite: bool,
+    pub retry_failed: bool,
 }
 
 /// What the command line asks for.
@@ -54,11 +56,15 @@ impl Flags {
                 Some((n, v)) => (n, Some(v.to_string())),
                 None => (name, None),
             };
-            if name == "overwrite" {
+            if name == "overwrite" || name == "retry-failed" {
                 if inline.is_some() {
-                    bail!("--overwrite takes no value");
+                    bail!("--{name} takes no value");
                 }
-                f.overwrite = true;
+                if name == "overwrite" {
+                    f.overwrite = true;
+                } else {
+                    f.retry_failed = true;
+                }
                 continue;
             }
             let value = match inline {
@@ -77,7 +83,7 @@ impl Flags {
                 "seed" => f.seed = Some(number("seed")?),
                 "device" => f.device = Some(value.clone()),
                 other => bail!(
-                    "unknown flag --{other} (known: --source, --encoder, --model, --config, --output-dir, --max-queries, --base-url, --seed, --device, --overwrite)"
+                    "unknown flag --{other} (known: --source, --encoder, --model, --config, --output-dir, --max-queries, --base-url, --seed, --device, --overwrite, --retry-failed)"
                 ),
             }
         }
@@ -209,6 +215,7 @@ pub struct Config {
     pub device: Option<String>,
     pub output_dir: PathBuf,
     pub overwrite: bool,
+    pub retry_failed: bool,
 }
 
 pub const DEFAULT_TEMPLATE: &str = "{title}\n{passage}\n\nQ: {question} A:";
@@ -300,6 +307,10 @@ impl Config {
         // --source DIR: white-box; --source NAME: a connector.
         let kind = match (given, s.kind.as_deref()) {
             (Some(v), _) if Path::new(v).is_dir() => "white-box",
+            // A connector's name is a plain word; a path that is not a folder is a mistake.
+            (Some(v), _) if v.contains('/') || v.starts_with('.') || v.starts_with('~') || Path::new(v).exists() => {
+                bail!("--source {v:?}: no such folder (a white-box source is a checkpoint folder; a black-box one a connector name, as openai)")
+            }
             (Some(_), _) => "black-box",
             (None, Some(k @ ("white-box" | "black-box"))) => k,
             (None, Some(other)) => bail!("{}: source.kind {other:?}: expected \"white-box\" or \"black-box\"", path.display()),
@@ -419,6 +430,7 @@ impl Config {
             device: flags.device,
             output_dir,
             overwrite: flags.overwrite,
+            retry_failed: flags.retry_failed,
         })
     }
 

@@ -152,36 +152,65 @@ pub fn file_sha256(path: &Path) -> Result<String> {
     Ok(format!("{:x}", hasher.finalize()))
 }
 
-/// SHA-256 over a checkpoint folder: every regular file below it (relative name and
-/// contents), in name order. What a model is, whatever its path.
+/// SHA-256 over what the score stage scores: each query's id, text, answers and top `n`.
+pub fn top_n_sha256(queries: &[crate::retrieve::Retrieved], n: usize) -> String {
+    let mut hasher = Sha256::new();
+    for q in queries {
+        let line = serde_json::json!([q.id, q.query, q.answers, crate::score::top_n(q, n)]).to_string();
+        hasher.update(line.as_bytes());
+        hasher.update([b'\n']);
+    }
+    format!("{:x}", hasher.finalize())
+}
+
+/// SHA-256 of a model folder by the host's checkpoint-digest rules (`rak_retrieval::digest::
+/// checkpoint_digest`, mirrored here: the host offers no digest service to plugins): each file
+/// in order of relative path, its path, length and content; left out are names starting with a
+/// dot, subfolders holding `.encode.lock`, `trainer_state.json`, `index.json` or
+/// `analysis.json` (encode outputs, checkpoints, indexes, an AAR output's `stages/`), the
+/// files `trainer_log.jsonl`, `run.json`, `stage_done`, `final_model_done`, `negatives-*.json`
+/// and top-level `episode-N` folders. So a model is the same whatever its path, and an AAR
+/// output used as the starting model is the model, not its run's records.
 pub fn dir_sha256(dir: &Path) -> Result<String> {
-    fn walk(dir: &Path, base: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
-        for e in std::fs::read_dir(dir).with_context(|| format!("{}: cannot list", dir.display()))? {
-            let e = e?;
-            let name = e.file_name();
-            // Leftover temporaries of interrupted writes are not part of the checkpoint.
-            if name.to_string_lossy().starts_with('.') {
-                continue;
+    fn visit(hasher: &mut Sha256, path: &Path, rel: &str, depth: usize) -> Result<()> {
+        let meta = std::fs::metadata(path).with_context(|| format!("{}: cannot read the checkpoint", path.display()))?;
+        if meta.is_dir() {
+            if depth > 32 {
+                bail!("{}: checkpoint directories nest too deep (a symbolic link loop?)", path.display());
             }
-            let path = e.path();
-            let meta = std::fs::metadata(&path).with_context(|| format!("{}: cannot stat", path.display()))?;
-            if meta.is_dir() {
-                walk(&path, base, out)?;
-            } else if meta.is_file() {
-                out.push(path.strip_prefix(base).unwrap_or(&path).to_path_buf());
+            if depth > 0 && [".encode.lock", "trainer_state.json", "index.json", "analysis.json"].iter().any(|f| path.join(f).exists()) {
+                return Ok(());
+            }
+            let mut names: Vec<String> = std::fs::read_dir(path)
+                .with_context(|| format!("{}: cannot list the checkpoint", path.display()))?
+                .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+                .collect::<std::io::Result<_>>()
+                .with_context(|| format!("{}: cannot list the checkpoint", path.display()))?;
+            names.retain(|n| {
+                !n.starts_with('.')
+                    && !["trainer_log.jsonl", "run.json", "stage_done", "final_model_done"].contains(&n.as_str())
+                    && !(n.starts_with("negatives-") && n.ends_with(".json"))
+                    && !(depth == 0 && n.strip_prefix("episode-").is_some_and(|e| e.parse::<u32>().is_ok()))
+            });
+            names.sort();
+            for name in names {
+                let child_rel = if rel.is_empty() { name.clone() } else { format!("{rel}/{name}") };
+                visit(hasher, &path.join(&name), &child_rel, depth + 1)?;
+            }
+        } else {
+            hasher.update(rel.as_bytes());
+            hasher.update([0u8]);
+            hasher.update(meta.len().to_le_bytes());
+            let file = std::fs::File::open(path).with_context(|| format!("{}: cannot read the checkpoint", path.display()))?;
+            let copied = std::io::copy(&mut BufReader::with_capacity(1 << 20, file), hasher).with_context(|| format!("{}: cannot read the checkpoint", path.display()))?;
+            if copied != meta.len() {
+                bail!("{}: changed while its digest was taken", path.display());
             }
         }
         Ok(())
     }
-    let mut files = Vec::new();
-    walk(dir, dir, &mut files)?;
-    files.sort();
     let mut hasher = Sha256::new();
-    for rel in files {
-        hasher.update(rel.to_string_lossy().as_bytes());
-        hasher.update([0]);
-        hasher.update(file_sha256(&dir.join(&rel))?.as_bytes());
-    }
+    visit(&mut hasher, dir, "", 0)?;
     Ok(format!("{:x}", hasher.finalize()))
 }
 
@@ -243,6 +272,27 @@ impl RecordLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The host's checkpoint-digest rules: an AAR output used as a model is its model files,
+    /// not its run's records (stages/ with its analysis.json, checkpoints, dot files).
+    #[test]
+    fn the_model_digest_leaves_out_the_runs_records() {
+        let dir = std::env::temp_dir().join(format!("aar-digest-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("stages/train/checkpoint-1")).unwrap();
+        std::fs::write(dir.join("model.safetensors"), b"weights").unwrap();
+        std::fs::write(dir.join("config.json"), b"{}").unwrap();
+        let before = dir_sha256(&dir).unwrap();
+        std::fs::write(dir.join("stages/analysis.json"), b"{}").unwrap();
+        std::fs::write(dir.join("stages/lock"), b"42").unwrap();
+        std::fs::write(dir.join("stages/summary.json"), b"{}").unwrap();
+        std::fs::write(dir.join("stages/train/checkpoint-1/trainer_state.json"), b"{}").unwrap();
+        std::fs::write(dir.join(".model.safetensors.tmp-1"), b"half").unwrap();
+        assert_eq!(dir_sha256(&dir).unwrap(), before, "the run's records changed the model's identity");
+        std::fs::write(dir.join("model.safetensors"), b"other weights").unwrap();
+        assert_ne!(dir_sha256(&dir).unwrap(), before, "the weights are the model");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn a_partial_last_record_is_cut_and_appends_follow_whole_ones() {

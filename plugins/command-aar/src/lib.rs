@@ -5,11 +5,16 @@
 //!
 //! ```text
 //! host aar-train --source DIR|openai --encoder E --model DIR --config FILE.toml --output-dir OUT
-//!     [--max-queries N] [--base-url URL] [--seed N] [--device D] [--overwrite]
+//!     [--max-queries N] [--base-url URL] [--seed N] [--device D] [--overwrite] [--retry-failed]
 //! ```
 //!
 //! Stages, each persisted under `OUT/stages/` ([`stages`]): a rerun skips the finished ones and
-//! resumes the first unfinished one, so a kill anywhere loses nothing.
+//! resumes the first unfinished one, so a kill anywhere loses nothing; the stages after a
+//! resumed or redone one are redone. `--retry-failed` asks the source again for the items a
+//! finished score stage recorded as failed, then redoes the stages after it. Each stage's key
+//! holds what its output depends on; the score stage's is what it scores by content (each
+//! query's top N and answers, the corpus, the source), so a deeper retrieval for more
+//! negatives keeps the scores. The device is in no key (a CPU run may resume on CUDA).
 //! 1. `retrieve` ([`retrieve`]): the source task's queries with gold; the starting retriever's
 //!    top `max(N, negatives_depth)` for each.
 //! 2. `score` ([`score`]): the source LM scores the top N: white-box (`--source DIR`, the `fid`
@@ -18,14 +23,16 @@
 //! 3. `select` ([`select`]): positives = gold ∪ the top K LM-preferred passages that are not
 //!    gold (optionally only queries with exactly three); negatives = the retriever's top
 //!    `negatives_depth` minus the positives, `negatives_sampled` drawn with a seed derived from
-//!    (seed, "aar-negatives"); `OUT/analysis.json` (LM-preferred vs human positives).
+//!    (seed, "aar-negatives"); `OUT/analysis.json` (LM-preferred vs human positives). With
+//!    K > 0, queries the source scored nothing of (every item failed, or no answer) are
+//!    dropped, never trained on gold only, and counted (`queries_without_scores`).
 //! 4. `train`: the host's `train` service on those examples, `loss = "multi_positive"`, in
 //!    `OUT/stages/train` (resumed from its checkpoints).
 //! 5. `final`: the trained model saved into `OUT` itself, which `host search --model OUT` and
 //!    `host augment --encoder-model OUT` use directly.
 //!
-//! The summary (queries, scored, failed, positives added, overlap) is printed on stdout as
-//! JSON and kept in `OUT/stages/summary.json`.
+//! The summary (queries, scored, failed, queries without scores, positives added, overlap) is
+//! printed on stdout as JSON and kept in `OUT/stages/summary.json`.
 //!
 //! `OUT` is also a model folder (`host encode --model OUT`), so everything else the run keeps
 //! lives under `OUT/stages/`: the host's checkpoint digest leaves out a subfolder that holds an
@@ -112,7 +119,7 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
     // Keys: everything each stage's output depends on, by content, each including the last.
     let retrieve_key = json!({
         "encoder": cfg.encoder,
-        "encoder_settings": cfg.encoder_settings,
+        "encoder_settings": without(&cfg.encoder_settings, &["device"]),
         "model_sha256": data::dir_sha256(&cfg.model)?,
         "corpus_sha256": data::file_sha256(&cfg.corpus)?,
         "queries_sha256": data::file_sha256(&cfg.queries_file())?,
@@ -126,7 +133,7 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
     let source_key = match &cfg.source {
         Source::WhiteBox { reader, model, prompt, batch_size } => json!({
             "kind": "white-box", "reader": reader, "model_sha256": data::dir_sha256(model)?, "prompt": prompt, "batch_size": batch_size,
-            "settings": without(&cfg.source_settings, &["model"]),
+            "settings": without(&cfg.source_settings, &["model", "device"]),
         }),
         Source::BlackBox { connector, prompt, continuation, .. } => json!({
             "kind": "black-box", "connector": connector, "prompt": prompt, "continuation": continuation,
@@ -134,16 +141,27 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         }),
     };
     let a = &cfg.aar;
-    let score_key = json!({"retrieve": retrieve_key, "n": a.n, "passage_chars": a.passage_chars, "asked": a.k > 0, "source": if a.k > 0 { source_key } else { Value::Null }});
-    let select_key = json!({
-        "score": score_key, "k": a.k, "exactly_three": a.exactly_three, "negatives_depth": a.negatives_depth,
-        "negatives_sampled": a.negatives_sampled, "seed": cfg.seed,
-    });
-    let train_key = json!({"select": select_key, "train": cfg.train, "device": cfg.device});
-    let final_key = json!({"train": train_key});
+    let select_key = |score_key: &Value| {
+        json!({
+            "retrieve": retrieve_key, "score": score_key, "k": a.k, "exactly_three": a.exactly_three, "negatives_depth": a.negatives_depth,
+            "negatives_sampled": a.negatives_sampled, "negatives_per_query": a.negatives_per_query, "seed": cfg.seed,
+        })
+    };
 
     let (queries, retrieve_report, retrieve_how) = retrieve::run(cfg, host, &stages, &retrieve_key)?;
     log_stage(host, "retrieve", retrieve_how)?;
+    // The score stage's key is what it scores, by content (each query's text, answers and top
+    // N, the passages' text), not how the retrieval was asked for: a deeper retrieval for more
+    // negatives keeps the scores.
+    let score_key = json!({
+        "top_n_sha256": data::top_n_sha256(&queries, a.n), "corpus_sha256": retrieve_key["corpus_sha256"], "n": a.n,
+        "passage_chars": a.passage_chars, "asked": a.k > 0, "source": if a.k > 0 { source_key } else { Value::Null },
+    });
+    let select_key = select_key(&score_key);
+    // The device is no part of any key (as in the host's own identities): a run begun on the
+    // CPU may resume on CUDA.
+    let train_key = json!({"select": select_key, "train": cfg.train});
+    let final_key = json!({"train": train_key});
     let (scores, score_report, score_how) = score::run(cfg, host, &stages, &score_key, &queries)?;
     log_stage(host, "score", score_how)?;
     let (examples, select_report, select_how) = select_stage(cfg, host, &stages, &select_key, &queries, &scores)?;
@@ -168,6 +186,7 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         "examples": select_report["examples"],
         "dropped_not_exactly_three": select_report["dropped_not_exactly_three"],
         "dropped_without_negatives": select_report["dropped_without_negatives"],
+        "queries_without_scores": select_report["queries_without_scores"].as_u64().unwrap_or(0),
         "overlap": analysis["overlap"],
         "train": {"steps": train_report["steps"], "output_dir": train_report["output_dir"]},
         "stages": {"retrieve": retrieve_how, "score": score_how, "select": select_how, "train": train_how, "final": final_how},
@@ -222,7 +241,7 @@ fn select_stage(
     let bar = host.progress("aar: select", queries.len() as u64)?;
     let negatives_seed = select::Rng::derive(cfg.seed, &["aar-negatives"]).next_u64();
     let mut examples = Vec::new();
-    let (mut added_total, mut not_three, mut no_negatives) = (0usize, 0usize, 0usize);
+    let (mut added_total, mut not_three, mut no_negatives, mut without_scores) = (0usize, 0usize, 0usize, 0usize);
     // The analysis: over queries the source scored.
     let (mut with_scores, mut lm_picks, mut lm_gold, mut queries_lm_gold, mut gold_in_n) = (0usize, 0usize, 0usize, 0usize, 0usize);
     let (mut picks_given_gold, mut gold_given_gold) = (0usize, 0usize);
@@ -230,9 +249,17 @@ fn select_stage(
         let top = score::top_n(q, a.n);
         let s: Vec<Option<f64>> = match scores.get(&q.id) {
             Some(s) if s.passages == top => s.scores.clone(),
-            Some(_) => bail!("the scores of query {:?} name other passages than its retrieval; remove {} to redo the stages", q.id, stages.folder("score").display()),
+            Some(_) => bail!("the scores of query {:?} name other passages than its retrieval; rerun with --overwrite to redo the stages", q.id),
+            None if a.k > 0 => bail!("query {:?} has no score record in {}; rerun with --retry-failed or --overwrite", q.id, stages.folder("score").display()),
             None => vec![None; top.len()],
         };
+        // A query the source scored nothing of (every item failed, or no answer to score) would
+        // be a gold-only example among LM-supervised ones: dropped, and counted.
+        if a.k > 0 && s.iter().all(Option::is_none) {
+            without_scores += 1;
+            bar.inc(1)?;
+            continue;
+        }
         let sel = select::select_positives(&q.gold, top, &s, a.k);
         let gold_retrieved = top.iter().any(|p| q.gold.contains(p));
         gold_in_n += gold_retrieved as usize;
@@ -268,6 +295,9 @@ fn select_stage(
     if not_three > 0 {
         host.log(&format!("aar-train: exactly_three: dropped {not_three} queries that do not end with exactly 3 positives"))?;
     }
+    if without_scores > 0 {
+        host.log(&format!("aar-train: dropped {without_scores} queries the source scored nothing of (every item failed, or no answer); --retry-failed asks the failed items again"))?;
+    }
     if no_negatives > 0 {
         host.log(&format!("aar-train: dropped {no_negatives} queries without a negative (every retrieved passage is a positive)"))?;
     }
@@ -289,7 +319,10 @@ fn select_stage(
         "examples": examples.len(),
     });
     if examples.is_empty() {
-        bail!("no training example is left ({} queries: {not_three} without exactly 3 positives, {no_negatives} without negatives)", queries.len());
+        bail!(
+            "no training example is left ({} queries: {without_scores} without LM scores, {not_three} without exactly 3 positives, {no_negatives} without negatives)",
+            queries.len()
+        );
     }
     let saved = json!({"seed": cfg.seed, "negatives_seed": negatives_seed, "negatives_seed_from": "(seed, \"aar-negatives\"), then per query (negatives_seed, query_id)", "examples": examples});
     rak_core::fsutil::write_bytes(&file, serde_json::to_string(&saved)?.as_bytes())?;
@@ -303,6 +336,7 @@ fn select_stage(
         "positives_added": added_total,
         "dropped_not_exactly_three": not_three,
         "dropped_without_negatives": no_negatives,
+        "queries_without_scores": without_scores,
         "negatives_seed": negatives_seed,
         "analysis": analysis,
     });

@@ -61,6 +61,10 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value) -> Result<(V
     std::fs::create_dir_all(&folder).with_context(|| format!("{}: cannot create", folder.display()))?;
 
     let queries = read_queries(&cfg.queries_file())?;
+    let mut ids = HashSet::new();
+    if let Some(q) = queries.iter().find(|q| !ids.insert(q.id.as_str())) {
+        bail!("{}: query id {:?} appears more than once", cfg.queries_file().display(), q.id);
+    }
     let qrels = read_qrels(&cfg.qrels_file())?;
     let known = corpus_ids(&cfg.corpus)?;
     let (mut without_gold, mut gold_not_in_corpus) = (0usize, 0usize);
@@ -118,24 +122,37 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value) -> Result<(V
         let r = Retrieved::from_json(r)?;
         found.insert(r.id.clone(), r);
     }
-    let pending: Vec<&(&crate::data::Query, Vec<String>)> = chosen.iter().filter(|(q, _)| !found.contains_key(&q.id)).collect();
+    // Chunks by fixed positions in the chosen queries: a resumed run searches whole chunks, so
+    // every query is searched in the same batch (and padding) as in an uninterrupted run.
+    let todo = chosen.iter().filter(|(q, _)| !found.contains_key(&q.id)).count();
     if !found.is_empty() {
-        host.log(&format!("aar-train: retrieve: {} queries searched earlier, {} to go", found.len(), pending.len()))?;
+        host.log(&format!("aar-train: retrieve: {} queries searched earlier, {todo} to go", chosen.len() - todo))?;
     }
     let task = cfg.task_names().then_some(cfg.task.as_str());
-    let bar = host.progress("aar: retrieve", pending.len() as u64)?;
-    for chunk in pending.chunks(SEARCH_CHUNK) {
+    let bar = host.progress("aar: retrieve", todo as u64)?;
+    for chunk in chosen.chunks(SEARCH_CHUNK) {
+        let pending = chunk.iter().filter(|(q, _)| !found.contains_key(&q.id)).count();
+        if pending == 0 {
+            continue;
+        }
         let list: Vec<Value> = chunk.iter().map(|(q, _)| json!({"_id": q.id, "text": q.text})).collect();
         let run = host.search(&index, Some(&encoder), json!({"queries": list, "k": depth, "task": task}))?;
         let mut records = Vec::with_capacity(chunk.len());
         for (q, gold) in chunk {
-            let hits: Vec<(String, f64)> = serde_json::from_value(run[&q.id].clone()).unwrap_or_default();
+            if found.contains_key(&q.id) {
+                continue;
+            }
+            let Some(got) = run.get(&q.id) else {
+                bail!("{}: the search service returned no ranking for query {:?}", cfg.queries_file().display(), q.id);
+            };
+            let hits: Vec<(String, f64)> =
+                serde_json::from_value(got.clone()).with_context(|| format!("{}: the search service's ranking for query {:?} is not [[id, score], ...]", cfg.queries_file().display(), q.id))?;
             let r = Retrieved { id: q.id.clone(), query: q.text.clone(), answers: q.answers.clone(), gold: gold.clone(), hits: hits.into_iter().map(|(p, _)| p).collect() };
             records.push(r.to_json());
             found.insert(r.id.clone(), r);
         }
         log.append(&records)?;
-        bar.inc(chunk.len() as u64)?;
+        bar.inc(pending as u64)?;
     }
     drop(bar);
     drop(log);

@@ -14,6 +14,8 @@
 //! message per passage), `skipped` (why a query was not asked, else null). A resumed stage
 //! skips the queries it has records for, except records with failed items, which are asked
 //! again (their answered items come from the connector's cache); the latest record wins.
+//! `--retry-failed` does the same for a finished stage. The source (`source.json`) is recorded
+//! with the first answered item, so a server that was down at the first run pins nothing.
 
 use crate::config::{fill, Config, Source};
 use crate::data::{corpus_passages, Passage, RecordLog};
@@ -46,6 +48,13 @@ pub fn top_n(r: &Retrieved, n: usize) -> &[String] {
 pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[Retrieved]) -> Result<(HashMap<String, Scores>, Value, &'static str)> {
     let folder = stages.folder("score");
     let how = match stages.begin("score", key)? {
+        // k = 0 asks no source and writes no records.
+        Start::Done(report) if cfg.aar.k == 0 => return Ok((HashMap::new(), report, "done earlier")),
+        Start::Done(report) if cfg.retry_failed && report["failed"].as_u64().unwrap_or(0) > 0 => {
+            host.log(&format!("aar-train: score: --retry-failed: asking the source again for {} failed items", report["failed"]))?;
+            stages.reopen("score")?;
+            "retried"
+        }
         Start::Done(report) => return Ok((load(&folder.join(RESULT_FILE))?, report, "done earlier")),
         Start::Resume => "resumed",
         Start::Fresh => "ran",
@@ -113,7 +122,8 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
         }
         Source::BlackBox { connector, prompt, continuation, workers } => {
             let conn = host.connector(connector, &serde_json::Value::Object(cfg.source_settings.clone()))?;
-            check_source(&conn, &folder.join(SOURCE_FILE))?;
+            let source_file = folder.join(SOURCE_FILE);
+            let to_record = Mutex::new(check_source(&conn, &source_file)?);
             // Queries not recorded, or recorded with failed items (asked again).
             let pending: Vec<&Retrieved> = queries.iter().filter(|q| latest.get(&q.id).is_none_or(has_failures)).collect();
             if pending.len() < queries.len() {
@@ -132,7 +142,17 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
                                 let i = next.fetch_add(1, Ordering::Relaxed);
                                 let Some(q) = pending.get(i) else { return Ok(()) };
                                 let record = job.score(q);
-                                log.lock().unwrap_or_else(|e| e.into_inner()).append(std::slice::from_ref(&record))?;
+                                let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
+                                // The source is recorded with its first answer, so a server
+                                // down at the start never pins a source that answered nothing.
+                                let mut pending_source = to_record.lock().unwrap_or_else(|e| e.into_inner());
+                                if pending_source.is_some() && record["scores"].as_array().is_some_and(|v| v.iter().any(|x| !x.is_null())) {
+                                    let now = pending_source.take().unwrap_or_default();
+                                    rak_core::fsutil::write_bytes(&source_file, now.to_string().as_bytes())?;
+                                }
+                                drop(pending_source);
+                                log.append(std::slice::from_ref(&record))?;
+                                drop(log);
                                 fresh.lock().unwrap_or_else(|e| e.into_inner()).push(record);
                                 inc(&bar)?;
                             }
@@ -178,9 +198,10 @@ fn has_failures(r: &Value) -> bool {
 }
 
 /// What the scores depend on besides the settings: the model the server serves and the server
-/// (the connector's `describe`, without the port). Recorded when the stage starts; a resume
-/// against another model is refused rather than mixing two sources' scores.
-fn check_source(conn: &rak_core::plugin::HostConnector, path: &Path) -> Result<()> {
+/// (the connector's `describe`, without the port). Recorded with the stage's first answered
+/// item; a resume against another model is refused rather than mixing two sources' scores.
+/// What to record (none when recorded already).
+fn check_source(conn: &rak_core::plugin::HostConnector, path: &Path) -> Result<Option<Value>> {
     let described = conn.complete(json!({"op": "describe"})).unwrap_or(Value::Null);
     let now = if described.get("error").is_some() { Value::Null } else { json!({"model": described["model"], "server": described["server"]}) };
     match std::fs::read_to_string(path) {
@@ -188,13 +209,14 @@ fn check_source(conn: &rak_core::plugin::HostConnector, path: &Path) -> Result<(
             let then: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
             if then != now {
                 bail!(
-                    "{}: this stage was begun with the source {then}, which is now {now}; point --base-url at the same model, or remove score.key.json beside that folder to score everything again",
+                    "{}: this stage was begun with the source {then}, which is now {now}; point --base-url at the same model, or rerun with --overwrite after changing a source setting to score everything again",
                     path.display()
                 );
             }
-            Ok(())
+            Ok(None)
         }
-        Err(_) => rak_core::fsutil::write_bytes(path, now.to_string().as_bytes()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Some(now)),
+        Err(e) => Err(e).with_context(|| format!("{}: cannot read", path.display())),
     }
 }
 
@@ -215,7 +237,7 @@ impl BlackBox<'_> {
             return json!({"query_id": q.id, "passages": ids, "scores": vec![Value::Null; ids.len()], "errors": vec![Value::Null; ids.len()],
                 "skipped": "no answer to score"});
         };
-        let continuation = fill(self.continuation, &[("answer", answer)]);
+        let continuation = fill(self.continuation, &[("answer", answer.trim())]);
         let (mut scores, mut errors, mut methods) = (Vec::new(), Vec::new(), Vec::new());
         for id in ids {
             let p = &self.passages[id];
@@ -319,7 +341,7 @@ fn report(queries: &[Retrieved], latest: &HashMap<String, Value>, n: usize) -> R
 /// The latest record of each query in a finished stage's file.
 fn load(path: &Path) -> Result<HashMap<String, Scores>> {
     if !path.exists() {
-        bail!("{}: missing, though the score stage is marked done; remove score.done.json beside its folder to score again", path.display());
+        bail!("{}: missing, though the score stage is marked done; rerun with --overwrite after changing a source setting, or remove the output folder, to score again", path.display());
     }
     let (_, records) = RecordLog::open(path)?;
     let mut out = HashMap::new();

@@ -4,7 +4,7 @@
 //! under a temporary name and renamed, so a kill leaves either no mark or a whole one.
 //!
 //! A rerun skips finished stages whose key is unchanged and resumes the first unfinished one
-//! from its folder. A stage whose key changed is refused, naming what changed, unless
+//! from its folder; the stages after a resumed or redone one are cleared and redone. A stage whose key changed is refused, naming what changed, unless
 //! `--overwrite` is given: then it and every later stage are redone, and the earlier ones kept.
 
 use anyhow::{bail, Context, Result};
@@ -34,6 +34,14 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
         Ok(text) => Ok(Some(serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e).with_context(|| format!("{}: cannot read", path.display())),
+    }
+}
+
+fn remove_file(f: &Path) -> Result<()> {
+    match std::fs::remove_file(f) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("{}: cannot remove", f.display())),
     }
 }
 
@@ -84,16 +92,23 @@ impl Stages {
         self.dir.join(format!("{name}.done.json"))
     }
 
-    /// Remove stage `name` and every later one.
+    /// Remove stage `name` and every later one. The score stage is left alone when an earlier
+    /// stage is redone: its key is the content of what it scores (each query's top N and
+    /// answers, the corpus, the source), not the earlier stage's key, so when that content is
+    /// unchanged its scores stand (hours of a real source), and when it changed its begin
+    /// finds another key (refused, or with --overwrite cleared then). When the final stage
+    /// goes, so does the model it saved into `OUT`.
     fn clear_from(&self, name: &str) -> Result<()> {
         let from = ORDER.iter().position(|s| *s == name).expect("a known stage");
         for s in &ORDER[from..] {
+            if *s == "final" && (self.key_path(s).exists() || self.done_path(s).exists()) {
+                self.remove_model()?;
+            }
+            if *s == "score" && *s != name {
+                continue;
+            }
             for f in [self.done_path(s), self.key_path(s)] {
-                match std::fs::remove_file(&f) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(e).with_context(|| format!("{}: cannot remove", f.display())),
-                }
+                remove_file(&f)?;
             }
             let folder = self.folder(s);
             if folder.exists() {
@@ -103,13 +118,44 @@ impl Stages {
         Ok(())
     }
 
-    /// Where stage `name` with inputs `key` starts (see the module docs).
+    /// The stages after `name`.
+    fn clear_after(&self, name: &str) -> Result<()> {
+        match ORDER.iter().position(|s| *s == name).expect("a known stage") + 1 {
+            next if next < ORDER.len() => self.clear_from(ORDER[next]),
+            _ => Ok(()),
+        }
+    }
+
+    /// The model the final stage saved into `OUT` (everything there but `stages/` and the
+    /// analysis): a cleared final stage leaves no stale model behind.
+    fn remove_model(&self) -> Result<()> {
+        let Some(out) = self.dir.parent() else { return Ok(()) };
+        let Ok(entries) = std::fs::read_dir(out) else { return Ok(()) };
+        for e in entries.flatten() {
+            let path = e.path();
+            if path == self.dir || e.file_name() == "analysis.json" {
+                continue;
+            }
+            if path.is_dir() {
+                std::fs::remove_dir_all(&path).with_context(|| format!("{}: cannot remove", path.display()))?;
+            } else {
+                remove_file(&path)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Where stage `name` with inputs `key` starts (see the module docs). A stage that is not
+    /// done (resumed or fresh) clears every later stage: they are redone from its new output.
     pub fn begin(&self, name: &str, key: &Value) -> Result<Start> {
         let key_path = self.key_path(name);
         match read_json(&key_path)? {
             Some(then) if then == *key => match read_json(&self.done_path(name))? {
                 Some(done) => Ok(Start::Done(done)),
-                None => Ok(Start::Resume),
+                None => {
+                    self.clear_after(name)?;
+                    Ok(Start::Resume)
+                }
             },
             Some(then) => {
                 if !self.overwrite {
@@ -130,6 +176,13 @@ impl Stages {
                 Ok(Start::Fresh)
             }
         }
+    }
+
+    /// A finished stage `name` made unfinished again (its key and folder kept, so it resumes),
+    /// and every later stage cleared.
+    pub fn reopen(&self, name: &str) -> Result<()> {
+        remove_file(&self.done_path(name))?;
+        self.clear_after(name)
     }
 
     /// Mark stage `name` finished with its report.
