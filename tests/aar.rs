@@ -223,9 +223,9 @@ fn has_checkpoint(dir: &Path) -> bool {
     std::fs::read_dir(dir).map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with("checkpoint-"))).unwrap_or(false)
 }
 
-/// White-box: SIGKILL in the score stage (after its first record) and in the train stage (after
-/// its first checkpoint), at moments drawn from a fixed seed; the rerun resumes in that stage
-/// and ends with the uninterrupted run's weights.
+/// White-box: SIGKILL in the score stage (after its first record), in the train stage (after
+/// its first checkpoint, at a moment drawn from a fixed seed) and as the final stage begins;
+/// each rerun resumes in that stage and ends with the uninterrupted run's weights.
 #[test]
 fn a_run_killed_in_scoring_and_training_resumes_to_the_same_model() {
     let dir = TempDir::new("aar-kill");
@@ -246,13 +246,23 @@ fn a_run_killed_in_scoring_and_training_resumes_to_the_same_model() {
     let in_training = kill_when(&mut child, || has_checkpoint(&train), d.next().unwrap()) && !killed.join("stages/train.done.json").exists();
     assert!(in_training, "the kill did not land in training");
 
+    // The resume, killed again once the final stage has begun (the train/final boundary).
+    let log = dir.path().join("resume.log");
+    let mut child = aar_cmd(&recipe, &killed, p(&t5_fixture()), &[]).stderr(std::fs::File::create(&log).unwrap()).stdout(Stdio::null()).spawn().unwrap();
+    kill_when(&mut child, || killed.join("stages/final.key.json").exists(), Duration::ZERO);
+    let resumed = std::fs::read_to_string(&log).unwrap();
+    assert!(resumed.contains("resumed from") && resumed.contains("stage train: resumed"), "{resumed}");
+    for stage in ["retrieve", "score", "select"] {
+        assert!(resumed.contains(&format!("stage {stage}: done earlier")), "{resumed}");
+    }
+    assert!(killed.join("stages/train.done.json").exists(), "the kill came before the final stage began");
+
     let o = aar_cmd(&recipe, &killed, p(&t5_fixture()), &[]).output().unwrap();
     let r = summary(&o);
-    assert_eq!(r["stages"]["train"], "resumed", "{r}");
-    assert!(stderr(&o).contains("resumed from"), "{}", stderr(&o));
-    for stage in ["retrieve", "score", "select"] {
+    for stage in ["retrieve", "score", "select", "train"] {
         assert_eq!(r["stages"][stage], "done earlier", "{r}");
     }
+    assert!(r["stages"]["final"] == "resumed" || r["stages"]["final"] == "done earlier", "{r}");
     assert_eq!(lines(&scores), 12, "one record per query, none repeated");
     assert_eq!((r["overlap"].clone(), r["positives_added"].clone()), (s["overlap"].clone(), s["positives_added"].clone()));
     assert_eq!(std::fs::read(whole.join("stages/select/examples.json")).unwrap(), std::fs::read(killed.join("stages/select/examples.json")).unwrap());

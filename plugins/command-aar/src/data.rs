@@ -187,10 +187,10 @@ pub fn dir_sha256(dir: &Path) -> Result<String> {
                 .collect::<std::io::Result<_>>()
                 .with_context(|| format!("{}: cannot list the checkpoint", path.display()))?;
             names.retain(|n| {
-                !n.starts_with('.')
-                    && !["trainer_log.jsonl", "run.json", "stage_done", "final_model_done"].contains(&n.as_str())
-                    && !(n.starts_with("negatives-") && n.ends_with(".json"))
-                    && !(depth == 0 && n.strip_prefix("episode-").is_some_and(|e| e.parse::<u32>().is_ok()))
+                let record = ["trainer_log.jsonl", "run.json", "stage_done", "final_model_done"].contains(&n.as_str()) || (n.starts_with("negatives-") && n.ends_with(".json"));
+                // An ANCE run's stages: each its own model, not part of the final one.
+                let episode = depth == 0 && n.strip_prefix("episode-").is_some_and(|e| e.parse::<u32>().is_ok());
+                !(n.starts_with('.') || record || episode)
             });
             names.sort();
             for name in names {
