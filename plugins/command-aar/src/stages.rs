@@ -99,7 +99,12 @@ impl Stages {
     /// finds another key (refused, or with --overwrite cleared then). When the final stage
     /// goes, so does the model it saved into `OUT`.
     fn clear_from(&self, name: &str) -> Result<()> {
-        let from = ORDER.iter().position(|s| *s == name).expect("a known stage");
+        self.clear(ORDER.iter().position(|s| *s == name).expect("a known stage"), name)
+    }
+
+    /// Remove the stages from position `from` on, because stage `name` is redone (the score
+    /// stage only when it is `name`: see [`Stages::clear_from`]).
+    fn clear(&self, from: usize, name: &str) -> Result<()> {
         for s in &ORDER[from..] {
             if *s == "final" && (self.key_path(s).exists() || self.done_path(s).exists()) {
                 self.remove_model()?;
@@ -118,12 +123,9 @@ impl Stages {
         Ok(())
     }
 
-    /// The stages after `name`.
+    /// The stages after `name`, which is resumed or redone.
     fn clear_after(&self, name: &str) -> Result<()> {
-        match ORDER.iter().position(|s| *s == name).expect("a known stage") + 1 {
-            next if next < ORDER.len() => self.clear_from(ORDER[next]),
-            _ => Ok(()),
-        }
+        self.clear(ORDER.iter().position(|s| *s == name).expect("a known stage") + 1, name)
     }
 
     /// The model the final stage saved into `OUT` (everything there but `stages/` and the
@@ -220,5 +222,49 @@ impl RunLock {
         file.rewind()?;
         writeln!(file, "{}", std::process::id())?;
         Ok(RunLock(file))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A resumed or redone stage clears the later ones, but for the score stage, whose key is
+    /// what it scores: a retrieval killed after a redo keeps the scores; a cleared final stage
+    /// takes OUT's model with it.
+    #[test]
+    fn a_resumed_stage_clears_the_later_ones_but_the_scores() {
+        let out = std::env::temp_dir().join(format!("aar-stages-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let stages = Stages::new(out.join("stages"), false).unwrap();
+        for name in ORDER {
+            assert!(matches!(stages.begin(name, &json!({"stage": name})).unwrap(), Start::Fresh));
+            std::fs::create_dir_all(stages.folder(name)).unwrap();
+            std::fs::write(stages.folder(name).join("work"), b"x").unwrap();
+            stages.finish(name, &json!({})).unwrap();
+        }
+        std::fs::write(out.join("model.safetensors"), b"weights").unwrap();
+        std::fs::write(out.join("analysis.json"), b"{}").unwrap();
+        // The retrieval killed after being begun again.
+        std::fs::remove_file(stages.done_path("retrieve")).unwrap();
+        assert!(matches!(stages.begin("retrieve", &json!({"stage": "retrieve"})).unwrap(), Start::Resume));
+        assert!(stages.done_path("score").exists() && stages.folder("score").join("work").exists(), "the scores were cleared");
+        assert!(matches!(stages.begin("score", &json!({"stage": "score"})).unwrap(), Start::Done(_)));
+        for name in ["select", "train", "final"] {
+            assert!(!stages.key_path(name).exists() && !stages.done_path(name).exists() && !stages.folder(name).exists(), "{name} left");
+        }
+        assert!(!out.join("model.safetensors").exists(), "a stale model is left in OUT");
+        assert!(out.join("analysis.json").exists() && out.join("stages").exists());
+        // The score stage resumed: the later stages go again.
+        for name in ["select", "train"] {
+            assert!(matches!(stages.begin(name, &json!({"stage": name})).unwrap(), Start::Fresh));
+            stages.finish(name, &json!({})).unwrap();
+        }
+        stages.reopen("score").unwrap();
+        assert!(matches!(stages.begin("score", &json!({"stage": "score"})).unwrap(), Start::Resume));
+        assert!(stages.folder("score").join("work").exists());
+        assert!(!stages.done_path("select").exists() && !stages.done_path("train").exists());
+        let _ = std::fs::remove_dir_all(&out);
     }
 }
