@@ -157,13 +157,17 @@ impl<'r> Services<'r> {
                 Ok(Value::Null)
             }
             "progress" => self.progress_event(&request),
+            "checkpoint_digest" => {
+                let path = request["path"].as_str().context("checkpoint_digest: \"path\" (a model folder) is required")?;
+                Ok(json!({"sha256": rak_retrieval::digest::checkpoint_digest(std::path::Path::new(path))?}))
+            }
             "encode_corpus" => self.encode_corpus(parse(request)?),
             "build_index" => self.build_index(parse(request)?),
             "search" => self.search(parse(request)?),
             "eval" => self.eval(parse(request)?),
             "train" => self.train(parse(request)?),
             other => bail!(
-                "unknown host method {other:?} (known: version, plugins, log, progress, encode_corpus, build_index, search, eval, train)"
+                "unknown host method {other:?} (known: version, plugins, log, progress, encode_corpus, build_index, search, eval, train, checkpoint_digest)"
             ),
         }
     }

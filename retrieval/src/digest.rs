@@ -192,6 +192,28 @@ mod checkpoint_tests {
         std::fs::remove_dir_all(&root).unwrap();
     }
 
+    /// An AAR output used as a model (`host aar-train` keys its stages on it through the
+    /// host's `checkpoint_digest` service) is its model files, not its run's records (stages/
+    /// with its analysis.json, checkpoints, dot files).
+    #[test]
+    fn the_model_digest_leaves_out_the_runs_records() {
+        let dir = std::env::temp_dir().join(format!("aar-digest-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("stages/train/checkpoint-1")).unwrap();
+        std::fs::write(dir.join("model.safetensors"), b"weights").unwrap();
+        std::fs::write(dir.join("config.json"), b"{}").unwrap();
+        let before = checkpoint_digest(&dir).unwrap();
+        std::fs::write(dir.join("stages/analysis.json"), b"{}").unwrap();
+        std::fs::write(dir.join("stages/lock"), b"42").unwrap();
+        std::fs::write(dir.join("stages/summary.json"), b"{}").unwrap();
+        std::fs::write(dir.join("stages/train/checkpoint-1/trainer_state.json"), b"{}").unwrap();
+        std::fs::write(dir.join(".model.safetensors.tmp-1"), b"half").unwrap();
+        assert_eq!(checkpoint_digest(&dir).unwrap(), before, "the run's records changed the model's identity");
+        std::fs::write(dir.join("model.safetensors"), b"other weights").unwrap();
+        assert_ne!(checkpoint_digest(&dir).unwrap(), before, "the weights are the model");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// A `host train` output folder is the final model plus checkpoints, indexes and logs: only
     /// the model counts.
     #[test]

@@ -163,57 +163,6 @@ pub fn top_n_sha256(queries: &[crate::retrieve::Retrieved], n: usize) -> String 
     format!("{:x}", hasher.finalize())
 }
 
-/// SHA-256 of a model folder by the host's checkpoint-digest rules (`rak_retrieval::digest::
-/// checkpoint_digest`, mirrored here: the host offers no digest service to plugins): each file
-/// in order of relative path, its path, length and content; left out are names starting with a
-/// dot, subfolders holding `.encode.lock`, `trainer_state.json`, `index.json` or
-/// `analysis.json` (encode outputs, checkpoints, indexes, an AAR output's `stages/`), the
-/// files `trainer_log.jsonl`, `run.json`, `stage_done`, `final_model_done`, `negatives-*.json`
-/// and top-level `episode-N` folders. So a model is the same whatever its path, and an AAR
-/// output used as the starting model is the model, not its run's records.
-pub fn dir_sha256(dir: &Path) -> Result<String> {
-    fn visit(hasher: &mut Sha256, path: &Path, rel: &str, depth: usize) -> Result<()> {
-        let meta = std::fs::metadata(path).with_context(|| format!("{}: cannot read the checkpoint", path.display()))?;
-        if meta.is_dir() {
-            if depth > 32 {
-                bail!("{}: checkpoint directories nest too deep (a symbolic link loop?)", path.display());
-            }
-            if depth > 0 && [".encode.lock", "trainer_state.json", "index.json", "analysis.json"].iter().any(|f| path.join(f).exists()) {
-                return Ok(());
-            }
-            let mut names: Vec<String> = std::fs::read_dir(path)
-                .with_context(|| format!("{}: cannot list the checkpoint", path.display()))?
-                .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
-                .collect::<std::io::Result<_>>()
-                .with_context(|| format!("{}: cannot list the checkpoint", path.display()))?;
-            names.retain(|n| {
-                let record = ["trainer_log.jsonl", "run.json", "stage_done", "final_model_done"].contains(&n.as_str()) || (n.starts_with("negatives-") && n.ends_with(".json"));
-                // An ANCE run's stages: each its own model, not part of the final one.
-                let episode = depth == 0 && n.strip_prefix("episode-").is_some_and(|e| e.parse::<u32>().is_ok());
-                !(n.starts_with('.') || record || episode)
-            });
-            names.sort();
-            for name in names {
-                let child_rel = if rel.is_empty() { name.clone() } else { format!("{rel}/{name}") };
-                visit(hasher, &path.join(&name), &child_rel, depth + 1)?;
-            }
-        } else {
-            hasher.update(rel.as_bytes());
-            hasher.update([0u8]);
-            hasher.update(meta.len().to_le_bytes());
-            let file = std::fs::File::open(path).with_context(|| format!("{}: cannot read the checkpoint", path.display()))?;
-            let copied = std::io::copy(&mut BufReader::with_capacity(1 << 20, file), hasher).with_context(|| format!("{}: cannot read the checkpoint", path.display()))?;
-            if copied != meta.len() {
-                bail!("{}: changed while its digest was taken", path.display());
-            }
-        }
-        Ok(())
-    }
-    let mut hasher = Sha256::new();
-    visit(&mut hasher, dir, "", 0)?;
-    Ok(format!("{:x}", hasher.finalize()))
-}
-
 /// An append-only JSONL file of per-query records: what a stage has done so far. A kill can
 /// leave a partial last line; opening cuts it off, so every record read back is whole.
 pub struct RecordLog {
@@ -272,27 +221,6 @@ impl RecordLog {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The host's checkpoint-digest rules: an AAR output used as a model is its model files,
-    /// not its run's records (stages/ with its analysis.json, checkpoints, dot files).
-    #[test]
-    fn the_model_digest_leaves_out_the_runs_records() {
-        let dir = std::env::temp_dir().join(format!("aar-digest-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(dir.join("stages/train/checkpoint-1")).unwrap();
-        std::fs::write(dir.join("model.safetensors"), b"weights").unwrap();
-        std::fs::write(dir.join("config.json"), b"{}").unwrap();
-        let before = dir_sha256(&dir).unwrap();
-        std::fs::write(dir.join("stages/analysis.json"), b"{}").unwrap();
-        std::fs::write(dir.join("stages/lock"), b"42").unwrap();
-        std::fs::write(dir.join("stages/summary.json"), b"{}").unwrap();
-        std::fs::write(dir.join("stages/train/checkpoint-1/trainer_state.json"), b"{}").unwrap();
-        std::fs::write(dir.join(".model.safetensors.tmp-1"), b"half").unwrap();
-        assert_eq!(dir_sha256(&dir).unwrap(), before, "the run's records changed the model's identity");
-        std::fs::write(dir.join("model.safetensors"), b"other weights").unwrap();
-        assert_ne!(dir_sha256(&dir).unwrap(), before, "the weights are the model");
-        let _ = std::fs::remove_dir_all(&dir);
-    }
 
     #[test]
     fn a_partial_last_record_is_cut_and_appends_follow_whole_ones() {

@@ -120,7 +120,7 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
     let retrieve_key = json!({
         "encoder": cfg.encoder,
         "encoder_settings": without(&cfg.encoder_settings, &["device"]),
-        "model_sha256": data::dir_sha256(&cfg.model)?,
+        "model_sha256": model_digest(host, &cfg.model)?,
         "corpus_sha256": data::file_sha256(&cfg.corpus)?,
         "queries_sha256": data::file_sha256(&cfg.queries_file())?,
         "qrels_sha256": data::file_sha256(&cfg.qrels_file())?,
@@ -132,7 +132,7 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
     });
     let source_key = match &cfg.source {
         Source::WhiteBox { reader, model, prompt, batch_size } => json!({
-            "kind": "white-box", "reader": reader, "model_sha256": data::dir_sha256(model)?, "prompt": prompt, "batch_size": batch_size,
+            "kind": "white-box", "reader": reader, "model_sha256": model_digest(host, model)?, "prompt": prompt, "batch_size": batch_size,
             "settings": without(&cfg.source_settings, &["model", "device"]),
         }),
         Source::BlackBox { connector, prompt, continuation, .. } => json!({
@@ -208,6 +208,12 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         ))?;
     }
     Ok(summary)
+}
+
+/// A model folder's identity by the host's checkpoint-digest rules: its model files, whatever
+/// its path, not its run's records (an AAR output's `stages/`, checkpoints, logs).
+fn model_digest(host: &Host, dir: &std::path::Path) -> Result<Value> {
+    Ok(host.call("checkpoint_digest", json!({"path": dir}))?["sha256"].clone())
 }
 
 fn log_stage(host: &Host, name: &str, how: &str) -> Result<()> {
