@@ -20,24 +20,9 @@ import json
 import sys
 from pathlib import Path
 
-from augment_stats import aliases_in
+from augment_stats import aliases_in, read_jsonl
 
 NAMES = {"none": "closed book", "bm25": "BM25, k = 3", "minilm": "MiniLM, k = 3", "trained": "trained (TRAINED), k = 3"}
-
-
-def read_jsonl(path):
-    """The records of a JSON-lines file; a last line torn by a killed writer is left out (as
-    `host augment` itself does when it resumes)."""
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
-    records = []
-    for i, line in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                raise SystemExit(f"{path}:{i + 1}: not JSON")
-    return records
 
 
 def accuracy_tables(out):
