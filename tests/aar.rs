@@ -574,34 +574,11 @@ fn every_aar_recipe_names_known_settings() {
     assert!(seen >= 2, "{seen} recipes");
 }
 
-/// A llama-server of this test's own (its own state folder), stopped at drop.
-struct Llama {
-    url: String,
-    state: TempDir,
-}
-
-impl Llama {
-    fn start() -> Self {
-        let state = TempDir::new("aar-llama-state");
-        let out = Command::new(root().join("scripts/llama-server.sh")).arg("start").env("LLAMA_STATE_DIR", state.path()).output().unwrap();
-        assert!(out.status.success(), "llama-server did not start: {}", stderr(&out));
-        let url = stdout(&out).trim().to_string();
-        assert!(url.starts_with("http://127.0.0.1:"), "{url}");
-        Llama { url, state }
-    }
-}
-
-impl Drop for Llama {
-    fn drop(&mut self) {
-        let _ = Command::new(root().join("scripts/llama-server.sh")).arg("stop").env("LLAMA_STATE_DIR", self.state.path()).output();
-    }
-}
-
 /// Black-box against the real SmolLM2 behind llama-server, 3 queries: the continuation
 /// log-likelihoods come from forced tokens (llama.cpp has no echo) and differ per passage.
 #[test]
 fn black_box_on_the_real_smollm2() {
-    let llama = Llama::start();
+    let llama = LlamaServer::start("aar-llama-state", &[]);
     let dir = TempDir::new("aar-smollm2");
     let source = format!("settings = {{ base_url = \"http://127.0.0.1:9\", cache_dir = \"{}\" }}\nworkers = 1", dir.path().join("cache").display());
     let recipe = setup(dir.path(), 200, 3, &source, "n = 3\nk = 1\nnegatives_depth = 20\nnegatives_sampled = 4\nnegatives_per_query = 1\npassage_chars = 300", &TRAIN.replace("max_steps = 4", "max_steps = 2").replace("batch_size = 4", "batch_size = 3"));

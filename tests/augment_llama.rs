@@ -8,38 +8,9 @@ use rak_e2e::*;
 use rak_host::{Registry, Source};
 use serde_json::{json, Value};
 use std::path::Path;
-use std::process::Command;
 
 fn p(path: &Path) -> &str {
     path.to_str().unwrap()
-}
-
-/// A llama-server of this test's own (its own state folder), stopped at drop.
-struct Llama {
-    url: String,
-    state: TempDir,
-}
-
-impl Llama {
-    fn start() -> Self {
-        let state = TempDir::new("llama-state");
-        let out = Command::new(root().join("scripts/llama-server.sh"))
-            .arg("start")
-            .env("LLAMA_STATE_DIR", state.path())
-            .env("LLAMA_PARALLEL", "2")
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "llama-server did not start: {}", stderr(&out));
-        let url = stdout(&out).trim().to_string();
-        assert!(url.starts_with("http://127.0.0.1:"), "{url}");
-        Llama { url, state }
-    }
-}
-
-impl Drop for Llama {
-    fn drop(&mut self) {
-        let _ = Command::new(root().join("scripts/llama-server.sh")).arg("stop").env("LLAMA_STATE_DIR", self.state.path()).output();
-    }
 }
 
 fn augment(args: &[&str]) -> (Value, Vec<Value>, String) {
@@ -52,7 +23,7 @@ fn augment(args: &[&str]) -> (Value, Vec<Value>, String) {
 
 #[test]
 fn real_server_answers_multiple_choice_and_short_questions() {
-    let llama = Llama::start();
+    let llama = LlamaServer::start("llama-state", &[("LLAMA_PARALLEL", "2")]);
     let dir = TempDir::new("augment-llama");
     let cache = dir.path().join("cache");
     let cfg = dir.path().join("recipe.toml");
@@ -124,7 +95,7 @@ fn real_server_answers_multiple_choice_and_short_questions() {
 /// the log-probabilities the server reported while generating that continuation greedily.
 #[test]
 fn forced_continuation_loglikelihood_matches_generation_logprobs() {
-    let llama = Llama::start();
+    let llama = LlamaServer::start("llama-state", &[("LLAMA_PARALLEL", "2")]);
     let registry = Registry::discover(&[Source::Dir(release_dir())]).unwrap();
     let conn = registry.connector("openai", &json!({"base_url": llama.url, "cache": false})).unwrap();
     let prompt = "Q: What is the capital of France?\nA:";

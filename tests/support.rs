@@ -226,3 +226,27 @@ pub fn task_data(dir: &Path, tasks: &[(&str, &str, usize, usize)], train: &str) 
 pub fn small_task_data(dir: &Path, queries: usize, train: &str) -> PathBuf {
     task_data(dir, &[("squad", "squad", 0, queries), ("fever", "fever", 0, queries)], train)
 }
+
+/// A llama-server of a test's own (`scripts/llama-server.sh start` with its own state folder,
+/// named `state`, and `env`), stopped at drop.
+pub struct LlamaServer {
+    pub url: String,
+    state: TempDir,
+}
+
+impl LlamaServer {
+    pub fn start(state: &str, env: &[(&str, &str)]) -> Self {
+        let state = TempDir::new(state);
+        let out = Command::new(root().join("scripts/llama-server.sh")).arg("start").env("LLAMA_STATE_DIR", state.path()).envs(env.iter().copied()).output().unwrap();
+        assert!(out.status.success(), "llama-server did not start: {}", stderr(&out));
+        let url = stdout(&out).trim().to_string();
+        assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+        LlamaServer { url, state }
+    }
+}
+
+impl Drop for LlamaServer {
+    fn drop(&mut self) {
+        let _ = Command::new(root().join("scripts/llama-server.sh")).arg("stop").env("LLAMA_STATE_DIR", self.state.path()).output();
+    }
+}
