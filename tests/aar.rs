@@ -345,6 +345,55 @@ fn black_box_scores_through_the_connector_and_resumes_a_killed_scoring() {
     same_weights(&whole, &again);
 }
 
+/// REPLUG's mode (`aar.mode = "replug"`) over black-box scores that differ by passage: each
+/// example carries its scored passages with the source's log-likelihoods, exactly as scored;
+/// the trainer runs the `lm_supervised` loss with the recipe's β and no hard negatives, and
+/// the KL it logs falls as the retriever learns the LM's preferences over the same queries. A
+/// white-box source is refused for this mode.
+#[test]
+fn replug_trains_the_retriever_toward_the_lm_s_distribution() {
+    let dir = TempDir::new("aar-replug");
+    // Each forced token's log-probability from the length of the prompt it follows: passages
+    // of one query get different scores.
+    let server = FakeServer::start(Options { forced_logprob: Some(Box::new(|prompt: &str| -0.2 - 0.4 * (prompt.chars().count() % 5) as f64)), ..Options::default() });
+    let source = fake_source(&dir.path().join("cache"), "");
+    let train = "optim = \"adamw\"\nlearning_rate = 1e-4\nper_device_train_batch_size = 4\nmax_steps = 12\nsave_steps = 6\nlogging_steps = 1\nwarmup_ratio = 0.0\nscore_scale = 20.0\nlm_temperature = 0.5";
+    let aar = "mode = \"replug\"\nn = 4\nk = 1\nnegatives_depth = 30\nnegatives_sampled = 6\nnegatives_per_query = 2\npassage_chars = 120";
+    let recipe = setup(dir.path(), 100, 8, &source, aar, train);
+    let out = dir.path().join("out");
+    let s = summary(&aar_cmd(&recipe, &out, "openai", &["--base-url", &server.url]).output().unwrap());
+    assert_eq!((s["scored"].as_u64(), s["failed"].as_u64(), s["examples"].as_u64()), (Some(32), Some(0), Some(8)), "{s}");
+
+    let records: std::collections::HashMap<String, Value> =
+        jsonl(&out.join("stages/score/scores.jsonl")).into_iter().map(|r| (r["query_id"].as_str().unwrap().to_string(), r)).collect();
+    let examples = read_json(&out.join("stages/select/examples.json"))["examples"].as_array().unwrap().clone();
+    let mut distinct = HashSet::new();
+    for e in &examples {
+        let rec = &records[e["query_id"].as_str().unwrap()];
+        let want: Vec<Value> = strings(&rec["passages"]).into_iter().zip(rec["scores"].as_array().unwrap()).map(|(p, s)| json!([p, s])).collect();
+        assert_eq!(e["lm_scores"].as_array().unwrap(), &want, "the example's LM scores are its scored passages: {e}");
+        assert_eq!((strings(&e["positives"]), e["negatives"].as_array().unwrap().len()), (strings(&e["gold"]), 0), "{e}");
+        distinct.extend(want.iter().map(|w| w[1].to_string()));
+    }
+    assert!(distinct.len() > 2, "the fake's scores should differ by passage: {distinct:?}");
+
+    let state = read_json(&out.join("stages/train/checkpoint-12/trainer_state.json"));
+    let c = &state["config"];
+    assert_eq!((c["loss"].as_str(), c["lm_temperature"].as_f64(), c["hard_negatives"].as_u64()), (Some("lm_supervised"), Some(0.5), Some(0)), "{c}");
+    // The KL per step over 3 epochs of the same 8 queries: lower at the end.
+    let losses: Vec<f64> = jsonl(&out.join("stages/train/trainer_log.jsonl")).iter().filter_map(|l| l["loss"]["squad"].as_f64()).collect();
+    assert_eq!(losses.len(), 12, "{losses:?}");
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    assert!(mean(&losses[8..]) < 0.8 * mean(&losses[..4]), "the KL did not fall: {losses:?}");
+    let analysis = read_json(&out.join("analysis.json"));
+    assert_eq!(analysis["queries_with_lm_scores"], 8, "{analysis}");
+
+    // The mode wants log-likelihoods: a white-box source is refused before anything runs.
+    let o = aar_cmd(&recipe, &dir.path().join("white"), p(&t5_fixture()), &[]).output().unwrap();
+    assert!(!o.status.success() && stderr(&o).contains("black-box"), "{}", stderr(&o));
+    assert!(!dir.path().join("white/stages").exists());
+}
+
 /// Bad inputs are counted, never fatal: queries without gold are dropped; a corpus smaller
 /// than N gives what there is; items the source fails are recorded, skipped and counted (and a
 /// stage where every item failed stops, then resumes against a healthy server); a query

@@ -74,11 +74,14 @@ pub struct Options {
     pub text: Option<Box<dyn Fn(&str) -> String + Send + Sync>>,
     /// What `GET /v1/models` lists; `None`: 404, as a server without the route.
     pub models: Option<Vec<String>>,
+    /// The log-probability of a token forced on `/completion`, from the prompt it follows;
+    /// by default -0.5 whatever the prompt.
+    pub forced_logprob: Option<Box<dyn Fn(&str) -> f64 + Send + Sync>>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { plan: Box::new(|_, _| None), delay: Duration::ZERO, context_chars: None, logprobs: true, text: None, models: None }
+        Options { plan: Box::new(|_, _| None), delay: Duration::ZERO, context_chars: None, logprobs: true, text: None, models: None, forced_logprob: None }
     }
 }
 
@@ -317,7 +320,7 @@ fn serve(conn: TcpStream, st: &State) {
             Some(Fault::IgnoreBias) if path == "/completion" => {
                 log("ignored_bias");
                 let forced = req["logit_bias"][0][0].as_i64().unwrap_or(0);
-                if !reply(&mut out, "200 OK", "", &forced_answer(forced + 1, prompt.chars().count()).to_string()) {
+                if !reply(&mut out, "200 OK", "", &forced_answer(forced + 1, prompt.chars().count(), -0.5).to_string()) {
                     return;
                 }
             }
@@ -353,7 +356,10 @@ fn serve(conn: TcpStream, st: &State) {
                         ids.extend(prompt.chars().map(|c| c as u32));
                         json!({"tokens": ids})
                     }
-                    "/completion" => forced_answer(req["logit_bias"][0][0].as_i64().unwrap_or(0), prompt.chars().count()),
+                    "/completion" => {
+                        let logprob = st.opts.forced_logprob.as_ref().map_or(-0.5, |f| f(&prompt));
+                        forced_answer(req["logit_bias"][0][0].as_i64().unwrap_or(0), prompt.chars().count(), logprob)
+                    }
                     _ => answer(&path, &req, &prompt, &st.opts, None),
                 };
                 log("ok");
@@ -366,9 +372,9 @@ fn serve(conn: TcpStream, st: &State) {
 }
 
 /// llama.cpp's native `/completion` reply for one generated token.
-fn forced_answer(id: i64, context: usize) -> Value {
+fn forced_answer(id: i64, context: usize, logprob: f64) -> Value {
     let token = char::from_u32(id as u32).map(String::from).unwrap_or_default();
-    json!({"content": token, "completion_probabilities": [{"id": id, "token": token, "logprob": -0.5, "top_logprobs": []}],
+    json!({"content": token, "completion_probabilities": [{"id": id, "token": token, "logprob": logprob, "top_logprobs": []}],
         "tokens_evaluated": context, "tokens_predicted": 1})
 }
 

@@ -161,6 +161,12 @@ fn bad_training_inputs_are_clear_errors() {
     let weighted = dir.path().join("weighted.toml");
     std::fs::write(&weighted, std::fs::read_to_string(&recipe).unwrap().replace("[train]\n", "[train]\ntask_loss_weight = \"queries\"\n")).unwrap();
     fails(&run(&mut train_cmd(&weighted, &out, &["--optim", "gradnorm"])), &["task_loss_weight = \"queries\"", "gradnorm"]);
+    // REPLUG's loss needs LM scores, which task files do not hold; its β with another loss.
+    let lm = dir.path().join("lm.toml");
+    std::fs::write(&lm, std::fs::read_to_string(&recipe).unwrap().replace("[train]\n", "[train]\nloss = \"lm_supervised\"\n")).unwrap();
+    fails(&run(&mut train_cmd(&lm, &out, &[])), &["lm_supervised", "aar-train"]);
+    std::fs::write(&lm, std::fs::read_to_string(&recipe).unwrap().replace("[train]\n", "[train]\nlm_temperature = 0.1\n")).unwrap();
+    fails(&run(&mut train_cmd(&lm, &out, &["--max-steps", "1"])), &["lm_temperature", "loss is \"nce\""]);
 
     // An empty passage text named by the training data.
     let corpus = dir.path().join("corpus.jsonl");

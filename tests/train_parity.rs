@@ -33,7 +33,7 @@ use rak_core::plugin::{Encoder, Optimizer, StepContext};
 use rak_e2e::*;
 use rak_host::{Registry, Source};
 use rak_train::data::{Example, TaskData};
-use rak_train::trainer::{exempt_from_decay, SamplerKind, StepOutcome, TaskGroup, Trainer, TrainerConfig};
+use rak_train::trainer::{exempt_from_decay, SamplerKind, StepOutcome, Targets, TaskGroup, Trainer, TrainerConfig};
 use serde_json::{json, Value};
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -208,7 +208,7 @@ fn check(name: &str) {
             task: t["task"].as_str().unwrap().to_string(),
             queries: strings(&t["queries"]),
             passages: strings(&t["passages"]),
-            positive_rows: None,
+            targets: Targets::OnePositive,
         })
         .collect();
     let task_names: Vec<String> = groups.iter().map(|g| g.task.clone()).collect();
@@ -295,6 +295,7 @@ fn check(name: &str) {
         in_batch_negatives: Default::default(),
         task_loss_weight: Default::default(),
         loss: Default::default(),
+        lm_temperature: None,
     };
     // The sampler needs examples (with negatives, as hard_negatives > 0); train_step does not
     // read them: it takes the groups as given.
@@ -311,6 +312,7 @@ fn check(name: &str) {
                     positives: vec![t["positive_ids"][i].as_str().unwrap().to_string()],
                     negatives: vec![t["negative_ids"][i].as_str().unwrap().to_string()],
                     answers: Vec::new(),
+                    lm_scores: Vec::new(),
                 })
                 .collect(),
         })

@@ -333,7 +333,7 @@ impl Services<'_> {
                     examples: t
                         .examples
                         .into_iter()
-                        .map(|e| rak_train::data::Example { query_id: e.query_id, query: e.query, positives: e.positives, negatives: e.negatives, answers: e.answers })
+                        .map(|e| rak_train::data::Example { query_id: e.query_id, query: e.query, positives: e.positives, negatives: e.negatives, answers: e.answers, lm_scores: e.lm_scores.unwrap_or_default() })
                         .collect(),
                 })
                 .collect()
@@ -389,6 +389,8 @@ struct GivenExample {
     negatives: Vec<String>,
     #[serde(default)]
     answers: Vec<String>,
+    /// `[[passage id, score], ...]`: passages a language model scored, for `loss = "lm_supervised"`.
+    lm_scores: Option<Vec<(String, f64)>>,
 }
 
 fn parse<T: serde::de::DeserializeOwned>(request: Value) -> Result<T> {

@@ -24,6 +24,10 @@ pub struct Example {
     /// Gold answer strings (empty where the task has none): `exclude_answer_negatives` keeps
     /// passages holding one out of the negatives.
     pub answers: Vec<String>,
+    /// Passages a language model scored for this query, with their scores (the log-likelihood
+    /// of the answer given the passage): what the `lm_supervised` loss trains the retriever's
+    /// distribution toward. Empty for every other loss.
+    pub lm_scores: Vec<(String, f64)>,
 }
 
 /// Where a task's training data is.
@@ -69,7 +73,7 @@ pub fn load_task(src: &TaskSource, known: &dyn Fn(&str) -> bool, report: &mut Lo
             report.queries_without_gold += 1;
             continue;
         }
-        examples.push(Example { query_id: q.id, query: q.text, positives, negatives: Vec::new(), answers: q.answers });
+        examples.push(Example { query_id: q.id, query: q.text, positives, negatives: Vec::new(), answers: q.answers, lm_scores: Vec::new() });
     }
     if examples.is_empty() {
         bail!(

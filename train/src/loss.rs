@@ -113,6 +113,35 @@ pub fn multi_positive_loss(q: &Tensor, p: &Tensor, positives: &[Vec<i64>], copie
     Ok(Tensor::stack(&losses, 0).mean(Kind::Float))
 }
 
+/// REPLUG's LM-supervised retrieval loss (REFERENCE §6, its end): query `i`'s scored passages
+/// are the next `lm_scores[i].len()` rows of `p` (`[Σ n_i, d]`); over them the retriever's
+/// distribution P_R = softmax(`scale` · <q_i, p>) (REPLUG's s/γ, γ = 1/`scale`) and the LM's
+/// Q = softmax(`lm_scores[i]` / `lm_temperature`) (its β); the loss is the mean over queries of
+/// KL(P_R ‖ Q), as REFERENCE and the REPLUG paper write it. Q is a constant: only the retriever
+/// learns.
+pub fn lm_supervised_loss(q: &Tensor, p: &Tensor, lm_scores: &[Vec<f64>], scale: f64, lm_temperature: f64) -> Result<Tensor> {
+    let (b, d) = q.size2()?;
+    let (rows, pd) = p.size2()?;
+    let total: usize = lm_scores.iter().map(Vec::len).sum();
+    if lm_scores.len() != b as usize || total as i64 != rows || pd != d || lm_scores.iter().any(Vec::is_empty) {
+        bail!("lm_supervised_loss: {rows} passages of width {pd} for {b} queries of width {d} with {} lists of {total} LM scores (none empty)", lm_scores.len());
+    }
+    if !(lm_temperature > 0.0) {
+        bail!("lm_supervised_loss: lm_temperature {lm_temperature} is not positive");
+    }
+    let mut losses = Vec::with_capacity(lm_scores.len());
+    let mut first = 0;
+    for (i, scores) in lm_scores.iter().enumerate() {
+        let n = scores.len() as i64;
+        let logits = p.narrow(0, first, n).matmul(&q.get(i as i64)).to_kind(Kind::Float) * scale;
+        let log_r = logits.log_softmax(0, Kind::Float);
+        let log_q = (Tensor::from_slice(scores).to_kind(Kind::Float).to_device(q.device()) / lm_temperature).log_softmax(0, Kind::Float);
+        losses.push((log_r.exp() * (&log_r - log_q)).sum(Kind::Float));
+        first += n;
+    }
+    Ok(Tensor::stack(&losses, 0).mean(Kind::Float))
+}
+
 /// For each query, the rows of `texts` other than its `positives` that hold the same passage
 /// as one of them (two queries on one gold paragraph, or a query's negative that is another's
 /// positive): what [`multi_positive_loss`] must not count as its negatives.
@@ -193,6 +222,52 @@ mod tests {
         let l0 = -(1f64.exp() / (1f64.exp() + 1.0)).ln();
         let l1 = -(0.9f64.exp() / (0.9f64.exp() + 1.0)).ln();
         assert!((loss - (l0 + l1) / 2.0).abs() < 1e-6);
+    }
+
+    /// Against KL(P_R ‖ Q) written out in f64, two queries with 3 and 2 scored passages; zero
+    /// where the retriever already agrees with the LM, and its gradient moves P_R toward Q.
+    #[test]
+    fn lm_supervised_matches_the_formula() {
+        let q = t(&[1.0, 0.0, 0.6, 0.8], 2);
+        let p = t(&[1.0, 0.0, 0.0, 1.0, 0.6, 0.8, 0.8, 0.6, -1.0, 0.0], 5);
+        let lm = vec![vec![-1.0, -3.0, -2.0], vec![-0.5, -4.0]];
+        let (scale, beta) = (5.0, 0.5);
+        let loss = lm_supervised_loss(&q, &p, &lm, scale, beta).unwrap().double_value(&[]);
+        let softmax = |x: &[f64]| {
+            let m = x.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = x.iter().map(|v| (v - m).exp()).sum();
+            x.iter().map(|v| (v - m).exp() / z).collect::<Vec<f64>>()
+        };
+        let qs = [[1.0, 0.0], [0.6, 0.8]];
+        let ps = [[1.0, 0.0], [0.0, 1.0], [0.6, 0.8], [0.8, 0.6], [-1.0, 0.0]];
+        let groups = [0..3, 3..5];
+        let mut want = 0.0;
+        for (i, rows) in groups.iter().enumerate() {
+            let s: Vec<f64> = rows.clone().map(|j| scale * (qs[i][0] * ps[j][0] + qs[i][1] * ps[j][1])).collect();
+            let r = softmax(&s);
+            let target = softmax(&lm[i].iter().map(|v| v / beta).collect::<Vec<_>>());
+            want += r.iter().zip(&target).map(|(a, b)| a * (a / b).ln()).sum::<f64>();
+        }
+        want /= 2.0;
+        assert!((loss - want).abs() < 1e-5, "{loss} vs {want}");
+
+        // A retriever that already gives the LM's distribution: no loss.
+        let q1 = t(&[1.0, 0.0], 1);
+        let p1 = t(&[0.2, 0.0, 0.1, 0.0], 2);
+        let agree = lm_supervised_loss(&q1, &p1, &[vec![0.2, 0.1]], 1.0, 1.0).unwrap().double_value(&[]);
+        assert!(agree.abs() < 1e-7, "{agree}");
+
+        // One gradient step on the passages lowers the loss (Q is the target, not learnt).
+        let pv = p.copy().set_requires_grad(true);
+        let l0 = lm_supervised_loss(&q, &pv, &lm, scale, beta).unwrap();
+        l0.backward();
+        let moved = tch::no_grad(|| &pv - pv.grad() * 0.05);
+        let l1 = lm_supervised_loss(&q, &moved, &lm, scale, beta).unwrap().double_value(&[]);
+        assert!(l1 < l0.double_value(&[]), "{l1} vs {}", l0.double_value(&[]));
+
+        assert!(lm_supervised_loss(&q, &p, &[vec![0.0; 3], vec![0.0; 3]], 1.0, 1.0).is_err(), "the scores must cover the rows");
+        assert!(lm_supervised_loss(&q, &p, &[vec![0.0; 5], vec![]], 1.0, 1.0).is_err(), "no query without scores");
+        assert!(lm_supervised_loss(&q, &p, &lm, 1.0, 0.0).is_err());
     }
 
     /// Two queries on one gold passage: each one's copy of it in the other's rows is not its

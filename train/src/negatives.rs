@@ -187,6 +187,18 @@ pub fn examples_and_negatives_digest(tasks: &[TaskData]) -> String {
         }
         h.update(u64::MAX.to_le_bytes());
     }
+    // Only when some example has them, so that digests made before they existed stay the same.
+    if tasks.iter().flat_map(|t| &t.examples).any(|e| !e.lm_scores.is_empty()) {
+        h.update(b"lm_scores");
+        for e in tasks.iter().flat_map(|t| &t.examples) {
+            for (id, score) in &e.lm_scores {
+                h.update((id.len() as u64).to_le_bytes());
+                h.update(id.as_bytes());
+                h.update(score.to_le_bytes());
+            }
+            h.update(u64::MAX.to_le_bytes());
+        }
+    }
     rak_retrieval::digest::hex(&h.finalize())
 }
 
@@ -258,6 +270,7 @@ mod tests {
             positives: gold.iter().map(|s| s.to_string()).collect(),
             negatives: negs.iter().map(|s| s.to_string()).collect(),
             answers: Vec::new(),
+            lm_scores: Vec::new(),
         }
     }
 

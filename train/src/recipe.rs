@@ -104,8 +104,13 @@ pub struct TrainSection {
     /// string. Answers that are labels (FEVER's SUPPORTS) are matched as words too: on
     /// mini-KILT 1 of fever's 392 top BM25 negatives held one.
     pub exclude_answer_negatives: bool,
-    /// `nce` (one positive per query) or `multi_positive` (AAR's: every positive of a query).
+    /// `nce` (one positive per query), `multi_positive` (AAR's: every positive of a query) or
+    /// `lm_supervised` (REPLUG's KL toward a language model's scores of each query's passages;
+    /// only for examples that carry them, as `host aar-train` gives).
     pub loss: LossKind,
+    /// REPLUG's β: the temperature on the LM's scores of the `lm_supervised` loss (default 0.1,
+    /// REFERENCE §6's common choice); its γ is `1 / score_scale`.
+    pub lm_temperature: Option<f64>,
 }
 
 impl Default for TrainSection {
@@ -140,6 +145,7 @@ impl Default for TrainSection {
             exclude_gold_pages: false,
             exclude_answer_negatives: false,
             loss: LossKind::Nce,
+            lm_temperature: None,
         }
     }
 }

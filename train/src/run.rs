@@ -14,7 +14,7 @@ use crate::data::{corpus_ids, corpus_pages, corpus_texts, load_task, passage_tex
 use crate::negatives;
 use crate::recipe::{sampler_kind, Recipe, TrainSection};
 use crate::rng::Rng;
-use crate::trainer::{checkpoints, latest_checkpoint, Sampler, TaskLossWeight, Trainer, TrainerConfig, LOG_FILE};
+use crate::trainer::{checkpoints, latest_checkpoint, LossKind, Sampler, TaskLossWeight, Trainer, TrainerConfig, LOG_FILE};
 use anyhow::{bail, Context, Result};
 use rak_core::plugin::{Encoder, Optimizer};
 use rak_retrieval::digest::{encoder_identity, file_digest};
@@ -103,6 +103,9 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     if t.task_loss_weight == TaskLossWeight::Queries && matches!(spec.optim.as_str(), "gradnorm" | "cgd") {
         bail!("task_loss_weight = \"queries\" scales the task gradients, which {} weighs itself; use \"equal\" with it", spec.optim);
     }
+    if t.loss == LossKind::LmSupervised && spec.examples.is_none() {
+        bail!("loss = \"lm_supervised\" trains on a language model's scores of each query's passages, which task files do not hold; `host aar-train` with aar.mode = \"replug\" gives them");
+    }
     let out = &spec.output_dir;
     let episodes = t.ance_episodes;
     std::fs::create_dir_all(out).with_context(|| format!("{}: cannot create", out.display()))?;
@@ -179,6 +182,12 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         in_batch_negatives: t.in_batch_negatives,
         task_loss_weight: t.task_loss_weight,
         loss: t.loss,
+        // REFERENCE §6's common choice where the recipe gives none; the trainer refuses one
+        // given with another loss.
+        lm_temperature: match (t.loss, t.lm_temperature) {
+            (LossKind::LmSupervised, None) => Some(0.1),
+            (_, given) => given,
+        },
     };
     let names: Vec<String> = tasks.iter().map(|t| format!("{} ({} queries)", t.name, t.examples.len())).collect();
     let episodes_text = if episodes > 0 { format!(", then {episodes} ANCE episodes of {episode_steps} steps") } else { String::new() };
@@ -204,7 +213,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
             ance_negatives(spec, &layout, episode, &model, &corpus_sha256, &mut tasks, plugins, progress)?;
         }
         let wanted: HashSet<&str> =
-            tasks.iter().flat_map(|t| &t.examples).flat_map(|e| e.positives.iter().chain(&e.negatives)).map(String::as_str).collect();
+            tasks.iter().flat_map(|t| &t.examples).flat_map(|e| e.positives.iter().chain(&e.negatives).chain(e.lm_scores.iter().map(|(id, _)| id))).map(String::as_str).collect();
         let texts = passage_texts(&recipe.data.corpus, &wanted)?;
         let checkpoint = match &spec.resume {
             Resume::No => None,

@@ -10,7 +10,7 @@
 //! uninterrupted one would without saving generator state.
 
 use crate::data::TaskData;
-use crate::loss::{copies_of_positives, multi_positive_loss, nce_loss, nce_loss_against, Exchange, Local};
+use crate::loss::{copies_of_positives, lm_supervised_loss, multi_positive_loss, nce_loss, nce_loss_against, Exchange, Local};
 use crate::rng::Rng;
 use crate::sampler::{SubBatch, TacoSampler, TacoSamplerState, TaskPerBatchSampler, TaskPerBatchState};
 use crate::schedule::linear_warmup_decay;
@@ -74,6 +74,11 @@ pub enum LossKind {
     /// AAR's (REFERENCE §6): every positive of a query in the batch, each scored against every
     /// passage that is not one of the query's positives.
     MultiPositive,
+    /// REPLUG's LM-supervised retrieval (REFERENCE §6, its end): each query's distribution over
+    /// the passages a language model scored (softmax of `score_scale · <q, p>`, so REPLUG's γ is
+    /// `1 / score_scale`) trained toward the LM's (softmax of its scores / `lm_temperature`) by
+    /// KL. No in-batch or hard negatives: only the query's own scored passages.
+    LmSupervised,
 }
 
 /// Everything the loop needs to know (after the command resolved flags over the config).
@@ -111,6 +116,10 @@ pub struct TrainerConfig {
     pub task_loss_weight: TaskLossWeight,
     #[serde(default)]
     pub loss: LossKind,
+    /// REPLUG's β for the `lm_supervised` loss (absent for every other loss, so that runs made
+    /// before it existed still resume).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lm_temperature: Option<f64>,
 }
 
 fn one() -> f64 {
@@ -184,11 +193,21 @@ pub struct TrainerState {
 pub struct TaskGroup {
     pub task: String,
     pub queries: Vec<String>,
-    /// With the NCE loss, `queries.len() × (1 + hard_negatives)` passages, each query's
-    /// positive first; with the multi-positive loss, each query's positives then its negatives.
+    /// Each query's passages in turn, as [`Targets`] lays them out.
     pub passages: Vec<String>,
-    /// The multi-positive loss's rows of each query's positives in `passages`.
-    pub positive_rows: Option<Vec<Vec<i64>>>,
+    pub targets: Targets,
+}
+
+/// What a group's passages are to its queries, by loss.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Targets {
+    /// NCE: `queries.len() × (1 + hard_negatives)` passages, each query's positive first.
+    OnePositive,
+    /// The multi-positive loss: each query's positives then its negatives; these are the rows
+    /// of each query's positives in `passages`.
+    Positives(Vec<Vec<i64>>),
+    /// The LM-supervised loss: each query's scored passages; these are their scores, in order.
+    LmScores(Vec<Vec<f64>>),
 }
 
 /// What [`Trainer::train_step`] did.
@@ -233,6 +252,27 @@ impl<'a> Trainer<'a> {
     ) -> Result<Self> {
         if config.batch_size == 0 || config.max_steps == 0 {
             bail!("the batch size and the number of steps must be positive");
+        }
+        if config.loss == LossKind::LmSupervised {
+            if config.hard_negatives > 0 {
+                bail!("loss = \"lm_supervised\" trains on each query's LM-scored passages only: set hard_negatives = 0");
+            }
+            match config.lm_temperature {
+                Some(b) if b > 0.0 && b.is_finite() => {}
+                other => bail!("loss = \"lm_supervised\" needs a positive lm_temperature (REPLUG's β), not {other:?}"),
+            }
+            for t in &tasks {
+                for e in &t.examples {
+                    if e.lm_scores.is_empty() {
+                        bail!("task {:?}: query {:?} has no LM-scored passages, which loss = \"lm_supervised\" trains on", t.name, e.query_id);
+                    }
+                    if let Some((id, s)) = e.lm_scores.iter().find(|(_, s)| !s.is_finite()) {
+                        bail!("task {:?}: query {:?}: passage {id:?} has a non-finite LM score ({s})", t.name, e.query_id);
+                    }
+                }
+            }
+        } else if config.lm_temperature.is_some() {
+            bail!("lm_temperature is the lm_supervised loss's setting; this run's loss is {}", serde_json::to_string(&config.loss)?);
         }
         for t in &tasks {
             if config.hard_negatives > 0 {
@@ -302,10 +342,18 @@ impl<'a> Trainer<'a> {
         let mut queries = Vec::with_capacity(sub.examples.len());
         let mut passages = Vec::with_capacity(sub.examples.len() * (1 + h));
         let mut positive_rows = Vec::new();
+        let mut lm_scores = Vec::new();
         for (row, &i) in sub.examples.iter().enumerate() {
             let ex = &task.examples[i];
-            let mut rng = Rng::derive(self.config.seed, &[3, self.state.step, sub.task as u64, row as u64]);
             queries.push(ex.query.clone());
+            if self.config.loss == LossKind::LmSupervised {
+                for (id, _) in &ex.lm_scores {
+                    passages.push(self.texts.get(id).with_context(|| format!("passage {id:?} has no text loaded"))?.clone());
+                }
+                lm_scores.push(ex.lm_scores.iter().map(|(_, s)| *s).collect());
+                continue;
+            }
+            let mut rng = Rng::derive(self.config.seed, &[3, self.state.step, sub.task as u64, row as u64]);
             // Drawn whatever the loss, so the negatives drawn next do not depend on it.
             let pick = rng.below(ex.positives.len() as u64) as usize;
             let mut group = if multi {
@@ -327,7 +375,12 @@ impl<'a> Trainer<'a> {
                 passages.push(text.clone());
             }
         }
-        Ok(TaskGroup { task: task.name.clone(), queries, passages, positive_rows: multi.then_some(positive_rows) })
+        let targets = match self.config.loss {
+            LossKind::Nce => Targets::OnePositive,
+            LossKind::MultiPositive => Targets::Positives(positive_rows),
+            LossKind::LmSupervised => Targets::LmScores(lm_scores),
+        };
+        Ok(TaskGroup { task: task.name.clone(), queries, passages, targets })
     }
 
     /// A group's query and passage embeddings, with autograd, in float32 for the loss (under
@@ -347,16 +400,22 @@ impl<'a> Trainer<'a> {
     /// order), which tell copies of a query's positives apart from its negatives.
     fn task_loss(&self, g: &TaskGroup, q: &Tensor, own: &Tensor, step: Option<(&Tensor, i64)>, step_texts: &[&str]) -> Result<Tensor> {
         let (n, scale) = (1 + self.config.hard_negatives, self.config.score_scale);
-        match (&g.positive_rows, step) {
-            (None, None) => nce_loss(q, own, n, scale, self.exchange.as_ref()),
-            (None, Some((all, first))) => nce_loss_against(q, all, first, n, scale),
-            (Some(rows), None) => {
+        match (&g.targets, step) {
+            (Targets::OnePositive, None) => nce_loss(q, own, n, scale, self.exchange.as_ref()),
+            (Targets::OnePositive, Some((all, first))) => nce_loss_against(q, all, first, n, scale),
+            (Targets::Positives(rows), None) => {
                 let texts: Vec<&str> = g.passages.iter().map(String::as_str).collect();
                 multi_positive_loss(q, own, rows, &copies_of_positives(&texts, rows), scale, self.exchange.as_ref())
             }
-            (Some(rows), Some((all, first))) => {
+            (Targets::Positives(rows), Some((all, first))) => {
                 let rows: Vec<Vec<i64>> = rows.iter().map(|r| r.iter().map(|x| x + first).collect()).collect();
                 multi_positive_loss(q, all, &rows, &copies_of_positives(step_texts, &rows), scale, &Local)
+            }
+            // Each query against its own scored passages only, so neither the step's passages
+            // nor other processes' enter.
+            (Targets::LmScores(scores), _) => {
+                let beta = self.config.lm_temperature.context("the lm_supervised loss without an lm_temperature")?;
+                lm_supervised_loss(q, own, scores, scale, beta)
             }
         }
     }

@@ -150,7 +150,9 @@ fn default_split() -> String {
 #[derive(Debug, Clone, Deserialize, serde::Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct AarSection {
-    /// `aar` (the top K LM-preferred passages become positives); `replug` is refused for now.
+    /// `aar` (the top K LM-preferred passages become positives) or `replug` (REPLUG's
+    /// LM-supervised retrieval: the retriever's distribution over each query's scored passages
+    /// trained toward the LM's by KL, the trainer's `lm_supervised` loss).
     pub mode: String,
     pub n: usize,
     pub k: usize,
@@ -159,6 +161,13 @@ pub struct AarSection {
     pub negatives_sampled: usize,
     pub negatives_per_query: usize,
     pub passage_chars: usize,
+}
+
+impl AarSection {
+    /// REPLUG's LM-supervised mode rather than AAR's positives.
+    pub fn replug(&self) -> bool {
+        self.mode == "replug"
+    }
 }
 
 impl Default for AarSection {
@@ -243,7 +252,7 @@ pub fn schema() -> Value {
             "data.task": {"type": "string", "required": true, "help": "the source task"},
             "data.split": {"type": "string", "default": "train"},
             "data.max_queries": {"type": "int", "default": null, "help": "a fixed, evenly spaced subset of the queries with gold (--max-queries)"},
-            "aar.mode": {"type": "string", "default": d.mode, "help": "aar (top K LM-preferred passages become positives); replug (LM-supervised KL) is not implemented yet"},
+            "aar.mode": {"type": "string", "default": d.mode, "help": "aar (the top K LM-preferred passages become positives; multi-positive loss) or replug (REPLUG's LM-supervised retrieval: KL from the retriever's distribution over each query's scored passages, softmax(score_scale · <q, p>), to the LM's, softmax(log-likelihood / train.lm_temperature), β default 0.1; black-box sources only; K then only feeds the analysis)"},
             "aar.n": {"type": "int", "default": d.n, "help": "passages scored per query (the starting retriever's top N)"},
             "aar.k": {"type": "int", "default": d.k, "help": "LM-preferred passages added as positives (the top K that are not gold); 0: gold only (the human-label baseline, no source asked)"},
             "aar.exactly_three": {"type": "bool", "default": d.exactly_three, "help": "keep only queries that end with exactly 3 positives (the authors' filter)"},
@@ -251,14 +260,14 @@ pub fn schema() -> Value {
             "aar.negatives_sampled": {"type": "int", "default": d.negatives_sampled, "help": "negatives kept per query, drawn with a seed derived from (seed, \"aar-negatives\")"},
             "aar.negatives_per_query": {"type": "int", "default": d.negatives_per_query, "help": "negatives per query in each training step (the trainer's hard_negatives)"},
             "aar.passage_chars": {"type": "int", "default": d.passage_chars, "help": "characters of each passage the source reads"},
-            "train": {"type": "object", "help": "a host train recipe's [train] section (learning_rate, per_device_train_batch_size, max_steps, optim, ...); loss is multi_positive, hard_negatives is aar.negatives_per_query"},
+            "train": {"type": "object", "help": "a host train recipe's [train] section (learning_rate, per_device_train_batch_size, max_steps, optim, ...); mode aar: loss multi_positive, hard_negatives aar.negatives_per_query; mode replug: loss lm_supervised, hard_negatives 0, lm_temperature β"},
             "model": {"type": "object", "help": "the retriever's [model] section as host train reads it: encoder, path, settings (max_length, ...)"},
         },
         "stages": [
             {"name": "retrieve", "does": "the starting retriever's top max(N, negatives_depth) per query (encode_corpus, a flat index, search)", "files": "stages/retrieve/retrieved.jsonl"},
             {"name": "score", "does": "the source LM scores the top N: white-box passage_preferences, black-box continuation_logprob of the answer; failures recorded and skipped", "files": "stages/score/scores.jsonl (per query, resumed by query id)"},
-            {"name": "select", "does": "positives = gold ∪ top K LM-preferred; negatives sampled from the top negatives_depth minus positives; analysis.json", "files": "stages/select/examples.json"},
-            {"name": "train", "does": "the host's train service on those examples with loss multi_positive (resumes from its checkpoints)", "files": "stages/train/"},
+            {"name": "select", "does": "aar: positives = gold ∪ top K LM-preferred, negatives sampled from the top negatives_depth minus positives; replug: each query's scored passages with their scores; analysis.json", "files": "stages/select/examples.json"},
+            {"name": "train", "does": "the host's train service on those examples with loss multi_positive (aar) or lm_supervised (replug); resumes from its checkpoints", "files": "stages/train/"},
             {"name": "final", "does": "the trained model written into the output folder", "files": "OUT/config.json, OUT/model.safetensors, ..."},
         ],
     })
@@ -277,14 +286,15 @@ impl Config {
         let aar = r.aar;
         match aar.mode.as_str() {
             "aar" => {}
-            // TODO(REPLUG): the LM-supervised mode (REFERENCE §6, its end) trains the retriever's
-            // distribution over the N passages toward the LM's by KL; it needs a loss the trainer
-            // does not have yet.
-            "replug" => bail!(
-                "{}: aar.mode = \"replug\" (REPLUG's LM-supervised retrieval, a KL loss between the retriever's and the LM's distributions over the N passages) is not implemented yet; use mode = \"aar\"",
-                path.display()
-            ),
-            other => bail!("{}: aar.mode {other:?}: expected \"aar\"", path.display()),
+            "replug" => {
+                if aar.k == 0 {
+                    bail!("{}: aar.k = 0 is the human-label baseline, which asks no source; aar.mode = \"replug\" trains on the source's scores (K then only sets the analysis's LM-preferred top K)", path.display());
+                }
+                if aar.exactly_three {
+                    bail!("{}: aar.exactly_three filters AAR's merged positives; aar.mode = \"replug\" has none", path.display());
+                }
+            }
+            other => bail!("{}: aar.mode {other:?}: expected \"aar\" or \"replug\"", path.display()),
         }
         if aar.n == 0 {
             bail!("{}: aar.n must be at least 1", path.display());
@@ -317,6 +327,11 @@ impl Config {
             (None, None) => bail!("no source: give --source DIR (white-box) or --source openai (black-box), or source.kind in {}", path.display()),
         };
         let mut source_settings = s.settings;
+        if kind == "white-box" && aar.replug() {
+            // REPLUG's Q is a softmax of log-likelihoods; a reader's cross-attention preferences
+            // are averaged attention weights, not log-likelihoods.
+            bail!("{}: aar.mode = \"replug\" needs a black-box source (the log-likelihood of the answer); a white-box source's scores are cross-attention preferences", path.display());
+        }
         let source = if kind == "white-box" {
             let model = match given {
                 Some(v) => PathBuf::from(v),
@@ -395,10 +410,15 @@ impl Config {
             (None, None) => 42,
         };
         train.insert("seed".into(), json!(seed));
-        for (key, want, instead) in [
-            ("loss", json!("multi_positive"), "AAR's loss is always multi_positive"),
-            ("hard_negatives", json!(aar.negatives_per_query), "set aar.negatives_per_query"),
-        ] {
+        let settled = if aar.replug() {
+            [("loss", json!("lm_supervised"), "aar.mode = \"replug\" trains with the lm_supervised loss"), ("hard_negatives", json!(0), "aar.mode = \"replug\" trains on each query's scored passages only")]
+        } else {
+            [("loss", json!("multi_positive"), "AAR's loss is always multi_positive"), ("hard_negatives", json!(aar.negatives_per_query), "set aar.negatives_per_query")]
+        };
+        if !aar.replug() && train.contains_key("lm_temperature") {
+            bail!("{}: train.lm_temperature is REPLUG's β, for aar.mode = \"replug\"", path.display());
+        }
+        for (key, want, instead) in settled {
             match train.get(key) {
                 Some(v) if *v != want => bail!("{}: train.{key} = {v}: {instead}", path.display()),
                 _ => {
@@ -531,13 +551,24 @@ mod tests {
         assert_eq!(c.source_settings["base_url"], "http://x:1");
         assert_eq!(c.max_queries, Some(5));
         assert!(matches!(c.source, Source::BlackBox { ref connector, .. } if connector == "openai"));
+        // REPLUG's mode: its loss, no hard negatives, β left to the recipe (the trainer's 0.1).
+        let f = flags(&["--source", "openai", "--encoder", "dpr", "--model", "m", "--output-dir", "o"]);
+        let c = Config::from_recipe(recipe("[aar]\nmode = \"replug\"\n[train]\nlm_temperature = 0.5\n"), f, Path::new("r.toml")).unwrap();
+        assert_eq!((c.train["loss"].as_str(), c.train["hard_negatives"].as_u64()), (Some("lm_supervised"), Some(0)));
+        assert_eq!(c.train["lm_temperature"], 0.5);
     }
 
     #[test]
-    fn replug_and_contradictions_are_refused() {
+    fn contradictions_are_refused() {
         let f = || flags(&["--source", "openai", "--encoder", "dpr", "--model", "m", "--output-dir", "o"]);
-        let e = Config::from_recipe(recipe("[aar]\nmode = \"replug\"\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
-        assert!(e.contains("not implemented"), "{e}");
+        let e = Config::from_recipe(recipe("[aar]\nmode = \"replug\"\nk = 0\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
+        assert!(e.contains("asks no source"), "{e}");
+        let e = Config::from_recipe(recipe("[aar]\nmode = \"rplug\"\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
+        assert!(e.contains("\"replug\""), "{e}");
+        let e = Config::from_recipe(recipe("[train]\nlm_temperature = 0.5\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
+        assert!(e.contains("REPLUG"), "{e}");
+        let e = Config::from_recipe(recipe("[aar]\nmode = \"replug\"\n[train]\nloss = \"multi_positive\"\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
+        assert!(e.contains("lm_supervised"), "{e}");
         let e = Config::from_recipe(recipe("[train]\nloss = \"nce\"\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
         assert!(e.contains("multi_positive"), "{e}");
         let e = Config::from_recipe(recipe("[aar]\nk = 11\n"), f(), Path::new("r.toml")).unwrap_err().to_string();

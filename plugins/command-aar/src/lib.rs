@@ -26,8 +26,12 @@
 //!    (seed, "aar-negatives"); `OUT/analysis.json` (LM-preferred vs human positives). With
 //!    K > 0, queries the source scored nothing of (every item failed, or no answer) are
 //!    dropped, never trained on gold only, and counted (`queries_without_scores`).
-//! 4. `train`: the host's `train` service on those examples, `loss = "multi_positive"`, in
-//!    `OUT/stages/train` (resumed from its checkpoints).
+//!    With `aar.mode = "replug"` (REPLUG's LM-supervised retrieval, REFERENCE §6's end) each
+//!    example carries its scored passages and their log-likelihoods instead (queries with fewer
+//!    than two scored are dropped and counted the same way); the analysis is the same.
+//! 4. `train`: the host's `train` service on those examples, `loss = "multi_positive"` (or
+//!    `"lm_supervised"`, the KL of REPLUG, in its mode), in `OUT/stages/train` (resumed from
+//!    its checkpoints).
 //! 5. `final`: the trained model saved into `OUT` itself, which `host search --model OUT` and
 //!    `host augment --encoder-model OUT` use directly.
 //!
@@ -39,11 +43,9 @@
 //! `analysis.json`, so the select stage writes one there too, and rewriting the summary or the
 //! lock on a rerun never changes the model's identity (embeddings made from it stay valid).
 //!
-//! TODO(REPLUG): the LM-supervised mode of REPLUG (REFERENCE §6, its end), the retriever's
-//! distribution over the N passages (softmax of scores / γ) trained toward the LM's (softmax
-//! of the answer's log-likelihoods / β) by KL, from the same `score` stage. It needs a KL loss
-//! in the trainer (a `train.loss` that takes per-passage targets), which it does not have yet;
-//! `aar.mode = "replug"` is refused with an error until then.
+//! REPLUG's mode differs from its paper in one way: the paper keeps the passage encoder frozen
+//! and refreshes the index's embeddings now and then; here the trainer encodes each query's
+//! passages afresh every step with the shared encoder, which also learns (as AAR's mode does).
 
 mod config;
 mod data;
@@ -142,10 +144,15 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
     };
     let a = &cfg.aar;
     let select_key = |score_key: &Value| {
-        json!({
+        let mut key = json!({
             "retrieve": retrieve_key, "score": score_key, "k": a.k, "exactly_three": a.exactly_three, "negatives_depth": a.negatives_depth,
             "negatives_sampled": a.negatives_sampled, "negatives_per_query": a.negatives_per_query, "seed": cfg.seed,
-        })
+        });
+        // Only in REPLUG's mode, so AAR runs made before it existed keep their key.
+        if a.replug() {
+            key["mode"] = json!("replug");
+        }
+        key
     };
 
     let (queries, retrieve_report, retrieve_how) = retrieve::run(cfg, host, &stages, &retrieve_key)?;
@@ -260,8 +267,10 @@ fn select_stage(
             None => vec![None; top.len()],
         };
         // A query the source scored nothing of (every item failed, or no answer to score) would
-        // be a gold-only example among LM-supervised ones: dropped, and counted.
-        if a.k > 0 && s.iter().all(Option::is_none) {
+        // be a gold-only example among LM-supervised ones: dropped, and counted. REPLUG's KL
+        // over fewer than two passages is 0 whatever the retriever does: dropped too.
+        let scored: Vec<(String, f64)> = top.iter().zip(&s).filter_map(|(p, s)| s.filter(|v| v.is_finite()).map(|v| (p.clone(), v))).collect();
+        if (a.k > 0 && scored.is_empty()) || (a.replug() && scored.len() < 2) {
             without_scores += 1;
             bar.inc(1)?;
             continue;
@@ -285,6 +294,15 @@ fn select_stage(
             not_three += 1;
             continue;
         }
+        if a.replug() {
+            // The retriever learns the LM's distribution over these; positives stay the gold
+            // (the trainer wants one per example; this loss does not read them).
+            examples.push(json!({
+                "query_id": q.id, "query": q.query, "answers": q.answers, "positives": q.gold, "negatives": [],
+                "lm_scores": scored, "gold": q.gold, "lm_preferred": sel.lm_top,
+            }));
+            continue;
+        }
         let mut rng = select::Rng::derive(negatives_seed, &[&q.id]);
         let negatives = select::select_negatives(&q.hits, &sel.positives, a.negatives_depth, a.negatives_sampled, &mut rng);
         if a.negatives_per_query > 0 && negatives.is_empty() {
@@ -302,7 +320,8 @@ fn select_stage(
         host.log(&format!("aar-train: exactly_three: dropped {not_three} queries that do not end with exactly 3 positives"))?;
     }
     if without_scores > 0 {
-        host.log(&format!("aar-train: dropped {without_scores} queries the source scored nothing of (every item failed, or no answer); --retry-failed asks the failed items again"))?;
+        let what = if a.replug() { "fewer than two passages of (REPLUG's KL needs two)" } else { "nothing of" };
+        host.log(&format!("aar-train: dropped {without_scores} queries the source scored {what} (items failed, or no answer); --retry-failed asks the failed items again"))?;
     }
     if no_negatives > 0 {
         host.log(&format!("aar-train: dropped {no_negatives} queries without a negative (every retrieved passage is a positive)"))?;
@@ -362,7 +381,13 @@ fn train_stage(cfg: &Config, host: &Host, stages: &Stages, key: &Value, examples
         .as_array()
         .context("examples")?
         .iter()
-        .map(|e| json!({"query_id": e["query_id"], "query": e["query"], "positives": e["positives"], "negatives": e["negatives"], "answers": e["answers"]}))
+        .map(|e| {
+            let mut given = json!({"query_id": e["query_id"], "query": e["query"], "positives": e["positives"], "negatives": e["negatives"], "answers": e["answers"]});
+            if e.get("lm_scores").is_some() {
+                given["lm_scores"] = e["lm_scores"].clone();
+            }
+            given
+        })
         .collect();
     let earlier = has_checkpoint(&folder);
     let mut request = json!({
