@@ -16,6 +16,10 @@ temperature 0 and logprobs 20, which is what `host augment --task mc` sends.
 Servers: `canned` (default), a small asyncio server in its own process that answers every
 POST at once with a fixed llama.cpp-shaped reply, so client costs dominate; `llama`, a real
 llama-server (scripts/llama-server.sh), where the model dominates (use fewer --requests).
+Against llama-server every client and concurrency gets its own questions (mc/dev.jsonl dealt
+out in turn, so each share has the same mix), so that no client finds its prompts in the
+server's prompt cache because another sent them first; only the prompts' common opening is
+shared.
 
     .venv/bin/python bench/connector.py [--server canned|llama] [--requests 600] [--out FILE]
 
@@ -83,28 +87,36 @@ def free_port():
     return port
 
 
-def prompts(n):
-    out = []
-    with open(MC) as f:
-        for line in f:
-            item = json.loads(line)
-            choices = "\n".join(f"- {chr(65 + i)}: {c}" for i, c in enumerate(item["choices"]))
-            out.append(TEMPLATE.format(question=item["question"], n=len(item["choices"]), choices=choices))
-    return (out * (n // len(out) + 1))[:n]
+def prompt(item):
+    choices = "\n".join(f"- {chr(65 + i)}: {c}" for i, c in enumerate(item["choices"]))
+    return TEMPLATE.format(question=item["question"], n=len(item["choices"]), choices=choices)
 
 
-def ours(host, url, n, conc, tmp):
+def shares(n, count, distinct):
+    """`count` lists of `n` mc questions: the same list repeated (canned server), or with
+    `distinct`, disjoint lists dealt out from mc/dev.jsonl in turn (a real server's prompt
+    cache would otherwise serve one client what another asked first)."""
+    items = [json.loads(l) for l in open(MC)]
+    if not distinct:
+        same = (items * (n // len(items) + 1))[:n]
+        return [same] * count
+    if n * count > len(items):
+        sys.exit(f"--requests {n}: {count} disjoint shares need {n * count} questions, mc/dev.jsonl has {len(items)}")
+    return [items[k::count][:n] for k in range(count)]
+
+
+def ours(host, url, items, conc, tmp):
     cfg = Path(tmp) / "bench.toml"
     cfg.write_text(
         '[target]\nname = "openai"\n'
         f'settings = {{ base_url = "{url}", model = "m", endpoint = "completions", concurrency = {conc}, cache = false, timeout_s = 600 }}\n'
     )
-    # mc/dev.jsonl repeated to n questions with fresh ids.
-    items = [json.loads(l) for l in open(MC)]
+    # The questions with fresh ids (the canned server's list repeats them).
+    n = len(items)
     inp = Path(tmp) / "mc.jsonl"
     with open(inp, "w") as f:
-        for i in range(n):
-            it = dict(items[i % len(items)])
+        for i, item in enumerate(items):
+            it = dict(item)
             it["_id"] = f"q{i}"
             f.write(json.dumps(it) + "\n")
     out = Path(tmp) / f"ours-{conc}.jsonl"
@@ -162,17 +174,20 @@ def main():
         url = f"http://127.0.0.1:{port}"
     else:
         url = subprocess.run([str(ROOT / "scripts/llama-server.sh"), "start"], capture_output=True, text=True, check=True).stdout.strip()
-    ps = prompts(a.requests)
+    concs = [int(c) for c in a.concurrency.split(",")]
+    # Shares: warm-up, the bare client, then ours and Python's for each concurrency.
+    share = iter(shares(a.requests, 2 + 2 * len(concs), distinct=a.server == "llama"))
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
             # Warm both up (connections, page cache of the binary and plugins).
-            ours(a.host, url, min(20, a.requests), 1, tmp)
-            asyncio.run(python_client(url, ps[:20], 1))
-            raw = raw_client(url, ps)
-            for conc in [int(c) for c in a.concurrency.split(",")]:
-                t_ours = ours(a.host, url, a.requests, conc, tmp)
-                t_py = asyncio.run(python_client(url, ps, conc))
+            warm = next(share)[:20]
+            ours(a.host, url, warm, 1, tmp)
+            asyncio.run(python_client(url, [prompt(i) for i in warm], 1))
+            raw = raw_client(url, [prompt(i) for i in next(share)])
+            for conc in concs:
+                t_ours = ours(a.host, url, next(share), conc, tmp)
+                t_py = asyncio.run(python_client(url, [prompt(i) for i in next(share)], conc))
                 row = {"concurrency": conc, "requests": a.requests,
                        "ours_req_per_s": a.requests / t_ours, "python_req_per_s": a.requests / t_py,
                        "ours_ms_per_req": 1000 * t_ours / a.requests, "python_ms_per_req": 1000 * t_py / a.requests}

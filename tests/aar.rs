@@ -270,6 +270,29 @@ fn a_run_killed_in_scoring_and_training_resumes_to_the_same_model() {
     same_weights(&killed, &killed.join("stages/train"));
 }
 
+/// A death as a SIGKILL's at the end of each stage too quick to kill from outside (retrieve
+/// and select: the output written, the done marker not, through `RAK_AAR_DIE_BEFORE_DONE`),
+/// then a rerun: it resumes that stage from what is on disk and ends with the uninterrupted
+/// run's examples and weights.
+#[test]
+fn a_run_that_dies_as_retrieve_or_select_ends_resumes_to_the_same_model() {
+    let dir = TempDir::new("aar-die");
+    let recipe = setup(dir.path(), 60, 6, "batch_size = 3", "n = 4\nk = 1\nnegatives_depth = 20\nnegatives_sampled = 4\nnegatives_per_query = 2", TRAIN);
+    let whole = dir.path().join("whole");
+    summary(&aar_cmd(&recipe, &whole, p(&t5_fixture()), &[]).output().unwrap());
+    for stage in ["retrieve", "select"] {
+        let out = dir.path().join(format!("died-{stage}"));
+        let o = aar_cmd(&recipe, &out, p(&t5_fixture()), &[]).env("RAK_AAR_DIE_BEFORE_DONE", stage).output().unwrap();
+        assert!(o.status.code().is_none(), "{stage}: the run did not die: {:?}\n{}", o.status, stderr(&o));
+        let marks = |m: &str| out.join(format!("stages/{stage}.{m}.json")).exists();
+        assert!(marks("key") && !marks("done"), "{stage}: begun, not done");
+        let r = summary(&aar_cmd(&recipe, &out, p(&t5_fixture()), &[]).output().unwrap());
+        assert_eq!(r["stages"][stage], "resumed", "{r}");
+        assert_eq!(std::fs::read(whole.join("stages/select/examples.json")).unwrap(), std::fs::read(out.join("stages/select/examples.json")).unwrap());
+        same_weights(&whole, &out);
+    }
+}
+
 /// The fake server's settings for a recipe: its model named (it lists none), tokens forced
 /// one by one as on llama.cpp, the cache in the test's folder, no retries.
 fn fake_source(cache: &Path, extra: &str) -> String {
@@ -293,6 +316,7 @@ fn black_box_scores_through_the_connector_and_resumes_a_killed_scoring() {
     let whole = dir.path().join("whole");
     let s = summary(&aar_cmd(&recipe, &whole, "openai", &["--base-url", &server.url]).output().unwrap());
     assert_eq!((s["scored"].as_u64(), s["failed"].as_u64(), s["source"]["kind"].as_str()), (Some(32), Some(0), Some("black-box")), "{s}");
+    assert!(s["scoring"]["passages"] == 32 && s["scoring"]["passages_per_second"].as_f64().is_some_and(|r| r > 0.0), "{s}");
     let records = jsonl(&whole.join("stages/score/scores.jsonl"));
     let retrieved = jsonl(&whole.join("stages/retrieve/retrieved.jsonl"));
     let corpus = rak_retrieval::data::beir::load_corpus(&dir.path().join("corpus.jsonl")).unwrap();
@@ -543,7 +567,7 @@ fn bad_inputs_are_counted_and_failures_skipped() {
     assert_eq!((again["stages"]["score"].as_str(), again["stages"]["train"].as_str(), again["stages"]["final"].as_str()), (Some("done earlier"), Some("resumed"), Some("ran")), "{again}");
 
     // Settings that cannot work are errors before any work.
-    for (aar, needle) in [("mode = \"replug\"", "not implemented yet"), ("n = 2\nk = 3", "aar.k = 3 is more than aar.n = 2")] {
+    for (aar, needle) in [("mode = \"replug\"\nk = 0", "asks no source"), ("n = 2\nk = 3", "aar.k = 3 is more than aar.n = 2")] {
         let recipe = write_recipe(dir.path(), &fake_source(&cache, ""), aar, TRAIN);
         let o = aar_cmd(&recipe, &dir.path().join("never"), "openai", &[]).output().unwrap();
         assert_eq!(o.status.code(), Some(1));

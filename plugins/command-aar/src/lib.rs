@@ -35,7 +35,8 @@
 //! 5. `final`: the trained model saved into `OUT` itself, which `host search --model OUT` and
 //!    `host augment --encoder-model OUT` use directly.
 //!
-//! The summary (queries, scored, failed, queries without scores, positives added, overlap) is
+//! The summary (queries, scored, failed, queries without scores, positives added, overlap, the
+//! scoring session's passages per second) is
 //! printed on stdout as JSON and kept in `OUT/stages/summary.json`.
 //!
 //! `OUT` is also a model folder (`host encode --model OUT`), so everything else the run keeps
@@ -189,6 +190,8 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         "scored": score_report["scored"].as_u64().unwrap_or(0),
         "failed": score_report["failed"].as_u64().unwrap_or(0),
         "skipped_without_answer": score_report["skipped_without_answer"].as_u64().unwrap_or(0),
+        // The score stage's last session: passages recorded, seconds, passages per second.
+        "scoring": score_report["this_session"],
         "positives_added": select_report["positives_added"],
         "examples": select_report["examples"],
         "dropped_not_exactly_three": select_report["dropped_not_exactly_three"],

@@ -73,6 +73,9 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
     let n = cfg.aar.n;
     let wanted: HashSet<&str> = queries.iter().flat_map(|q| top_n(q, n)).map(String::as_str).collect();
     let passages = corpus_passages(&cfg.corpus, &wanted)?;
+    // This session's scoring: passages recorded and the time from the source's first request
+    // (after loading it) to the last record (docs/BENCHMARKS.md reads it).
+    let mut session = Session::default();
     match &cfg.source {
         Source::WhiteBox { reader, prompt, batch_size, .. } => {
             let mut reader = host.reader(reader, &serde_json::Value::Object(cfg.source_settings.clone()))?;
@@ -83,6 +86,7 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
                 host.log(&format!("aar-train: score: {} queries scored earlier, {todo} to go", queries.len() - todo))?;
             }
             let bar = host.progress("aar: score (white-box)", todo as u64)?;
+            let started = std::time::Instant::now();
             for chunk in queries.chunks(*batch_size) {
                 if chunk.iter().all(done) {
                     continue;
@@ -114,6 +118,8 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
                     records.push(json!({"query_id": q.id, "passages": ids, "scores": scores, "errors": vec![Value::Null; ids.len()], "skipped": null}));
                 }
                 log.append(&records)?;
+                session.passages += records.iter().map(|r| r["passages"].as_array().map_or(0, Vec::len)).sum::<usize>();
+                session.seconds = started.elapsed().as_secs_f64();
                 for r in records {
                     latest.insert(r["query_id"].as_str().unwrap_or_default().to_string(), r);
                 }
@@ -134,6 +140,7 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
             let fresh: Mutex<Vec<Value>> = Mutex::new(Vec::new());
             let next = AtomicUsize::new(0);
             let job = BlackBox { conn: &conn, prompt, continuation, n, passages: &passages, chars: cfg.aar.passage_chars };
+            let started = std::time::Instant::now();
             std::thread::scope(|s| -> Result<()> {
                 let handles: Vec<_> = (0..(*workers).min(pending.len().max(1)))
                     .map(|_| {
@@ -164,14 +171,17 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
                 }
                 Ok(())
             })?;
+            session.seconds = started.elapsed().as_secs_f64();
             for r in fresh.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                session.passages += r["passages"].as_array().map_or(0, Vec::len);
                 latest.insert(r["query_id"].as_str().unwrap_or_default().to_string(), r);
             }
         }
     }
     drop(log);
 
-    let report = report(queries, &latest, n)?;
+    let mut report = report(queries, &latest, n)?;
+    report["this_session"] = session.report();
     if report["scored"].as_u64() == Some(0) && report["failed"].as_u64().unwrap_or(0) > 0 {
         bail!(
             "every item the source was asked failed ({} items; first errors: {}); nothing is scored. Fix the source and rerun: the stage resumes and asks the failed items again",
@@ -187,6 +197,20 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
     stages.finish("score", &report)?;
     let scores = latest.iter().map(|(id, r)| Ok((id.clone(), parse(r)?))).collect::<Result<_>>()?;
     Ok((scores, report, how))
+}
+
+/// What one session of the stage scored, and how fast.
+#[derive(Default)]
+struct Session {
+    passages: usize,
+    seconds: f64,
+}
+
+impl Session {
+    fn report(&self) -> Value {
+        let rate = if self.seconds > 0.0 { json!(self.passages as f64 / self.seconds) } else { Value::Null };
+        json!({"passages": self.passages, "seconds": self.seconds, "passages_per_second": rate})
+    }
 }
 
 fn inc(bar: &HostProgress) -> Result<()> {

@@ -14,6 +14,10 @@ use std::path::{Path, PathBuf};
 /// The stages in order.
 pub const ORDER: [&str; 5] = ["retrieve", "score", "select", "train", "final"];
 
+/// Names a stage at whose end the process aborts before marking it done (the tests' kill
+/// for stages too quick to kill from outside).
+pub const DIE_BEFORE_DONE: &str = "RAK_AAR_DIE_BEFORE_DONE";
+
 /// How a stage starts.
 pub enum Start {
     /// Finished earlier with the same key: its report.
@@ -189,6 +193,11 @@ impl Stages {
 
     /// Mark stage `name` finished with its report.
     pub fn finish(&self, name: &str, report: &Value) -> Result<()> {
+        // Fault injection for the tests: die at once, as a SIGKILL would, with the stage's
+        // output written and its done marker not (a stage too quick to kill from outside).
+        if std::env::var_os(DIE_BEFORE_DONE).is_some_and(|v| v == name) {
+            std::process::abort();
+        }
         write_json(&self.done_path(name), report)
     }
 }
