@@ -119,9 +119,11 @@ def flan_t5_base_shape(work):
 def transformers_scores(model_dir, items, batch_size, threads):
     """The same preferences in transformers: the seconds and the scores per query."""
     import torch
-    from transformers import AutoTokenizer, T5ForConditionalGeneration
+    from transformers import PreTrainedTokenizerFast, T5ForConditionalGeneration
     torch.set_num_threads(threads)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    # The checkpoint's tokenizer.json itself, as ours reads it (AutoTokenizer would rebuild a
+    # T5Tokenizer from tokenizer_config.json, which maps a few characters differently).
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"), pad_token="<pad>", eos_token="</s>")
     model = T5ForConditionalGeneration.from_pretrained(model_dir, attn_implementation="eager").eval()
     captured = {}
 
@@ -135,7 +137,7 @@ def transformers_scores(model_dir, items, batch_size, threads):
         att.q.register_forward_hook(keep("q"))
         att.k.register_forward_hook(keep("k"))
     layers, heads, dkv = len(model.decoder.block), model.config.num_heads, model.config.d_kv
-    scores = []
+    scores, magnitude = [], []
     t = time.perf_counter()
     with torch.no_grad():
         for start in range(0, len(items), batch_size):
@@ -154,11 +156,14 @@ def transformers_scores(model_dir, items, batch_size, threads):
             for q, k in zip(captured["q"], captured["k"]):
                 q = q.view(b, 1, heads, dkv).transpose(1, 2)            # [b, h, 1, dkv]
                 k = k.view(b, n * length, heads, dkv).transpose(1, 2)   # [b, h, nL, dkv]
-                total += torch.matmul(q, k.transpose(2, 3))[:, :, 0, :].sum(1)
+                logits = torch.matmul(q, k.transpose(2, 3))[:, :, 0, :]
+                total += logits.sum(1)
+                # The size of one logit (random weights make them large), for the float32 noise.
+                magnitude.append(float((logits.abs() * cat_mask[:, None, :]).sum() / (cat_mask.sum() * heads)))
             total = (total * cat_mask).view(b, n, length).sum(2)
             real = mask.view(b, n, length).sum(2)
             scores.extend((total / (real * layers * heads)).tolist())
-    return time.perf_counter() - t, scores
+    return time.perf_counter() - t, scores, sum(magnitude) / len(magnitude)
 
 
 def part_fid(a, env):
@@ -177,14 +182,18 @@ def part_fid(a, env):
     # In the order ours asked (the retrieve stage's order), the same batches.
     order = [json.loads(l)["query_id"] for l in open(out / "stages/retrieve/retrieved.jsonl")]
     items = [(" " + retrieved[q]["query"], [corpus[p] for p in retrieved[q]["hits"][:N]]) for q in order]
-    secs, theirs = transformers_scores(model, items, a.batch_size, a.threads)
+    secs, theirs, logit_size = transformers_scores(model, items, a.batch_size, a.threads)
     mine = {r["query_id"]: r["scores"] for r in records}
-    diff = max(abs(x - y) for q, row in zip(order, theirs) for x, y in zip(mine[q], row))
+    diffs = sorted(abs(x - y) for q, row in zip(order, theirs) for x, y in zip(mine[q], row))
+    diff = diffs[-1]
+    top = lambda row: set(sorted(range(len(row)), key=lambda i: -row[i])[:2])  # noqa: E731
+    same_top2 = sum(top(mine[q]) == top(row) for q, row in zip(order, theirs)) / len(order)
     passages = sum(len(ps) for _, ps in items)
     row = {"part": "fid", "queries": len(items), "passages": passages, "batch_size": a.batch_size, "threads": a.threads,
            "ours_passages_per_s": ours["passages_per_second"], "ours_seconds": ours["seconds"],
            "transformers_passages_per_s": passages / secs, "transformers_seconds": secs,
-           "ratio": ours["passages_per_second"] / (passages / secs), "max_abs_score_diff": diff}
+           "ratio": ours["passages_per_second"] / (passages / secs), "max_abs_score_diff": diff,
+           "median_abs_score_diff": diffs[len(diffs) // 2], "mean_abs_logit": logit_size, "same_top2_share": same_top2}
     print(json.dumps(row), flush=True)
     return [row]
 
