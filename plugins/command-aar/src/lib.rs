@@ -44,9 +44,11 @@
 //! `analysis.json`, so the select stage writes one there too, and rewriting the summary or the
 //! lock on a rerun never changes the model's identity (embeddings made from it stay valid).
 //!
-//! REPLUG's mode differs from its paper in one way: the paper keeps the passage encoder frozen
-//! and refreshes the index's embeddings now and then; here the trainer encodes each query's
-//! passages afresh every step with the shared encoder, which also learns (as AAR's mode does).
+//! REPLUG's mode differs from its paper in two ways: the paper keeps the passage encoder frozen,
+//! refreshes the index's embeddings now and then and retrieves each query's passages again; here
+//! the passages are the starting retriever's top N, scored once (so the LM is asked once), and
+//! the trainer encodes them afresh every step with the shared encoder, which also learns (as in
+//! AAR's mode).
 
 mod config;
 mod data;
