@@ -231,6 +231,9 @@ def main():
     a = ap.parse_args()
     Path(a.work).mkdir(parents=True, exist_ok=True)
     threads = str(a.threads)
+    # This process's own pools too (transformers' tokenizer is Rust's rayon).
+    for var in ["OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"]:
+        os.environ[var] = threads
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "RAYON_NUM_THREADS": threads}
     rows = part_fid(a, env) if a.part == "fid" else part_blackbox(a, env)
     result = {"bench": "aar_scoring", "machine": describe(), "rows": rows}

@@ -16,10 +16,10 @@ temperature 0 and logprobs 20, which is what `host augment --task mc` sends.
 Servers: `canned` (default), a small asyncio server in its own process that answers every
 POST at once with a fixed llama.cpp-shaped reply, so client costs dominate; `llama`, a real
 llama-server (scripts/llama-server.sh), where the model dominates (use fewer --requests).
-Against llama-server every client and concurrency gets its own questions (mc/dev.jsonl dealt
-out in turn, so each share has the same mix), so that no client finds its prompts in the
-server's prompt cache because another sent them first; only the prompts' common opening is
-shared.
+Against llama-server both clients send the same questions, and the server runs with its
+prompt cache off (LLAMA_CACHE_RAM=0), so that the second client does not find the first one's
+prompts cached (a slot keeps only its last prompt, long gone by then; the template's opening is
+reused by both alike).
 
     .venv/bin/python bench/connector.py [--server canned|llama] [--requests 600] [--out FILE]
 
@@ -92,17 +92,10 @@ def prompt(item):
     return TEMPLATE.format(question=item["question"], n=len(item["choices"]), choices=choices)
 
 
-def shares(n, count, distinct):
-    """`count` lists of `n` mc questions: the same list repeated (canned server), or with
-    `distinct`, disjoint lists dealt out from mc/dev.jsonl in turn (a real server's prompt
-    cache would otherwise serve one client what another asked first)."""
+def questions(n):
+    """`n` mc questions: mc/dev.jsonl, repeated when `n` is larger."""
     items = [json.loads(l) for l in open(MC)]
-    if not distinct:
-        same = (items * (n // len(items) + 1))[:n]
-        return [same] * count
-    if n * count > len(items):
-        sys.exit(f"--requests {n}: {count} disjoint shares need {n * count} questions, mc/dev.jsonl has {len(items)}")
-    return [items[k::count][:n] for k in range(count)]
+    return (items * (n // len(items) + 1))[:n]
 
 
 def ours(host, url, items, conc, tmp):
@@ -173,21 +166,22 @@ def main():
         assert proc.stdout.readline().strip() == "ready"
         url = f"http://127.0.0.1:{port}"
     else:
-        url = subprocess.run([str(ROOT / "scripts/llama-server.sh"), "start"], capture_output=True, text=True, check=True).stdout.strip()
+        subprocess.run([str(ROOT / "scripts/llama-server.sh"), "stop"], check=False)  # a fresh one, cache off
+        url = subprocess.run([str(ROOT / "scripts/llama-server.sh"), "start"], capture_output=True, text=True, check=True,
+                             env={**os.environ, "LLAMA_CACHE_RAM": "0"}).stdout.strip()
     concs = [int(c) for c in a.concurrency.split(",")]
-    # Shares: warm-up, the bare client, then ours and Python's for each concurrency.
-    share = iter(shares(a.requests, 2 + 2 * len(concs), distinct=a.server == "llama"))
+    items = questions(a.requests)
+    ps = [prompt(i) for i in items]
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
             # Warm both up (connections, page cache of the binary and plugins).
-            warm = next(share)[:20]
-            ours(a.host, url, warm, 1, tmp)
-            asyncio.run(python_client(url, [prompt(i) for i in warm], 1))
-            raw = raw_client(url, [prompt(i) for i in next(share)])
+            ours(a.host, url, items[:20], 1, tmp)
+            asyncio.run(python_client(url, ps[:20], 1))
+            raw = raw_client(url, ps)
             for conc in concs:
-                t_ours = ours(a.host, url, next(share), conc, tmp)
-                t_py = asyncio.run(python_client(url, [prompt(i) for i in next(share)], conc))
+                t_ours = ours(a.host, url, items, conc, tmp)
+                t_py = asyncio.run(python_client(url, ps, conc))
                 row = {"concurrency": conc, "requests": a.requests,
                        "ours_req_per_s": a.requests / t_ours, "python_req_per_s": a.requests / t_py,
                        "ours_ms_per_req": 1000 * t_ours / a.requests, "python_ms_per_req": 1000 * t_py / a.requests}

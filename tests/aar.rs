@@ -377,25 +377,44 @@ fn black_box_scores_through_the_connector_and_resumes_a_killed_scoring() {
 #[test]
 fn replug_trains_the_retriever_toward_the_lm_s_distribution() {
     let dir = TempDir::new("aar-replug");
-    // Each forced token's log-probability from the length of the prompt it follows: passages
-    // of one query get different scores.
-    let server = FakeServer::start(Options { forced_logprob: Some(Box::new(|prompt: &str| -0.2 - 0.4 * (prompt.chars().count() % 5) as f64)), ..Options::default() });
     let source = fake_source(&dir.path().join("cache"), "");
     let train = "optim = \"adamw\"\nlearning_rate = 1e-4\nper_device_train_batch_size = 4\nmax_steps = 12\nsave_steps = 6\nlogging_steps = 1\nwarmup_ratio = 0.0\nscore_scale = 20.0\nlm_temperature = 0.5";
     let aar = "mode = \"replug\"\nn = 4\nk = 1\nnegatives_depth = 30\nnegatives_sampled = 6\nnegatives_per_query = 2\npassage_chars = 120";
-    let recipe = setup(dir.path(), 100, 8, &source, aar, train);
+    let recipe = setup(dir.path(), 100, 9, &source, aar, train);
+    // Each forced token's log-probability from the length of the prompt it follows: passages
+    // of one query get different scores. Every item of the second query fails, and about half
+    // of the fourth's.
+    let texts: Vec<String> = jsonl(&dir.path().join("tasks/squad/queries.train.jsonl")).iter().map(|q| q["text"].as_str().unwrap().to_string()).collect();
+    let (all_fail, some_fail) = (texts[1].clone(), texts[3].clone());
+    let server = FakeServer::start(Options {
+        forced_logprob: Some(Box::new(|prompt: &str| -0.2 - 0.4 * (prompt.chars().count() % 5) as f64)),
+        plan: Box::new(move |prompt, _| (prompt.contains(&all_fail) || (prompt.contains(&some_fail) && prompt.chars().count() % 2 == 0)).then_some(Fault::ServerError)),
+        ..Options::default()
+    });
     let out = dir.path().join("out");
     let s = summary(&aar_cmd(&recipe, &out, "openai", &["--base-url", &server.url]).output().unwrap());
-    assert_eq!((s["scored"].as_u64(), s["failed"].as_u64(), s["examples"].as_u64()), (Some(32), Some(0), Some(8)), "{s}");
+    assert_eq!(s["scored"].as_u64().unwrap() + s["failed"].as_u64().unwrap(), 36, "{s}");
 
     let records: std::collections::HashMap<String, Value> =
         jsonl(&out.join("stages/score/scores.jsonl")).into_iter().map(|r| (r["query_id"].as_str().unwrap().to_string(), r)).collect();
+    let scored_pairs = |r: &Value| -> Vec<Value> {
+        strings(&r["passages"]).into_iter().zip(r["scores"].as_array().unwrap()).filter(|(_, s)| !s.is_null()).map(|(p, s)| json!([p, s])).collect()
+    };
+    // Queries with no scored passage, with one (REPLUG's KL over one is 0), and the rest.
+    let count = |f: &dyn Fn(usize) -> bool| records.values().filter(|r| f(scored_pairs(r).len())).count() as u64;
+    let (none, one, rest) = (count(&|n| n == 0), count(&|n| n == 1), count(&|n| n >= 2));
+    assert!(none >= 1 && s["failed"].as_u64() > Some(4), "the failures did not land: {s}");
+    assert_eq!(
+        (s["queries_without_scores"].as_u64(), s["dropped_fewer_than_two_scored"].as_u64(), s["examples"].as_u64()),
+        (Some(none), Some(one), Some(rest)),
+        "{s}"
+    );
     let examples = read_json(&out.join("stages/select/examples.json"))["examples"].as_array().unwrap().clone();
     let mut distinct = HashSet::new();
     for e in &examples {
         let rec = &records[e["query_id"].as_str().unwrap()];
-        let want: Vec<Value> = strings(&rec["passages"]).into_iter().zip(rec["scores"].as_array().unwrap()).map(|(p, s)| json!([p, s])).collect();
-        assert_eq!(e["lm_scores"].as_array().unwrap(), &want, "the example's LM scores are its scored passages: {e}");
+        let want = scored_pairs(rec);
+        assert_eq!(e["lm_scores"].as_array().unwrap(), &want, "the example's LM scores are its scored passages, failed ones left out: {e}");
         assert_eq!((strings(&e["positives"]), e["negatives"].as_array().unwrap().len()), (strings(&e["gold"]), 0), "{e}");
         distinct.extend(want.iter().map(|w| w[1].to_string()));
     }
@@ -410,12 +429,35 @@ fn replug_trains_the_retriever_toward_the_lm_s_distribution() {
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     assert!(mean(&losses[8..]) < 0.8 * mean(&losses[..4]), "the KL did not fall: {losses:?}");
     let analysis = read_json(&out.join("analysis.json"));
-    assert_eq!(analysis["queries_with_lm_scores"], 8, "{analysis}");
-
+    assert_eq!(analysis["queries_with_lm_scores"].as_u64(), Some(9 - none), "{analysis}");
     // The mode wants log-likelihoods: a white-box source is refused before anything runs.
     let o = aar_cmd(&recipe, &dir.path().join("white"), p(&t5_fixture()), &[]).output().unwrap();
     assert!(!o.status.success() && stderr(&o).contains("black-box"), "{}", stderr(&o));
     assert!(!dir.path().join("white/stages").exists());
+
+    // A second source (other scores, AAR's mode) compared with the first: the share of its
+    // top K (1) that is the first's, over the 8 queries both scored on the same top N.
+    let other = FakeServer::start(Options { forced_logprob: Some(Box::new(|prompt: &str| -0.1 - 0.3 * (prompt.chars().count() % 3) as f64)), ..Options::default() });
+    let recipe2 = write_recipe(dir.path(), &fake_source(&dir.path().join("cache2"), ""), &aar.replace("mode = \"replug\"\n", ""), TRAIN);
+    let out2 = dir.path().join("second");
+    let s2 = summary(&aar_cmd(&recipe2, &out2, "openai", &["--base-url", &other.url, "--compare-with", p(&out)]).output().unwrap());
+    // Each source's best passage (a failed one never; ties to the higher-ranked).
+    let top1 = |r: &Value| {
+        let s: Vec<f64> = r["scores"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap_or(f64::NEG_INFINITY)).collect();
+        (0..s.len()).fold(0, |b, i| if s[i] > s[b] { i } else { b })
+    };
+    let second: std::collections::HashMap<String, Value> =
+        jsonl(&out2.join("stages/score/scores.jsonl")).into_iter().map(|r| (r["query_id"].as_str().unwrap().to_string(), r)).collect();
+    let both: Vec<&String> = second.keys().filter(|q| !scored_pairs(&records[q.as_str()]).is_empty()).collect();
+    let same = both.iter().filter(|q| top1(&second[q.as_str()]) == top1(&records[q.as_str()])).count();
+    let o = &s2["sources_overlap"][0];
+    assert_eq!((o["queries_compared"].as_u64(), o["queries_with_other_passages"].as_u64()), (Some(both.len() as u64), Some(0)), "{o}");
+    assert!((o["overlap"].as_f64().unwrap() - same as f64 / both.len() as f64).abs() < 1e-12, "{o}: {same} of {}", both.len());
+    assert_eq!(o["source"]["kind"], "black-box", "{o}");
+    assert_eq!(read_json(&out2.join("stages/sources_overlap.json")), s2["sources_overlap"]);
+    // A folder that is no run is refused before any work.
+    let o = aar_cmd(&recipe2, &dir.path().join("third"), "openai", &["--base-url", &other.url, "--compare-with", p(dir.path())]).output().unwrap();
+    assert!(!o.status.success() && stderr(&o).contains("not an aar-train run"), "{}", stderr(&o));
 }
 
 /// Bad inputs are counted, never fatal: queries without gold are dropped; a corpus smaller

@@ -166,7 +166,7 @@ fn bad_training_inputs_are_clear_errors() {
     std::fs::write(&lm, std::fs::read_to_string(&recipe).unwrap().replace("[train]\n", "[train]\nloss = \"lm_supervised\"\n")).unwrap();
     fails(&run(&mut train_cmd(&lm, &out, &[])), &["lm_supervised", "aar-train"]);
     std::fs::write(&lm, std::fs::read_to_string(&recipe).unwrap().replace("[train]\n", "[train]\nlm_temperature = 0.1\n")).unwrap();
-    fails(&run(&mut train_cmd(&lm, &out, &["--max-steps", "1"])), &["lm_temperature", "loss is \"nce\""]);
+    fails(&run(&mut train_cmd(&lm, &out, &["--max-steps", "1"])), &["lm_temperature", "recipe's loss is \"nce\""]);
 
     // An empty passage text named by the training data.
     let corpus = dir.path().join("corpus.jsonl");

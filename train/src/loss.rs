@@ -117,8 +117,10 @@ pub fn multi_positive_loss(q: &Tensor, p: &Tensor, positives: &[Vec<i64>], copie
 /// are the next `lm_scores[i].len()` rows of `p` (`[Σ n_i, d]`); over them the retriever's
 /// distribution P_R = softmax(`scale` · <q_i, p>) (REPLUG's s/γ, γ = 1/`scale`) and the LM's
 /// Q = softmax(`lm_scores[i]` / `lm_temperature`) (its β); the loss is the mean over queries of
-/// KL(P_R ‖ Q), as REFERENCE and the REPLUG paper write it. Q is a constant: only the retriever
-/// learns.
+/// KL(P_R ‖ Q), as REFERENCE and the REPLUG paper write it. Q is a constant (computed in f64,
+/// so very negative log-likelihoods do not overflow float32): only the retriever learns. Each
+/// query meets only its own passages, so nothing is gathered from other processes: the local
+/// mean is what a data-parallel run averages across them.
 pub fn lm_supervised_loss(q: &Tensor, p: &Tensor, lm_scores: &[Vec<f64>], scale: f64, lm_temperature: f64) -> Result<Tensor> {
     let (b, d) = q.size2()?;
     let (rows, pd) = p.size2()?;
@@ -135,7 +137,7 @@ pub fn lm_supervised_loss(q: &Tensor, p: &Tensor, lm_scores: &[Vec<f64>], scale:
         let n = scores.len() as i64;
         let logits = p.narrow(0, first, n).matmul(&q.get(i as i64)).to_kind(Kind::Float) * scale;
         let log_r = logits.log_softmax(0, Kind::Float);
-        let log_q = (Tensor::from_slice(scores).to_kind(Kind::Float).to_device(q.device()) / lm_temperature).log_softmax(0, Kind::Float);
+        let log_q = (Tensor::from_slice(scores) / lm_temperature).log_softmax(0, Kind::Double).to_kind(Kind::Float).to_device(q.device());
         losses.push((log_r.exp() * (&log_r - log_q)).sum(Kind::Float));
         first += n;
     }

@@ -103,8 +103,16 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     if t.task_loss_weight == TaskLossWeight::Queries && matches!(spec.optim.as_str(), "gradnorm" | "cgd") {
         bail!("task_loss_weight = \"queries\" scales the task gradients, which {} weighs itself; use \"equal\" with it", spec.optim);
     }
-    if t.loss == LossKind::LmSupervised && spec.examples.is_none() {
-        bail!("loss = \"lm_supervised\" trains on a language model's scores of each query's passages, which task files do not hold; `host aar-train` with aar.mode = \"replug\" gives them");
+    // The loss's own settings, checked before any negatives are mined or models loaded.
+    if t.loss == LossKind::LmSupervised {
+        if spec.examples.is_none() {
+            bail!("loss = \"lm_supervised\" trains on a language model's scores of each query's passages, which task files do not hold; `host aar-train` with aar.mode = \"replug\" gives them");
+        }
+        if t.hard_negatives > 0 {
+            bail!("loss = \"lm_supervised\" trains on each query's LM-scored passages only: set hard_negatives = 0 (it is {})", t.hard_negatives);
+        }
+    } else if t.lm_temperature.is_some() {
+        bail!("lm_temperature is the lm_supervised loss's setting; this recipe's loss is {}", serde_json::to_string(&t.loss)?);
     }
     let out = &spec.output_dir;
     let episodes = t.ance_episodes;

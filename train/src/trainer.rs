@@ -21,7 +21,7 @@ use rak_core::plugin::{Encoder, Optimizer, StepContext, ALL_TASKS};
 use rak_retrieval::pipeline::Progress;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use tch::{Kind, Tensor};
@@ -268,6 +268,11 @@ impl<'a> Trainer<'a> {
                     }
                     if let Some((id, s)) = e.lm_scores.iter().find(|(_, s)| !s.is_finite()) {
                         bail!("task {:?}: query {:?}: passage {id:?} has a non-finite LM score ({s})", t.name, e.query_id);
+                    }
+                    // Twice the same passage would count twice in both distributions.
+                    let mut seen = HashSet::new();
+                    if let Some((id, _)) = e.lm_scores.iter().find(|(id, _)| !seen.insert(id.as_str())) {
+                        bail!("task {:?}: query {:?}: passage {id:?} is scored twice", t.name, e.query_id);
                     }
                 }
             }

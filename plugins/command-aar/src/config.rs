@@ -7,7 +7,7 @@ use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
 
 pub const USAGE: &str = "usage: host aar-train --source DIR|CONNECTOR --encoder E --model DIR --config FILE.toml --output-dir OUT \
-[--max-queries N] [--base-url URL] [--seed N] [--device cpu|cuda] [--overwrite] [--retry-failed]
+[--max-queries N] [--base-url URL] [--seed N] [--device cpu|cuda] [--overwrite] [--retry-failed] [--compare-with RUN ...]
 
   --source DIR        white-box source: a local T5 / Flan-T5 checkpoint read by the `fid` reader
   --source openai     black-box source: a connector plugin (openai: any OpenAI-compatible server)
@@ -19,7 +19,9 @@ pub const USAGE: &str = "usage: host aar-train --source DIR|CONNECTOR --encoder 
   --seed              the run's seed (train.seed and the negatives' draw)
   --device            cpu, cuda or cuda:N for the retriever, the trainer and a white-box source
   --overwrite         redo the stages whose inputs changed (and those after them)
-  --retry-failed      ask the source again for the items a finished score stage recorded as failed, then redo the stages after it";
+  --retry-failed      ask the source again for the items a finished score stage recorded as failed, then redo the stages after it
+  --compare-with RUN  another aar-train run's output folder (repeatable): how often its source's top K LM-preferred passages
+                      are this one's, on the queries both scored over the same top N (summary and stages/sources_overlap.json)";
 
 /// The flags as given.
 #[derive(Debug, Default)]
@@ -35,6 +37,7 @@ pub struct Flags {
     pub device: Option<String>,
     pub overwrite: bool,
     pub retry_failed: bool,
+    pub compare_with: Vec<PathBuf>,
 }
 
 /// What the command line asks for.
@@ -82,8 +85,9 @@ impl Flags {
                 "base-url" => f.base_url = Some(value.clone()),
                 "seed" => f.seed = Some(number("seed")?),
                 "device" => f.device = Some(value.clone()),
+                "compare-with" => f.compare_with.push(PathBuf::from(&value)),
                 other => bail!(
-                    "unknown flag --{other} (known: --source, --encoder, --model, --config, --output-dir, --max-queries, --base-url, --seed, --device, --overwrite, --retry-failed)"
+                    "unknown flag --{other} (known: --source, --encoder, --model, --config, --output-dir, --max-queries, --base-url, --seed, --device, --overwrite, --retry-failed, --compare-with)"
                 ),
             }
         }
@@ -225,6 +229,9 @@ pub struct Config {
     pub output_dir: PathBuf,
     pub overwrite: bool,
     pub retry_failed: bool,
+    /// Other runs whose sources' preferences this run's are compared with (in no stage's key:
+    /// the comparison is redone on every run, and kept under `stages/`).
+    pub compare_with: Vec<PathBuf>,
 }
 
 pub const DEFAULT_TEMPLATE: &str = "{title}\n{passage}\n\nQ: {question} A:";
@@ -293,11 +300,24 @@ impl Config {
                 if aar.exactly_three {
                     bail!("{}: aar.exactly_three filters AAR's merged positives; aar.mode = \"replug\" has none", path.display());
                 }
+                if aar.n < 2 {
+                    bail!("{}: aar.n = {}: REPLUG's KL compares distributions over each query's N passages, so N must be at least 2", path.display(), aar.n);
+                }
             }
             other => bail!("{}: aar.mode {other:?}: expected \"aar\" or \"replug\"", path.display()),
         }
         if aar.n == 0 {
             bail!("{}: aar.n must be at least 1", path.display());
+        }
+        // Checked before any work, so a mistyped folder does not end a long run with an error.
+        for other in &flags.compare_with {
+            if aar.k == 0 {
+                bail!("--compare-with compares LM preferences; this run asks no source (aar.k = 0)");
+            }
+            let scores = other.join("stages/score/scores.jsonl");
+            if !scores.exists() {
+                bail!("--compare-with {}: not an aar-train run with LM scores ({} is missing)", other.display(), scores.display());
+            }
         }
         if aar.k > aar.n {
             bail!("{}: aar.k = {} is more than aar.n = {}: at most the N scored passages can be LM-preferred", path.display(), aar.k, aar.n);
@@ -418,6 +438,11 @@ impl Config {
         if !aar.replug() && train.contains_key("lm_temperature") {
             bail!("{}: train.lm_temperature is REPLUG's β, for aar.mode = \"replug\"", path.display());
         }
+        // The trainer's default scale (1, raw dot products) would make REPLUG's γ 1, nearly flat
+        // over unit-length embeddings: the recipe says which it means.
+        if aar.replug() && !train.contains_key("score_scale") {
+            bail!("{}: aar.mode = \"replug\" needs train.score_scale, REPLUG's 1/γ (e.g. 20 for unit-length embeddings such as MiniLM's, γ = 0.05)", path.display());
+        }
         for (key, want, instead) in settled {
             match train.get(key) {
                 Some(v) if *v != want => bail!("{}: train.{key} = {v}: {instead}", path.display()),
@@ -451,6 +476,7 @@ impl Config {
             output_dir,
             overwrite: flags.overwrite,
             retry_failed: flags.retry_failed,
+            compare_with: flags.compare_with,
         })
     }
 
@@ -462,9 +488,14 @@ impl Config {
         self.task_dir.join(&self.task).join(format!("qrels.{}.tsv", self.split))
     }
 
-    /// How deep the starting retriever searches: the N to score and the negatives' pool.
+    /// How deep the starting retriever searches: the N to score and (AAR's mode) the negatives'
+    /// pool.
     pub fn depth(&self) -> usize {
-        self.aar.n.max(self.aar.negatives_depth)
+        if self.aar.replug() {
+            self.aar.n
+        } else {
+            self.aar.n.max(self.aar.negatives_depth)
+        }
     }
 
     /// Whether queries are encoded with their task's name (the trainer's `task_names`).
@@ -553,7 +584,7 @@ mod tests {
         assert!(matches!(c.source, Source::BlackBox { ref connector, .. } if connector == "openai"));
         // REPLUG's mode: its loss, no hard negatives, β left to the recipe (the trainer's 0.1).
         let f = flags(&["--source", "openai", "--encoder", "dpr", "--model", "m", "--output-dir", "o"]);
-        let c = Config::from_recipe(recipe("[aar]\nmode = \"replug\"\n[train]\nlm_temperature = 0.5\n"), f, Path::new("r.toml")).unwrap();
+        let c = Config::from_recipe(recipe("[aar]\nmode = \"replug\"\n[train]\nlm_temperature = 0.5\nscore_scale = 20.0\n"), f, Path::new("r.toml")).unwrap();
         assert_eq!((c.train["loss"].as_str(), c.train["hard_negatives"].as_u64()), (Some("lm_supervised"), Some(0)));
         assert_eq!(c.train["lm_temperature"], 0.5);
     }
@@ -567,8 +598,12 @@ mod tests {
         assert!(e.contains("\"replug\""), "{e}");
         let e = Config::from_recipe(recipe("[train]\nlm_temperature = 0.5\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
         assert!(e.contains("REPLUG"), "{e}");
-        let e = Config::from_recipe(recipe("[aar]\nmode = \"replug\"\n[train]\nloss = \"multi_positive\"\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
+        let e = Config::from_recipe(recipe("[aar]\nmode = \"replug\"\n[train]\nloss = \"multi_positive\"\nscore_scale = 20.0\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
         assert!(e.contains("lm_supervised"), "{e}");
+        let e = Config::from_recipe(recipe("[aar]\nmode = \"replug\"\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
+        assert!(e.contains("score_scale"), "{e}");
+        let e = Config::from_recipe(recipe("[aar]\nmode = \"replug\"\nn = 1\nk = 1\n[train]\nscore_scale = 20.0\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
+        assert!(e.contains("at least 2"), "{e}");
         let e = Config::from_recipe(recipe("[train]\nloss = \"nce\"\n"), f(), Path::new("r.toml")).unwrap_err().to_string();
         assert!(e.contains("multi_positive"), "{e}");
         let e = Config::from_recipe(recipe("[aar]\nk = 11\n"), f(), Path::new("r.toml")).unwrap_err().to_string();

@@ -44,11 +44,11 @@
 //! `analysis.json`, so the select stage writes one there too, and rewriting the summary or the
 //! lock on a rerun never changes the model's identity (embeddings made from it stay valid).
 //!
-//! REPLUG's mode differs from its paper in two ways: the paper keeps the passage encoder frozen,
-//! refreshes the index's embeddings now and then and retrieves each query's passages again; here
-//! the passages are the starting retriever's top N, scored once (so the LM is asked once), and
-//! the trainer encodes them afresh every step with the shared encoder, which also learns (as in
-//! AAR's mode).
+//! REPLUG's mode differs from its paper in two ways. The paper retrieves each query's passages
+//! again from an index whose embeddings it refreshes now and then as the retriever changes; here
+//! the passages D′ are the starting retriever's top N, scored once (so the LM is asked once).
+//! And the trainer encodes them afresh every step with the shared encoder, which also learns
+//! (as in AAR's mode).
 
 mod config;
 mod data;
@@ -147,15 +147,14 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
     };
     let a = &cfg.aar;
     let select_key = |score_key: &Value| {
-        let mut key = json!({
+        if a.replug() {
+            // No negatives in this mode; K only sets the analysis (which the stage writes).
+            return json!({"retrieve": retrieve_key, "score": score_key, "k": a.k, "seed": cfg.seed, "mode": "replug"});
+        }
+        json!({
             "retrieve": retrieve_key, "score": score_key, "k": a.k, "exactly_three": a.exactly_three, "negatives_depth": a.negatives_depth,
             "negatives_sampled": a.negatives_sampled, "negatives_per_query": a.negatives_per_query, "seed": cfg.seed,
-        });
-        // Only in REPLUG's mode, so AAR runs made before it existed keep their key.
-        if a.replug() {
-            key["mode"] = json!("replug");
-        }
-        key
+        })
     };
 
     let (queries, retrieve_report, retrieve_how) = retrieve::run(cfg, host, &stages, &retrieve_key)?;
@@ -180,6 +179,10 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
     log_stage(host, "train", train_how)?;
     let final_how = final_stage(cfg, host, &stages, &final_key)?;
     log_stage(host, "final", final_how)?;
+    let sources_overlap = compare_sources(cfg, &queries, &scores)?;
+    if !cfg.compare_with.is_empty() {
+        rak_core::fsutil::write_bytes(&stages.file("sources_overlap.json"), serde_json::to_string_pretty(&sources_overlap)?.as_bytes())?;
+    }
 
     let analysis = &select_report["analysis"];
     let summary = json!({
@@ -199,7 +202,9 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         "dropped_not_exactly_three": select_report["dropped_not_exactly_three"],
         "dropped_without_negatives": select_report["dropped_without_negatives"],
         "queries_without_scores": select_report["queries_without_scores"].as_u64().unwrap_or(0),
+        "dropped_fewer_than_two_scored": select_report["dropped_fewer_than_two_scored"].as_u64().unwrap_or(0),
         "overlap": analysis["overlap"],
+        "sources_overlap": sources_overlap,
         "train": {"steps": train_report["steps"], "output_dir": train_report["output_dir"]},
         "stages": {"retrieve": retrieve_how, "score": score_how, "select": select_how, "train": train_how, "final": final_how},
         "model": out,
@@ -214,12 +219,45 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
     }
     if summary["failed"].as_u64().unwrap_or(0) > 0 {
         host.log(&format!(
-            "aar-train: {} of the source's items failed and were skipped (their passages cannot be LM-preferred); see {}",
+            "aar-train: {} of the source's items failed and were skipped (their passages are left out of the LM's preferences); see {}",
             summary["failed"],
             stages.folder("score").join("scores.jsonl").display()
         ))?;
     }
     Ok(summary)
+}
+
+/// Item 5's second analysis: for each `--compare-with` run, how often its source's top K
+/// LM-preferred passages are this run's, on the queries both scored over the same top N
+/// (another retriever's top N is another question, and is counted apart).
+fn compare_sources(cfg: &Config, queries: &[retrieve::Retrieved], scores: &std::collections::HashMap<String, score::Scores>) -> Result<Value> {
+    let mut out = Vec::new();
+    for other in &cfg.compare_with {
+        let theirs = score::load_run(other)?;
+        let source = std::fs::read_to_string(other.join("stages/summary.json")).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()).map(|s| s["source"].clone());
+        let (mut compared, mut other_passages, mut shared, mut picked) = (0usize, 0usize, 0usize, 0usize);
+        for q in queries {
+            let (Some(a), Some(b)) = (scores.get(&q.id), theirs.get(&q.id)) else { continue };
+            if a.passages != b.passages {
+                other_passages += 1;
+                continue;
+            }
+            let (s, n) = select::shared_top_k(&a.scores, &b.scores, cfg.aar.k);
+            if n == 0 || b.scores.iter().all(Option::is_none) {
+                continue;
+            }
+            compared += 1;
+            shared += s;
+            picked += n;
+        }
+        out.push(json!({
+            "run": other, "source": source, "k": cfg.aar.k,
+            "queries_compared": compared, "queries_with_other_passages": other_passages,
+            "overlap": if picked == 0 { Value::Null } else { json!(shared as f64 / picked as f64) },
+            "overlap_help": "share of this run's top K LM-preferred passages that are also the other source's top K, over the queries both scored on the same top N",
+        }));
+    }
+    Ok(Value::Array(out))
 }
 
 /// A model folder's identity by the host's checkpoint-digest rules: its model files, whatever
@@ -259,7 +297,7 @@ fn select_stage(
     let bar = host.progress("aar: select", queries.len() as u64)?;
     let negatives_seed = select::Rng::derive(cfg.seed, &["aar-negatives"]).next_u64();
     let mut examples = Vec::new();
-    let (mut added_total, mut not_three, mut no_negatives, mut without_scores) = (0usize, 0usize, 0usize, 0usize);
+    let (mut added_total, mut not_three, mut no_negatives, mut without_scores, mut one_scored) = (0usize, 0usize, 0usize, 0usize, 0usize);
     // The analysis: over queries the source scored.
     let (mut with_scores, mut lm_picks, mut lm_gold, mut queries_lm_gold, mut gold_in_n) = (0usize, 0usize, 0usize, 0usize, 0usize);
     let (mut picks_given_gold, mut gold_given_gold) = (0usize, 0usize);
@@ -273,10 +311,15 @@ fn select_stage(
         };
         // A query the source scored nothing of (every item failed, or no answer to score) would
         // be a gold-only example among LM-supervised ones: dropped, and counted. REPLUG's KL
-        // over fewer than two passages is 0 whatever the retriever does: dropped too.
+        // over one passage is 0 whatever the retriever does: dropped too, and counted apart.
         let scored: Vec<(String, f64)> = top.iter().zip(&s).filter_map(|(p, s)| s.filter(|v| v.is_finite()).map(|v| (p.clone(), v))).collect();
-        if (a.k > 0 && scored.is_empty()) || (a.replug() && scored.len() < 2) {
+        if a.k > 0 && scored.is_empty() {
             without_scores += 1;
+            bar.inc(1)?;
+            continue;
+        }
+        if a.replug() && scored.len() < 2 {
+            one_scored += 1;
             bar.inc(1)?;
             continue;
         }
@@ -325,8 +368,10 @@ fn select_stage(
         host.log(&format!("aar-train: exactly_three: dropped {not_three} queries that do not end with exactly 3 positives"))?;
     }
     if without_scores > 0 {
-        let what = if a.replug() { "fewer than two passages of (REPLUG's KL needs two)" } else { "nothing of" };
-        host.log(&format!("aar-train: dropped {without_scores} queries the source scored {what} (items failed, or no answer); --retry-failed asks the failed items again"))?;
+        host.log(&format!("aar-train: dropped {without_scores} queries the source scored nothing of (every item failed, or no answer); --retry-failed asks the failed items again"))?;
+    }
+    if one_scored > 0 {
+        host.log(&format!("aar-train: dropped {one_scored} queries the source scored only one passage of (REPLUG's KL needs two); --retry-failed asks the failed items again"))?;
     }
     if no_negatives > 0 {
         host.log(&format!("aar-train: dropped {no_negatives} queries without a negative (every retrieved passage is a positive)"))?;
@@ -350,7 +395,7 @@ fn select_stage(
     });
     if examples.is_empty() {
         bail!(
-            "no training example is left ({} queries: {without_scores} without LM scores, {not_three} without exactly 3 positives, {no_negatives} without negatives)",
+            "no training example is left ({} queries: {without_scores} without LM scores, {one_scored} with one scored passage, {not_three} without exactly 3 positives, {no_negatives} without negatives)",
             queries.len()
         );
     }
@@ -367,6 +412,7 @@ fn select_stage(
         "dropped_not_exactly_three": not_three,
         "dropped_without_negatives": no_negatives,
         "queries_without_scores": without_scores,
+        "dropped_fewer_than_two_scored": one_scored,
         "negatives_seed": negatives_seed,
         "analysis": analysis,
     });

@@ -118,7 +118,7 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
                     records.push(json!({"query_id": q.id, "passages": ids, "scores": scores, "errors": vec![Value::Null; ids.len()], "skipped": null}));
                 }
                 log.append(&records)?;
-                session.passages += records.iter().map(|r| r["passages"].as_array().map_or(0, Vec::len)).sum::<usize>();
+                session.count(&records);
                 session.seconds = started.elapsed().as_secs_f64();
                 for r in records {
                     latest.insert(r["query_id"].as_str().unwrap_or_default().to_string(), r);
@@ -172,8 +172,9 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
                 Ok(())
             })?;
             session.seconds = started.elapsed().as_secs_f64();
-            for r in fresh.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                session.passages += r["passages"].as_array().map_or(0, Vec::len);
+            let fresh = fresh.into_inner().unwrap_or_else(|e| e.into_inner());
+            session.count(&fresh);
+            for r in fresh {
                 latest.insert(r["query_id"].as_str().unwrap_or_default().to_string(), r);
             }
         }
@@ -202,14 +203,25 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
 /// What one session of the stage scored, and how fast.
 #[derive(Default)]
 struct Session {
+    /// Passages of the records written (scored, failed or skipped).
     passages: usize,
+    /// Those with a score.
+    scored: usize,
     seconds: f64,
 }
 
 impl Session {
+    fn count(&mut self, records: &[Value]) {
+        for r in records {
+            self.passages += r["passages"].as_array().map_or(0, Vec::len);
+            self.scored += r["scores"].as_array().map_or(0, |s| s.iter().filter(|x| !x.is_null()).count());
+        }
+    }
+
+    /// The rate counts scored passages only (a failed or skipped one costs little).
     fn report(&self) -> Value {
-        let rate = if self.seconds > 0.0 { json!(self.passages as f64 / self.seconds) } else { Value::Null };
-        json!({"passages": self.passages, "seconds": self.seconds, "passages_per_second": rate})
+        let rate = if self.seconds > 0.0 { json!(self.scored as f64 / self.seconds) } else { Value::Null };
+        json!({"passages": self.passages, "scored": self.scored, "seconds": self.seconds, "passages_per_second": rate})
     }
 }
 
@@ -360,6 +372,15 @@ fn report(queries: &[Retrieved], latest: &HashMap<String, Value>, n: usize) -> R
         "methods": methods,
         "first_errors": first_errors,
     }))
+}
+
+/// The scores another run's score stage recorded (`RUN/stages/score/scores.jsonl`), by query.
+pub fn load_run(run: &Path) -> Result<HashMap<String, Scores>> {
+    let path = run.join("stages/score").join(RESULT_FILE);
+    if !path.exists() {
+        bail!("{}: not an aar-train run with LM scores ({} is missing)", run.display(), path.display());
+    }
+    load(&path)
 }
 
 /// The latest record of each query in a finished stage's file.

@@ -84,6 +84,14 @@ pub fn select_positives(gold: &[String], scored: &[String], scores: &[Option<f64
     Selection { added, lm_top, positives }
 }
 
+/// How many of source A's top `k` LM-preferred passages are also source B's, over the same
+/// scored passages: (shared, A's top k).
+pub fn shared_top_k(a: &[Option<f64>], b: &[Option<f64>], k: usize) -> (usize, usize) {
+    let top_a = top_by_score(a, k, |_| true);
+    let top_b = top_by_score(b, k, |_| true);
+    (top_a.iter().filter(|i| top_b.contains(i)).count(), top_a.len())
+}
+
 /// Negatives: the retriever's top `depth` (`ranked`, best first) minus `positives`, then
 /// `sampled` of them drawn from `rng` (all when fewer remain).
 pub fn select_negatives(ranked: &[String], positives: &[String], depth: usize, sampled: usize, rng: &mut Rng) -> Vec<String> {
@@ -120,6 +128,15 @@ mod tests {
         // Fewer scored passages than K: what there is.
         let s = select_positives(&ids(&["g"]), &ids(&["g", "a"]), &[Some(1.0), None], 2);
         assert_eq!(s.added, Vec::<String>::new());
+    }
+
+    #[test]
+    fn two_sources_share_their_top_k() {
+        // A prefers 0 then 2; B prefers 2 then 1: one of A's two is B's too.
+        assert_eq!(shared_top_k(&[Some(0.9), Some(0.1), Some(0.5)], &[Some(0.2), Some(0.6), Some(0.8)], 2), (1, 2));
+        // A failed item is nobody's preference; with one scored passage A's top K is one.
+        assert_eq!(shared_top_k(&[None, Some(0.1), None], &[Some(0.2), Some(0.6), Some(0.8)], 2), (1, 1));
+        assert_eq!(shared_top_k(&[None, None], &[Some(1.0), Some(0.0)], 2), (0, 0));
     }
 
     #[test]
