@@ -190,9 +190,9 @@ def part_fid(a, env):
     same_top2 = sum(top(mine[q]) == top(row) for q, row in zip(order, theirs)) / len(order)
     passages = sum(len(ps) for _, ps in items)
     row = {"part": "fid", "queries": len(items), "passages": passages, "batch_size": a.batch_size, "threads": a.threads,
-           "ours_passages_per_s": ours["passages_per_second"], "ours_seconds": ours["seconds"],
+           "ours_passages_per_s": ours["scored_per_second"], "ours_seconds": ours["seconds"],
            "transformers_passages_per_s": passages / secs, "transformers_seconds": secs,
-           "ratio": ours["passages_per_second"] / (passages / secs), "max_abs_score_diff": diff,
+           "ratio": ours["scored_per_second"] / (passages / secs), "max_abs_score_diff": diff,
            "median_abs_score_diff": diffs[len(diffs) // 2], "mean_abs_logit": logit_size, "same_top2_share": same_top2}
     print(json.dumps(row), flush=True)
     return [row]
@@ -211,7 +211,7 @@ def part_blackbox(a, env):
             s = aar_train(a.host, rec, work / f"ours-blackbox-{run}", "openai", env, ["--base-url", url])
             sc = s["scoring"]
             row = {"part": "blackbox", "run": run, "queries": s["queries"], "passages": sc["passages"], "scored": s["scored"],
-                   "failed": s["failed"], "seconds": sc["seconds"], "passages_per_s": sc["passages_per_second"]}
+                   "failed": s["failed"], "seconds": sc["seconds"], "passages_per_s": sc["scored_per_second"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:

@@ -19,7 +19,8 @@ llama-server (scripts/llama-server.sh), where the model dominates (use fewer --r
 Against llama-server both clients send the same questions, and the server runs with its
 prompt cache off (LLAMA_CACHE_RAM=0), so that the second client does not find the first one's
 prompts cached (a slot keeps only its last prompt, long gone by then; the template's opening is
-reused by both alike).
+reused by both alike). It stops the smollm2 server `scripts/llama-server.sh` runs, if any, and
+starts its own (so nothing else should be using that one meanwhile).
 
     .venv/bin/python bench/connector.py [--server canned|llama] [--requests 600] [--out FILE]
 

@@ -20,8 +20,8 @@ pub const USAGE: &str = "usage: host aar-train --source DIR|CONNECTOR --encoder 
   --device            cpu, cuda or cuda:N for the retriever, the trainer and a white-box source
   --overwrite         redo the stages whose inputs changed (and those after them)
   --retry-failed      ask the source again for the items a finished score stage recorded as failed, then redo the stages after it
-  --compare-with RUN  another aar-train run's output folder (repeatable): how often its source's top K LM-preferred passages
-                      are this one's, on the queries both scored over the same top N (summary and stages/sources_overlap.json)";
+  --compare-with RUN  another aar-train run's output folder (repeatable): how often this run's top K LM-preferred passages
+                      are also its source's top K, on the queries both scored over the same top N (summary, stages/sources_overlap.json)";
 
 /// The flags as given.
 #[derive(Debug, Default)]
@@ -271,7 +271,7 @@ pub fn schema() -> Value {
             "model": {"type": "object", "help": "the retriever's [model] section as host train reads it: encoder, path, settings (max_length, ...)"},
         },
         "stages": [
-            {"name": "retrieve", "does": "the starting retriever's top max(N, negatives_depth) per query (encode_corpus, a flat index, search)", "files": "stages/retrieve/retrieved.jsonl"},
+            {"name": "retrieve", "does": "the starting retriever's top max(N, negatives_depth) per query (top N in replug mode) (encode_corpus, a flat index, search)", "files": "stages/retrieve/retrieved.jsonl"},
             {"name": "score", "does": "the source LM scores the top N: white-box passage_preferences, black-box continuation_logprob of the answer; failures recorded and skipped", "files": "stages/score/scores.jsonl (per query, resumed by query id)"},
             {"name": "select", "does": "aar: positives = gold ∪ top K LM-preferred, negatives sampled from the top negatives_depth minus positives; replug: each query's scored passages with their scores; analysis.json", "files": "stages/select/examples.json"},
             {"name": "train", "does": "the host's train service on those examples with loss multi_positive (aar) or lm_supervised (replug); resumes from its checkpoints", "files": "stages/train/"},
@@ -322,10 +322,10 @@ impl Config {
         if aar.k > aar.n {
             bail!("{}: aar.k = {} is more than aar.n = {}: at most the N scored passages can be LM-preferred", path.display(), aar.k, aar.n);
         }
-        if aar.negatives_per_query > aar.negatives_sampled {
+        if !aar.replug() && aar.negatives_per_query > aar.negatives_sampled {
             bail!("{}: aar.negatives_per_query = {} is more than aar.negatives_sampled = {}", path.display(), aar.negatives_per_query, aar.negatives_sampled);
         }
-        if aar.negatives_sampled > aar.negatives_depth {
+        if !aar.replug() && aar.negatives_sampled > aar.negatives_depth {
             bail!("{}: aar.negatives_sampled = {} is more than aar.negatives_depth = {}", path.display(), aar.negatives_sampled, aar.negatives_depth);
         }
         if aar.passage_chars == 0 {

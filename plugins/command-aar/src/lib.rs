@@ -16,7 +16,7 @@
 //! query's top N and answers, the corpus, the source), so a deeper retrieval for more
 //! negatives keeps the scores. The device is in no key (a CPU run may resume on CUDA).
 //! 1. `retrieve` ([`retrieve`]): the source task's queries with gold; the starting retriever's
-//!    top `max(N, negatives_depth)` for each.
+//!    top `max(N, negatives_depth)` for each (top N in REPLUG's mode, which has no negatives).
 //! 2. `score` ([`score`]): the source LM scores the top N: white-box (`--source DIR`, the `fid`
 //!    reader's cross-attention `passage_preferences`) or black-box (`--source openai`, the
 //!    connector's `continuation_logprob` of the gold answer).
@@ -173,13 +173,14 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
     let final_key = json!({"train": train_key});
     let (scores, score_report, score_how) = score::run(cfg, host, &stages, &score_key, &queries)?;
     log_stage(host, "score", score_how)?;
+    // Before the long stages, so a run that cannot be compared says so early.
+    let sources_overlap = compare_sources(cfg, &queries, &scores)?;
     let (examples, select_report, select_how) = select_stage(cfg, host, &stages, &select_key, &queries, &scores)?;
     log_stage(host, "select", select_how)?;
     let (train_report, train_how) = train_stage(cfg, host, &stages, &train_key, examples)?;
     log_stage(host, "train", train_how)?;
     let final_how = final_stage(cfg, host, &stages, &final_key)?;
     log_stage(host, "final", final_how)?;
-    let sources_overlap = compare_sources(cfg, &queries, &scores)?;
     if !cfg.compare_with.is_empty() {
         rak_core::fsutil::write_bytes(&stages.file("sources_overlap.json"), serde_json::to_string_pretty(&sources_overlap)?.as_bytes())?;
     }
@@ -195,7 +196,7 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         "scored": score_report["scored"].as_u64().unwrap_or(0),
         "failed": score_report["failed"].as_u64().unwrap_or(0),
         "skipped_without_answer": score_report["skipped_without_answer"].as_u64().unwrap_or(0),
-        // The score stage's last session: passages recorded, seconds, passages per second.
+        // The score stage's last session: passages recorded and scored, seconds, scored per second.
         "scoring": score_report["this_session"],
         "positives_added": select_report["positives_added"],
         "examples": select_report["examples"],
@@ -227,35 +228,47 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
     Ok(summary)
 }
 
-/// Item 5's second analysis: for each `--compare-with` run, how often its source's top K
-/// LM-preferred passages are this run's, on the queries both scored over the same top N
-/// (another retriever's top N is another question, and is counted apart).
+/// Item 5's second analysis: for each `--compare-with` run, how often this run's top K
+/// LM-preferred passages are also the other source's top K. Both rank only the passages both
+/// scored (a failure is no disagreement), on the queries both scored over the same top N; every
+/// query is counted in one of the counts.
 fn compare_sources(cfg: &Config, queries: &[retrieve::Retrieved], scores: &std::collections::HashMap<String, score::Scores>) -> Result<Value> {
     let mut out = Vec::new();
     for other in &cfg.compare_with {
-        let theirs = score::load_run(other)?;
+        let (theirs, finished) = score::load_run(other)?;
         let source = std::fs::read_to_string(other.join("stages/summary.json")).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()).map(|s| s["source"].clone());
-        let (mut compared, mut other_passages, mut shared, mut picked) = (0usize, 0usize, 0usize, 0usize);
+        let (mut compared, mut not_in_other, mut other_passages, mut unscored, mut shared, mut picked) = (0usize, 0usize, 0usize, 0usize, 0usize, 0usize);
         for q in queries {
-            let (Some(a), Some(b)) = (scores.get(&q.id), theirs.get(&q.id)) else { continue };
-            if a.passages != b.passages {
+            let Some(b) = theirs.get(&q.id) else {
+                not_in_other += 1;
+                continue;
+            };
+            let a = scores.get(&q.id);
+            if a.is_some_and(|a| a.passages != b.passages) {
                 other_passages += 1;
                 continue;
             }
-            let (s, n) = select::shared_top_k(&a.scores, &b.scores, cfg.aar.k);
-            if n == 0 || b.scores.iter().all(Option::is_none) {
+            // Each side over the passages both scored.
+            let both = |x: &[Option<f64>], y: &[Option<f64>]| -> Vec<Option<f64>> { x.iter().zip(y).map(|(x, y)| y.and(*x)).collect() };
+            let Some(a) = a.filter(|a| a.scores.iter().zip(&b.scores).any(|(x, y)| x.is_some() && y.is_some())) else {
+                unscored += 1;
                 continue;
-            }
+            };
+            let (s, n) = select::shared_top_k(&both(&a.scores, &b.scores), &both(&b.scores, &a.scores), cfg.aar.k);
             compared += 1;
             shared += s;
             picked += n;
         }
         out.push(json!({
-            "run": other, "source": source, "k": cfg.aar.k,
-            "queries_compared": compared, "queries_with_other_passages": other_passages,
+            "run": other, "source": source, "k": cfg.aar.k, "other_score_stage_finished": finished,
+            "queries_compared": compared, "queries_not_in_other": not_in_other, "queries_with_other_passages": other_passages,
+            "queries_not_scored_by_both": unscored,
             "overlap": if picked == 0 { Value::Null } else { json!(shared as f64 / picked as f64) },
-            "overlap_help": "share of this run's top K LM-preferred passages that are also the other source's top K, over the queries both scored on the same top N",
+            "overlap_help": "share of this run's top K LM-preferred passages that are also the other source's top K, both ranking only the passages both scored, over the queries both scored on the same top N",
         }));
+        if cfg.aar.k >= cfg.aar.n {
+            out.last_mut().expect("pushed")["note"] = json!("K >= N: every scored passage is in both top K, so the overlap is 1 by construction");
+        }
     }
     Ok(Value::Array(out))
 }
@@ -318,11 +331,6 @@ fn select_stage(
             bar.inc(1)?;
             continue;
         }
-        if a.replug() && scored.len() < 2 {
-            one_scored += 1;
-            bar.inc(1)?;
-            continue;
-        }
         let sel = select::select_positives(&q.gold, top, &s, a.k);
         let gold_retrieved = top.iter().any(|p| q.gold.contains(p));
         gold_in_n += gold_retrieved as usize;
@@ -338,6 +346,10 @@ fn select_stage(
             }
         }
         bar.inc(1)?;
+        if a.replug() && scored.len() < 2 {
+            one_scored += 1;
+            continue;
+        }
         if a.exactly_three && sel.positives.len() != 3 {
             not_three += 1;
             continue;
@@ -371,7 +383,7 @@ fn select_stage(
         host.log(&format!("aar-train: dropped {without_scores} queries the source scored nothing of (every item failed, or no answer); --retry-failed asks the failed items again"))?;
     }
     if one_scored > 0 {
-        host.log(&format!("aar-train: dropped {one_scored} queries the source scored only one passage of (REPLUG's KL needs two); --retry-failed asks the failed items again"))?;
+        host.log(&format!("aar-train: dropped {one_scored} queries the source scored only one passage of (REPLUG's KL needs two: failed items, non-finite scores or a corpus too small); --retry-failed asks failed items again"))?;
     }
     if no_negatives > 0 {
         host.log(&format!("aar-train: dropped {no_negatives} queries without a negative (every retrieved passage is a positive)"))?;

@@ -112,7 +112,7 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value) -> Result<(V
     let count = index.info()?["count"].as_u64().unwrap_or(0) as usize;
     if count < depth {
         host.log(&format!(
-            "aar-train: the corpus has {count} passages, fewer than the {depth} asked for (max of aar.n and aar.negatives_depth); every query gets those {count}"
+            "aar-train: the corpus has {count} passages, fewer than the {depth} asked for (aar.n, and aar.negatives_depth in AAR's mode); every query gets those {count}"
         ))?;
     }
 

@@ -218,10 +218,10 @@ impl Session {
         }
     }
 
-    /// The rate counts scored passages only (a failed or skipped one costs little).
+    /// The rate is of scored passages over the whole time, failures' retries included.
     fn report(&self) -> Value {
         let rate = if self.seconds > 0.0 { json!(self.scored as f64 / self.seconds) } else { Value::Null };
-        json!({"passages": self.passages, "scored": self.scored, "seconds": self.seconds, "passages_per_second": rate})
+        json!({"passages": self.passages, "scored": self.scored, "seconds": self.seconds, "scored_per_second": rate})
     }
 }
 
@@ -374,13 +374,19 @@ fn report(queries: &[Retrieved], latest: &HashMap<String, Value>, n: usize) -> R
     }))
 }
 
-/// The scores another run's score stage recorded (`RUN/stages/score/scores.jsonl`), by query.
-pub fn load_run(run: &Path) -> Result<HashMap<String, Scores>> {
+/// The scores another run's score stage recorded (`RUN/stages/score/scores.jsonl`), by query,
+/// read without writing to it (that run may still be scoring: a last line it is writing is
+/// left out); and whether its score stage is finished.
+pub fn load_run(run: &Path) -> Result<(HashMap<String, Scores>, bool)> {
     let path = run.join("stages/score").join(RESULT_FILE);
-    if !path.exists() {
-        bail!("{}: not an aar-train run with LM scores ({} is missing)", run.display(), path.display());
+    let text = std::fs::read_to_string(&path).with_context(|| format!("{}: not an aar-train run with LM scores ({} cannot be read)", run.display(), path.display()))?;
+    let mut out = HashMap::new();
+    let complete = if text.ends_with('\n') { text.as_str() } else { text.rsplit_once('\n').map_or("", |(head, _)| head) };
+    for (n, line) in complete.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let r: Value = serde_json::from_str(line).with_context(|| format!("{}:{}: not a score record", path.display(), n + 1))?;
+        out.insert(r["query_id"].as_str().context("a score record without query_id")?.to_string(), parse(&r)?);
     }
-    load(&path)
+    Ok((out, run.join("stages/score.done.json").exists()))
 }
 
 /// The latest record of each query in a finished stage's file.
