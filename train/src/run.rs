@@ -14,7 +14,7 @@ use crate::data::{corpus_ids, corpus_pages, corpus_texts, load_task, passage_tex
 use crate::negatives;
 use crate::recipe::{sampler_kind, Recipe, TrainSection};
 use crate::rng::Rng;
-use crate::trainer::{checkpoints, latest_checkpoint, LossKind, Sampler, TaskLossWeight, Trainer, TrainerConfig, LOG_FILE};
+use crate::trainer::{check_loss_settings, checkpoints, latest_checkpoint, LossKind, Sampler, TaskLossWeight, Trainer, TrainerConfig, LOG_FILE};
 use anyhow::{bail, Context, Result};
 use rak_core::plugin::{Encoder, Optimizer};
 use rak_retrieval::digest::{encoder_identity, file_digest};
@@ -104,16 +104,15 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         bail!("task_loss_weight = \"queries\" scales the task gradients, which {} weighs itself; use \"equal\" with it", spec.optim);
     }
     // The loss's own settings, checked before any negatives are mined or models loaded.
-    if t.loss == LossKind::LmSupervised {
-        if spec.examples.is_none() {
-            bail!("loss = \"lm_supervised\" trains on a language model's scores of each query's passages, which task files do not hold; `host aar-train` with aar.mode = \"replug\" gives them");
-        }
-        if t.hard_negatives > 0 {
-            bail!("loss = \"lm_supervised\" trains on each query's LM-scored passages only: set hard_negatives = 0 (it is {})", t.hard_negatives);
-        }
-    } else if t.lm_temperature.is_some() {
-        bail!("lm_temperature is the lm_supervised loss's setting; this recipe's loss is {}", serde_json::to_string(&t.loss)?);
+    if t.loss == LossKind::LmSupervised && spec.examples.is_none() {
+        bail!("loss = \"lm_supervised\" trains on a language model's scores of each query's passages, which task files do not hold; `host aar-train` with aar.mode = \"replug\" gives them");
     }
+    let lm_temperature = match (t.loss, t.lm_temperature) {
+        // REFERENCE §6's common choice where the recipe gives none.
+        (LossKind::LmSupervised, None) => Some(0.1),
+        (_, given) => given,
+    };
+    check_loss_settings(t.loss, t.hard_negatives, lm_temperature)?;
     let out = &spec.output_dir;
     let episodes = t.ance_episodes;
     std::fs::create_dir_all(out).with_context(|| format!("{}: cannot create", out.display()))?;
@@ -190,12 +189,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         in_batch_negatives: t.in_batch_negatives,
         task_loss_weight: t.task_loss_weight,
         loss: t.loss,
-        // REFERENCE §6's common choice where the recipe gives none; the trainer refuses one
-        // given with another loss.
-        lm_temperature: match (t.loss, t.lm_temperature) {
-            (LossKind::LmSupervised, None) => Some(0.1),
-            (_, given) => given,
-        },
+        lm_temperature,
     };
     let names: Vec<String> = tasks.iter().map(|t| format!("{} ({} queries)", t.name, t.examples.len())).collect();
     let episodes_text = if episodes > 0 { format!(", then {episodes} ANCE episodes of {episode_steps} steps") } else { String::new() };

@@ -126,6 +126,25 @@ fn one() -> f64 {
     1.0
 }
 
+/// The settings that go with (or only with) a loss: `lm_supervised` takes no hard negatives
+/// and a positive `lm_temperature`, which no other loss takes. `host train` checks them before
+/// any work; the trainer again for whoever builds one directly.
+pub fn check_loss_settings(loss: LossKind, hard_negatives: usize, lm_temperature: Option<f64>) -> Result<()> {
+    if loss != LossKind::LmSupervised {
+        if lm_temperature.is_some() {
+            bail!("lm_temperature is the lm_supervised loss's setting; this recipe's loss is {}", serde_json::to_string(&loss)?);
+        }
+        return Ok(());
+    }
+    if hard_negatives > 0 {
+        bail!("loss = \"lm_supervised\" trains on each query's LM-scored passages only: set hard_negatives = 0 (it is {hard_negatives})");
+    }
+    match lm_temperature {
+        Some(b) if b > 0.0 && b.is_finite() => Ok(()),
+        other => bail!("loss = \"lm_supervised\" needs a positive lm_temperature (REPLUG's β), not {other:?}"),
+    }
+}
+
 /// The sampler in use.
 #[derive(Debug, Clone)]
 pub enum Sampler {
@@ -253,14 +272,8 @@ impl<'a> Trainer<'a> {
         if config.batch_size == 0 || config.max_steps == 0 {
             bail!("the batch size and the number of steps must be positive");
         }
+        check_loss_settings(config.loss, config.hard_negatives, config.lm_temperature)?;
         if config.loss == LossKind::LmSupervised {
-            if config.hard_negatives > 0 {
-                bail!("loss = \"lm_supervised\" trains on each query's LM-scored passages only: set hard_negatives = 0");
-            }
-            match config.lm_temperature {
-                Some(b) if b > 0.0 && b.is_finite() => {}
-                other => bail!("loss = \"lm_supervised\" needs a positive lm_temperature (REPLUG's β), not {other:?}"),
-            }
             for t in &tasks {
                 for e in &t.examples {
                     if e.lm_scores.is_empty() {
@@ -276,8 +289,6 @@ impl<'a> Trainer<'a> {
                     }
                 }
             }
-        } else if config.lm_temperature.is_some() {
-            bail!("lm_temperature is the lm_supervised loss's setting; this run's loss is {}", serde_json::to_string(&config.loss)?);
         }
         for t in &tasks {
             if config.hard_negatives > 0 {

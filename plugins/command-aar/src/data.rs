@@ -181,6 +181,23 @@ impl RecordLog {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(e) => return Err(e).with_context(|| format!("{}: cannot read", path.display())),
         };
+        let (records, whole) = Self::whole_records(path, &bytes)?;
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+        if whole < bytes.len() {
+            file.set_len(whole as u64).with_context(|| format!("{}: cannot cut the partial last record", path.display()))?;
+        }
+        Ok((RecordLog { path: path.to_path_buf(), file }, records))
+    }
+
+    /// The whole records of `path`, read without writing to it (a run may still be appending:
+    /// a last line it is writing is left out).
+    pub fn read(path: &Path) -> Result<Vec<Value>> {
+        let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
+        Ok(Self::whole_records(path, &bytes)?.0)
+    }
+
+    /// The records of the whole lines of `bytes` (read from `path`), and how many bytes they take.
+    fn whole_records(path: &Path, bytes: &[u8]) -> Result<(Vec<Value>, usize)> {
         let mut records = Vec::new();
         let mut whole = 0;
         for line in bytes.split_inclusive(|&b| b == b'\n') {
@@ -196,11 +213,7 @@ impl RecordLog {
             }
             whole += line.len();
         }
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("{}: cannot open", path.display()))?;
-        if whole < bytes.len() {
-            file.set_len(whole as u64).with_context(|| format!("{}: cannot cut the partial last record", path.display()))?;
-        }
-        Ok((RecordLog { path: path.to_path_buf(), file }, records))
+        Ok((records, whole))
     }
 
     /// Append records in one write, flushed to the disk before returning.

@@ -146,16 +146,6 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         }),
     };
     let a = &cfg.aar;
-    let select_key = |score_key: &Value| {
-        if a.replug() {
-            // No negatives in this mode; K only sets the analysis (which the stage writes).
-            return json!({"retrieve": retrieve_key, "score": score_key, "k": a.k, "seed": cfg.seed, "mode": "replug"});
-        }
-        json!({
-            "retrieve": retrieve_key, "score": score_key, "k": a.k, "exactly_three": a.exactly_three, "negatives_depth": a.negatives_depth,
-            "negatives_sampled": a.negatives_sampled, "negatives_per_query": a.negatives_per_query, "seed": cfg.seed,
-        })
-    };
 
     let (queries, retrieve_report, retrieve_how) = retrieve::run(cfg, host, &stages, &retrieve_key)?;
     log_stage(host, "retrieve", retrieve_how)?;
@@ -166,7 +156,15 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         "top_n_sha256": data::top_n_sha256(&queries, a.n), "corpus_sha256": retrieve_key["corpus_sha256"], "n": a.n,
         "passage_chars": a.passage_chars, "asked": a.k > 0, "source": if a.k > 0 { source_key } else { Value::Null },
     });
-    let select_key = select_key(&score_key);
+    let select_key = if a.replug() {
+        // No negatives in this mode; K only sets the analysis (which the stage writes).
+        json!({"retrieve": retrieve_key, "score": score_key, "k": a.k, "seed": cfg.seed, "mode": "replug"})
+    } else {
+        json!({
+            "retrieve": retrieve_key, "score": score_key, "k": a.k, "exactly_three": a.exactly_three, "negatives_depth": a.negatives_depth,
+            "negatives_sampled": a.negatives_sampled, "negatives_per_query": a.negatives_per_query, "seed": cfg.seed,
+        })
+    };
     // The device is no part of any key (as in the host's own identities): a run begun on the
     // CPU may resume on CUDA.
     let train_key = json!({"select": select_key, "train": cfg.train});

@@ -375,18 +375,12 @@ fn report(queries: &[Retrieved], latest: &HashMap<String, Value>, n: usize) -> R
 }
 
 /// The scores another run's score stage recorded (`RUN/stages/score/scores.jsonl`), by query,
-/// read without writing to it (that run may still be scoring: a last line it is writing is
-/// left out); and whether its score stage is finished.
+/// read without writing to it (that run may still be scoring); and whether its score stage is
+/// finished.
 pub fn load_run(run: &Path) -> Result<(HashMap<String, Scores>, bool)> {
     let path = run.join("stages/score").join(RESULT_FILE);
-    let text = std::fs::read_to_string(&path).with_context(|| format!("{}: not an aar-train run with LM scores ({} cannot be read)", run.display(), path.display()))?;
-    let mut out = HashMap::new();
-    let complete = if text.ends_with('\n') { text.as_str() } else { text.rsplit_once('\n').map_or("", |(head, _)| head) };
-    for (n, line) in complete.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let r: Value = serde_json::from_str(line).with_context(|| format!("{}:{}: not a score record", path.display(), n + 1))?;
-        out.insert(r["query_id"].as_str().context("a score record without query_id")?.to_string(), parse(&r)?);
-    }
-    Ok((out, run.join("stages/score.done.json").exists()))
+    let records = RecordLog::read(&path).with_context(|| format!("{}: not an aar-train run with LM scores", run.display()))?;
+    Ok((by_query(&records)?, run.join("stages/score.done.json").exists()))
 }
 
 /// The latest record of each query in a finished stage's file.
@@ -394,9 +388,13 @@ fn load(path: &Path) -> Result<HashMap<String, Scores>> {
     if !path.exists() {
         bail!("{}: missing, though the score stage is marked done; rerun with --overwrite after changing a source setting, or remove the output folder, to score again", path.display());
     }
-    let (_, records) = RecordLog::open(path)?;
+    by_query(&RecordLog::read(path)?)
+}
+
+/// Each query's latest record.
+fn by_query(records: &[Value]) -> Result<HashMap<String, Scores>> {
     let mut out = HashMap::new();
-    for r in &records {
+    for r in records {
         out.insert(r["query_id"].as_str().context("a score record without query_id")?.to_string(), parse(r)?);
     }
     Ok(out)
