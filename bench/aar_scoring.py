@@ -19,14 +19,17 @@ as many others), MiniLM's top N = 10 for each.
     EncDecAttention `q` and `k` projections (what the module computes anyway), reduced as
     REFERENCE §6 says (padding zeroed, summed over layers, heads and tokens, divided by real
     tokens x layers x heads). Its scores are checked against ours.
-  Both on the same threads (--threads: torch.set_num_threads here, OMP/MKL for ours), float32.
+  Both on the same threads (--threads: torch.set_num_threads here, OMP/MKL for ours), float32;
+  with --device cuda both on the GPU (bench/gpu_check.sh, with --retriever: a MiniLM-shaped
+  retriever, since MiniLM's weights do not travel to the GPU machine).
 
 Part `blackbox`: `host aar-train --source openai` against SmolLM2-135M behind llama-server
 (scripts/llama-server.sh), Q queries x N passages, each scored by the log-likelihood of the
 gold answer (tokens forced one by one: llama.cpp has no echo); then a second run over the same
 connector cache (a new output folder): what a rerun costs when every reply is cached.
 
-    .venv/bin/python bench/aar_scoring.py [--part fid|blackbox] [--queries 16] [--threads 2] [--out FILE]
+    .venv/bin/python bench/aar_scoring.py [--part fid|blackbox] [--queries 16] [--threads 2] [--device cpu|cuda]
+        [--retriever DIR] [--out FILE]
 
 Needs torch and transformers in the venv (bench/requirements.txt).
 """
@@ -52,7 +55,7 @@ PASSAGE_CHARS = 500
 
 def small_data(work, queries, others_per_query=40):
     """Q squad training queries spread over the file, their gold passages and others."""
-    out = work / "data"
+    out = work / f"data-{queries}"
     if (out / "done").exists():
         return out
     (out / "tasks/squad").mkdir(parents=True, exist_ok=True)
@@ -89,9 +92,9 @@ def recipe(work, data, source, batch_size, extra_settings=""):
     return path
 
 
-def aar_train(host, rec, out, source, env, extra=()):
+def aar_train(host, rec, out, source, env, extra=(), retriever=MINILM):
     shutil.rmtree(out, ignore_errors=True)
-    res = subprocess.run([host, "aar-train", "--source", source, "--encoder", "dpr", "--model", str(MINILM),
+    res = subprocess.run([host, "aar-train", "--source", source, "--encoder", "dpr", "--model", str(retriever),
                           "--config", str(rec), "--output-dir", str(out), *extra],
                          capture_output=True, text=True, env=env)
     if res.returncode != 0:
@@ -116,7 +119,7 @@ def flan_t5_base_shape(work):
     return d
 
 
-def transformers_scores(model_dir, items, batch_size, threads):
+def transformers_scores(model_dir, items, batch_size, threads, device="cpu"):
     """The same preferences in transformers: the seconds and the scores per query."""
     import torch
     from transformers import PreTrainedTokenizerFast, T5ForConditionalGeneration
@@ -124,7 +127,7 @@ def transformers_scores(model_dir, items, batch_size, threads):
     # The checkpoint's tokenizer.json itself, as ours reads it (AutoTokenizer would rebuild a
     # T5Tokenizer from tokenizer_config.json, which maps a few characters differently).
     tok = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"), pad_token="<pad>", eos_token="</s>")
-    model = T5ForConditionalGeneration.from_pretrained(model_dir, attn_implementation="eager").eval()
+    model = T5ForConditionalGeneration.from_pretrained(model_dir, attn_implementation="eager").eval().to(device)
     captured = {}
 
     def keep(name):
@@ -145,14 +148,14 @@ def transformers_scores(model_dir, items, batch_size, threads):
             texts = [p[:PASSAGE_CHARS] + prompt for prompt, ps in batch for p in ps]
             enc = tok(texts, padding=True, truncation=True, max_length=512, return_tensors="pt")
             b, n = len(batch), len(batch[0][1])
-            ids, mask = enc["input_ids"], enc["attention_mask"]
+            ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
             length = ids.shape[1]
             hidden = model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state.reshape(b, n * length, -1)
             cat_mask = mask.reshape(b, n * length)
             captured.clear()
-            model.decoder(input_ids=torch.zeros(b, 1, dtype=torch.long), encoder_hidden_states=hidden,
+            model.decoder(input_ids=torch.zeros(b, 1, dtype=torch.long, device=device), encoder_hidden_states=hidden,
                           encoder_attention_mask=cat_mask, use_cache=False)
-            total = torch.zeros(b, n * length)
+            total = torch.zeros(b, n * length, device=device)
             for q, k in zip(captured["q"], captured["k"]):
                 q = q.view(b, 1, heads, dkv).transpose(1, 2)            # [b, h, 1, dkv]
                 k = k.view(b, n * length, heads, dkv).transpose(1, 2)   # [b, h, nL, dkv]
@@ -163,6 +166,8 @@ def transformers_scores(model_dir, items, batch_size, threads):
             total = (total * cat_mask).view(b, n, length).sum(2)
             real = mask.view(b, n, length).sum(2)
             scores.extend((total / (real * layers * heads)).tolist())
+    if device != "cpu":
+        torch.cuda.synchronize()
     return time.perf_counter() - t, scores, sum(magnitude) / len(magnitude)
 
 
@@ -171,7 +176,7 @@ def part_fid(a, env):
     model = flan_t5_base_shape(work)
     data = small_data(work, a.queries)
     out = work / "ours-fid"
-    s = aar_train(a.host, recipe(work, data, "fid", a.batch_size), out, str(model), env)
+    s = aar_train(a.host, recipe(work, data, "fid", a.batch_size), out, str(model), env, ["--device", a.device], a.retriever)
     ours = s["scoring"]
     retrieved = {json.loads(l)["query_id"]: json.loads(l) for l in open(out / "stages/retrieve/retrieved.jsonl")}
     corpus = {}
@@ -182,14 +187,14 @@ def part_fid(a, env):
     # In the order ours asked (the retrieve stage's order), the same batches.
     order = [json.loads(l)["query_id"] for l in open(out / "stages/retrieve/retrieved.jsonl")]
     items = [(" " + retrieved[q]["query"], [corpus[p] for p in retrieved[q]["hits"][:N]]) for q in order]
-    secs, theirs, logit_size = transformers_scores(model, items, a.batch_size, a.threads)
+    secs, theirs, logit_size = transformers_scores(model, items, a.batch_size, a.threads, a.device)
     mine = {r["query_id"]: r["scores"] for r in records}
     diffs = sorted(abs(x - y) for q, row in zip(order, theirs) for x, y in zip(mine[q], row))
     diff = diffs[-1]
     top = lambda row: set(sorted(range(len(row)), key=lambda i: -row[i])[:2])  # noqa: E731
     same_top2 = sum(top(mine[q]) == top(row) for q, row in zip(order, theirs)) / len(order)
     passages = sum(len(ps) for _, ps in items)
-    row = {"part": "fid", "queries": len(items), "passages": passages, "batch_size": a.batch_size, "threads": a.threads,
+    row = {"part": "fid", "device": a.device, "queries": len(items), "passages": passages, "batch_size": a.batch_size, "threads": a.threads,
            "ours_passages_per_s": ours["scored_per_second"], "ours_seconds": ours["seconds"],
            "transformers_passages_per_s": passages / secs, "transformers_seconds": secs,
            "ratio": ours["scored_per_second"] / (passages / secs), "max_abs_score_diff": diff,
@@ -227,6 +232,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--host", default=str(ROOT / "target/release/host"))
     ap.add_argument("--work", default="/tmp/rak-bench-aar")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--retriever", default=str(MINILM), help="the starting retriever (a sentence-transformers folder)")
     ap.add_argument("--out")
     a = ap.parse_args()
     Path(a.work).mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,17 @@
 #   4. the T5 parity tests on CUDA (ST5 embeddings, FiD generation and cross-attention
 #      passage scores against transformers' values, bf16);
 #   5. `host encode --device cuda` against sentence-transformers on the same GPU, the same
-#      model and corpus: embeddings and passages per second.
+#      model and corpus: embeddings and passages per second;
+#   6. `host aar-train` with a white-box source on CUDA (issue 22, item 3): the fixture T5 read
+#      as FiD scores the top 10 of 64 squad queries in float32 and in bf16, then 5 training
+#      steps; bf16's scores against float32's, and passages per second;
+#   7. bench/aar_scoring.py's FiD part on the GPU: our preference scores against transformers'
+#      (a random T5 of Flan-T5-base's shape), both on the GPU: passages per second and the
+#      largest difference;
+#   8. bench/train_step.py's DPR step on the GPU, ours against a plain PyTorch loop, float32 and
+#      bf16 autocast (sentence-transformers is left out: the machine's copy lacks `datasets`).
+# A step that fails says FAIL and the next one still runs (a lent machine's minutes are few);
+# the script's status is 1 if any step failed.
 # Here: bench/gpu_pack.sh (after a release build and `cargo test --release --no-run`). Then,
 # with the device tool (carry .gpu; the machine has python3 with torch, transformers and
 # sentence-transformers):
@@ -31,9 +41,11 @@ export LD_LIBRARY_PATH=$($PY -c 'import os, torch; print(os.path.join(os.path.di
 export RAK_PLUGIN_PATH=$W/bin
 H=$W/bin/host
 step() { echo; echo "== $* ($(date -u +%H:%M:%S))"; }
+failed=0
+fail() { echo "FAIL: $*"; failed=1; }
 
 step "1. doctor"
-$H doctor
+$H doctor || fail doctor
 
 step "making a MiniLM-shaped model with random weights (dropout off) and a small training set"
 $PY bench/gpu_data.py --tokenizer .gpu/minilm --out "$W" || exit 1
@@ -41,25 +53,77 @@ $H index build --kind bm25 --corpus data/minikilt/corpus.jsonl --output "$W/bm25
 
 step "2. the training step on $DEVICE against the CPU's (float32, dropout off, 2 AdamW steps)"
 for dev in cpu "$DEVICE"; do
-    $H train --device "$dev" --model "$W/model" --config "$W/recipe.toml" --output-dir "$W/step-$dev" --max-steps 2 --overwrite-output-dir >/dev/null || exit 1
+    timeout 240 $H train --device "$dev" --model "$W/model" --config "$W/recipe.toml" --output-dir "$W/step-$dev" --max-steps 2 --overwrite-output-dir >/dev/null || fail "train on $dev"
     cp -r "$W/step-$dev" "$W/done-$dev-$RANDOM"
 done
-$PY bench/gpu_data.py --compare $(ls -d "$W"/done-cpu-* | head -1) $(ls -d "$W"/done-"$DEVICE"-* | tail -1) --tolerance 1e-4
+$PY bench/gpu_data.py --compare $(ls -d "$W"/done-cpu-* | head -1) $(ls -d "$W"/done-"$DEVICE"-* | tail -1) --tolerance 1e-4 || fail "step 2"
 
 step "3. bf16 training on $DEVICE (float32 weights, autocast), 3 steps, against float32"
 for p in f32 bf16; do
     flag=(); [[ $p == bf16 ]] && flag=(--bf16)
     start=$(date +%s.%N)
-    $H train --device "$DEVICE" --model "$W/model" --config "$W/recipe.toml" --output-dir "$W/train-$p" --max-steps 3 "${flag[@]}" >/dev/null || exit 1
+    timeout 240 $H train --device "$DEVICE" --model "$W/model" --config "$W/recipe.toml" --output-dir "$W/train-$p" --max-steps 3 "${flag[@]}" >/dev/null || fail "train $p"
     echo "$p: $($PY -c "print(round($(date +%s.%N) - $start, 1))") s for 3 steps (the whole command)"
 done
-$PY bench/gpu_data.py --moved "$W/model" "$W/train-f32" "$W/train-bf16"
+$PY bench/gpu_data.py --moved "$W/model" "$W/train-f32" "$W/train-bf16" || fail "step 3"
 
 step "4. T5 parity tests on $DEVICE (FiD cross-attention scores, bf16)"
-RAK_T5_FIXTURES=$PWD/tests/fixtures/t5 "$W/bin/t5_parity" --test-threads 1 --nocapture 2>&1 | grep -E "^test |bf16|fid|Cuda|result"
+RAK_T5_FIXTURES=$PWD/tests/fixtures/t5 timeout 240 "$W/bin/t5_parity" --test-threads 1 --nocapture > "$W/t5.log" 2>&1 || fail "t5_parity"
+grep -E "^test |bf16|fid|Cuda|result" "$W/t5.log"
 
 step "5. host encode on $DEVICE against sentence-transformers (same GPU, model, corpus)"
 # A first run warms the page cache and the GPU; the second is timed.
-$H encode --encoder dpr --model "$W/model" --device "$DEVICE" --batch-size 128 --input "$CORPUS" --output "$W/emb" >/dev/null 2>&1
-$PY bench/gpu_data.py --st "$W/model" --device "$DEVICE" --corpus "$CORPUS" --host "$H"
-echo; echo "gpu_check: done"
+timeout 240 $H encode --encoder dpr --model "$W/model" --device "$DEVICE" --batch-size 128 --input "$CORPUS" --output "$W/emb" >/dev/null 2>&1
+timeout 300 $PY bench/gpu_data.py --st "$W/model" --device "$DEVICE" --corpus "$CORPUS" --host "$H" || fail "step 5"
+
+step "6. aar-train, white-box source on $DEVICE: FiD scores in float32 and bf16, 5 training steps"
+for p in f32 bf16; do
+    cat > "$W/aar-$p.toml" <<EOF
+[source]
+reader_template = " {question}"
+batch_size = 16
+settings = { bf16 = $([[ $p == bf16 ]] && echo true || echo false) }
+[data]
+corpus = "$PWD/$CORPUS"
+task_dir = "$PWD/data/minikilt/tasks"
+task = "squad"
+split = "train"
+max_queries = ${AAR_QUERIES:-64}
+[aar]
+n = 10
+k = 2
+negatives_depth = 50
+negatives_sampled = 10
+negatives_per_query = 2
+[train]
+optim = "adamw"
+learning_rate = 2e-5
+per_device_train_batch_size = 8
+max_steps = 5
+warmup_ratio = 0.0
+score_scale = 20.0
+logging_steps = 1
+save_steps = 5
+[model]
+encoder = "dpr"
+settings = { max_length = 128 }
+EOF
+    start=$(date +%s.%N)
+    timeout 300 $H aar-train --source tests/fixtures/t5/t5-v1_1 --encoder dpr --model "$W/model" --config "$W/aar-$p.toml" \
+        --device "$DEVICE" --output-dir "$W/aar-$p" > "$W/aar-$p.json" 2> "$W/aar-$p.err" || { tail -5 "$W/aar-$p.err"; fail "aar-train $p"; }
+    echo "$p: $($PY -c "print(round($(date +%s.%N) - $start, 1))") s (the whole command: retrieve, score, select, 5 steps)"
+done
+$PY bench/gpu_data.py --aar "$W/aar-f32" "$W/aar-bf16" || fail "step 6"
+
+step "7. FiD preference scoring on $DEVICE against transformers (a random T5 of Flan-T5-base's shape, float32)"
+timeout 300 $PY bench/aar_scoring.py --part fid --device "$DEVICE" --queries ${AAR_BENCH_QUERIES:-64} --threads 8 --host "$H" \
+    --retriever "$W/model" --work "$W/aar-bench" --out "$OUT/aar_scoring.json" || fail "step 7"
+
+step "8. a DPR training step on $DEVICE: ours against a PyTorch loop (float32, then bf16 autocast)"
+for b in "" --bf16; do
+    timeout 240 $PY bench/train_step.py --only dpr --steps 30 --threads 8 --device "$DEVICE" $b --no-st --model "$W/model" \
+        --host "$H" --negatives "$W/negatives.json" --out "$OUT/train-step-$DEVICE${b:+-bf16}.json" 2>&1 | tail -6 || fail "step 8 $b"
+done
+echo; [[ $failed == 0 ]] && echo "gpu_check: done, every step OK" || echo "gpu_check: done, some step FAILED"
+exit $failed
+

@@ -8,6 +8,8 @@ sentence-transformers).
                                    script; W/recipe.toml trains it on squad + fever.
   --compare A B --tolerance T      max |A - B| over the weights of two trained models; exit 1 if > T
   --moved START F32 BF16           the bf16 run's weights: float32, finite, moved like float32's
+  --aar F32 BF16                   two aar-train runs' white-box scores (stages/score/scores.jsonl)
+                                   and scoring rates: bf16 against float32 on the same passages
   --st MODEL --device D --corpus C --host H
                                    host encode (timed, second run) against sentence-transformers'
                                    encode of the same passages on the same device: embeddings
@@ -88,6 +90,37 @@ def moved(start, f32, bf16):
     return ok
 
 
+def aar(f32, bf16):
+    def run(d):
+        recs = {}
+        for line in open(Path(d) / "stages/score/scores.jsonl", encoding="utf-8"):
+            r = json.loads(line)
+            recs[r["query_id"]] = dict(zip(r["passages"], r["scores"]))
+        summary = json.loads((Path(d) / "stages/summary.json").read_text())
+        return recs, summary.get("scoring", {})
+    (a, sa), (b, sb) = run(f32), run(bf16)
+    diffs, same_top, queries, missing = [], 0, 0, 0
+    for q, sc in a.items():
+        other = b.get(q, {})
+        pairs = [(p, s, other.get(p)) for p, s in sc.items() if s is not None]
+        if not pairs or any(t is None for _, _, t in pairs):
+            missing += 1
+            continue
+        queries += 1
+        diffs += [abs(s - t) for _, s, t in pairs]
+        top = lambda i: {p for p, *_ in sorted(pairs, key=lambda x: -x[i])[:2]}
+        same_top += top(1) == top(2)
+    for name, s in (("float32", sa), ("bf16", sb)):
+        print(f"{name}: scored {s.get('scored')} passages in {s.get('seconds')} s, {s.get('scored_per_second')} passages/s")
+    if not diffs:
+        print("FAIL: no query scored by both runs")
+        return False
+    ok = missing == 0 and max(diffs) < 0.1 and same_top >= 0.8 * queries
+    print(f"{'OK' if ok else 'FAIL'}: {queries} queries scored by both ({missing} not); |bf16 - float32| max {max(diffs):.3e}, "
+          f"mean {sum(diffs) / len(diffs):.3e}; same top 2 on {same_top} of {queries}")
+    return ok
+
+
 def st(model, device, corpus, host):
     from sentence_transformers import SentenceTransformer
     rows = [json.loads(l) for l in open(corpus, encoding="utf-8") if l.strip()]
@@ -128,6 +161,7 @@ def main():
     ap.add_argument("--compare", nargs=2)
     ap.add_argument("--tolerance", type=float, default=1e-4)
     ap.add_argument("--moved", nargs=3)
+    ap.add_argument("--aar", nargs=2)
     ap.add_argument("--st")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--corpus")
@@ -140,6 +174,8 @@ def main():
         ok = compare(*a.compare, a.tolerance)
     elif a.moved:
         ok = moved(*a.moved)
+    elif a.aar:
+        ok = aar(*a.aar)
     else:
         ok = st(a.st, a.device, a.corpus, a.host)
     sys.exit(0 if ok else 1)

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .gpu && mkdir -p .gpu/bin .gpu/minilm
-for f in host librak_encoder_dpr.so librak_encoder_taco.so librak_reader_fid.so librak_optim_adamw.so librak_optim_tsage.so; do
+for f in host librak_encoder_dpr.so librak_encoder_taco.so librak_reader_fid.so librak_optim_adamw.so librak_optim_tsage.so librak_command_aar.so; do
     cp target/release/$f .gpu/bin/
 done
 # The T5 parity tests (FiD cross-attention scores, bf16) run on CUDA when there is one.

@@ -39,6 +39,12 @@ none of them spends time or memory on BM25, and the Python loops read the same f
 
   .venv/bin/python bench/train_step.py [--steps 20] [--threads 2] [--only dpr|tsage]
       [--out bench/results/train-step-DATE.json] [--negatives FILE (reused if present)]
+      [--device cpu|cuda] [--bf16] [--no-st]
+
+--device cuda runs ours, the PyTorch loop and sentence-transformers on the GPU (the torch loop
+synchronises before each step's clock stops); --bf16 trains all three with float32 weights
+under bf16 autocast (ours `--bf16`, the loop torch.autocast, st's `bf16=True`). --no-st leaves
+sentence-transformers out (bench/gpu_check.sh: the GPU machine's copy is another version).
 """
 import argparse
 import json
@@ -187,7 +193,7 @@ def run_host(a, work, name, tasks, optim, optim_settings, max_steps, negatives):
     write_recipe(recipe, a, tasks, optim, optim_settings, max_steps)
     if negatives:
         write_negatives(negatives, os.path.join(out, "negatives-episode-0.json"), tasks)
-    cmd = [a.host, "train", "--config", recipe, "--output-dir", out]
+    cmd = [a.host, "train", "--config", recipe, "--output-dir", out, "--device", a.device] + (["--bf16"] if a.bf16 else [])
     rss_file = os.path.join(work, f"{name}.time")
     timed = os.path.exists("/usr/bin/time")
     full = (["/usr/bin/time", "-v", "-o", rss_file] if timed else []) + cmd
@@ -353,8 +359,9 @@ def torch_loop(a, triples, max_steps):
     load = os.getloadavg()
     torch.manual_seed(SEED)
     tok = AutoTokenizer.from_pretrained(a.model)
-    model = AutoModel.from_pretrained(a.model, dtype=torch.float32)
+    model = AutoModel.from_pretrained(a.model, dtype=torch.float32).to(a.device)
     model.train()
+    cuda = a.device != "cpu"
     opt = torch.optim.AdamW(decay_groups(model), lr=LR)
     sched = get_linear_schedule_with_warmup(opt, 0, max_steps)
 
@@ -370,13 +377,17 @@ def torch_loop(a, triples, max_steps):
         q = tok([r[0] for r in rows], truncation=True, max_length=MAX_LENGTH, padding="longest", return_tensors="pt")
         # Query i's group at rows 2i (gold) and 2i+1 (negative), as ours.
         p = tokenize_passages(tok, [x for r in rows for x in (r[1], r[2])])
-        scores = embed(q) @ embed(p).T
-        loss = F.cross_entropy(scores, torch.arange(len(rows)) * 2)
+        q, p = q.to(a.device), p.to(a.device)
+        with torch.autocast(a.device.split(":")[0], dtype=torch.bfloat16, enabled=a.bf16):
+            scores = embed(q) @ embed(p).T
+        loss = F.cross_entropy(scores.float(), torch.arange(len(rows), device=a.device) * 2)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
         step_s.append(time.perf_counter() - t0)
     return {
         **summary(step_s[SKIP:]),
@@ -400,7 +411,7 @@ def st_trainer(a, triples, max_steps, work):
 
     load = os.getloadavg()
     torch.manual_seed(SEED)
-    model = SentenceTransformer(a.model, device="cpu")
+    model = SentenceTransformer(a.model, device=a.device)
     model.max_seq_length = MAX_LENGTH
     sep = model.tokenizer.sep_token
     data = Dataset.from_dict({
@@ -444,7 +455,8 @@ def st_trainer(a, triples, max_steps, work):
         logging_strategy="no",
         eval_strategy="no",
         report_to="none",
-        use_cpu=True,
+        use_cpu=a.device == "cpu",
+        bf16=a.bf16,
         dataloader_num_workers=0,
         dataloader_drop_last=True,
         disable_tqdm=True,
@@ -476,15 +488,12 @@ def part_dpr(a, work, negatives):
     triples = load_triples(a, negatives, DPR_TASKS[0], max_steps * BATCH)
     torch_r = torch_loop(a, triples, max_steps)
     print(json.dumps({"dpr": "torch", **torch_r}), flush=True)
-    st_r = st_trainer(a, triples, max_steps, work)
-    print(json.dumps({"dpr": "st", **st_r}), flush=True)
-    return {
-        "ours": ours,
-        "torch": torch_r,
-        "st": st_r,
-        "ours_over_torch": round(ours["median_s"] / torch_r["median_s"], 3),
-        "ours_over_st": round(ours["median_s"] / st_r["median_s"], 3),
-    }
+    r = {"ours": ours, "torch": torch_r, "ours_over_torch": round(ours["median_s"] / torch_r["median_s"], 3)}
+    if not a.no_st:
+        st_r = st_trainer(a, triples, max_steps, work)
+        print(json.dumps({"dpr": "st", **st_r}), flush=True)
+        r.update(st=st_r, ours_over_st=round(ours["median_s"] / st_r["median_s"], 3))
+    return r
 
 
 def part_tsage(a, work, negatives, params):
@@ -516,13 +525,15 @@ def table(result):
     if "dpr" in result:
         d = result["dpr"]
         out += [
-            f"\nDPR step (batch {BATCH} + {BATCH} hard negatives, max length {MAX_LENGTH}, {result['threads']} threads, median of {result['steps']} steps)\n",
+            f"\nDPR step (batch {BATCH} + {BATCH} hard negatives, max length {MAX_LENGTH}, {result['threads']} threads, {result['device']}"
+            f"{', bf16 autocast' if result['bf16'] else ', float32'}, median of {result['steps']} steps)\n",
             "| implementation | s/step | ours / this |",
             "|---|---:|---:|",
             f"| ours (host train) | {d['ours']['median_s']:.3f} | 1.000 |",
             f"| PyTorch loop | {d['torch']['median_s']:.3f} | {d['ours_over_torch']:.3f} |",
-            f"| sentence-transformers trainer | {d['st']['median_s']:.3f} | {d['ours_over_st']:.3f} |",
         ]
+        if "st" in d:
+            out.append(f"| sentence-transformers trainer | {d['st']['median_s']:.3f} | {d['ours_over_st']:.3f} |")
     if "tsage" in result:
         t = result["tsage"]
         fmt = lambda v, f: "" if v is None else format(v, f)
@@ -555,6 +566,9 @@ def main():
     ap.add_argument("--model", default=os.path.join(ROOT, ".cache/models/all-MiniLM-L6-v2"))
     ap.add_argument("--corpus", default=os.path.join(ROOT, "data/minikilt/corpus.jsonl"))
     ap.add_argument("--task-dir", default=os.path.join(ROOT, "data/minikilt/tasks"))
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (all implementations)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast, float32 weights (all implementations)")
+    ap.add_argument("--no-st", action="store_true", help="leave sentence-transformers' trainer out")
     ap.add_argument("--negatives", help="negatives-episode-0.json of the 4 tasks at depth 1: reused if it exists, else written there")
     a = ap.parse_args()
     for k in ("host", "model", "corpus", "task_dir"):
@@ -569,20 +583,24 @@ def main():
     work = tempfile.mkdtemp(prefix="bench-train-step-")
     try:
         negatives, neg_info = prepare_negatives(a, work)
-        result = {"steps": a.steps, "skipped_steps": SKIP, "threads": a.threads, "batch_size": BATCH, "max_length": MAX_LENGTH, "negatives": neg_info}
+        result = {"steps": a.steps, "skipped_steps": SKIP, "threads": a.threads, "device": a.device, "bf16": a.bf16, "batch_size": BATCH, "max_length": MAX_LENGTH, "negatives": neg_info}
         if a.only in (None, "dpr"):
             result["dpr"] = part_dpr(a, work, negatives)
         if a.only in (None, "tsage"):
             result["tsage"] = part_tsage(a, work, negatives, param_count(a.model))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    import sentence_transformers
     import transformers
 
+    try:
+        import sentence_transformers
+        st_version = sentence_transformers.__version__
+    except ImportError:
+        st_version = None
     result.update({
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "sentence_transformers": sentence_transformers.__version__,
+        "sentence_transformers": st_version,
         "host": a.host,
         "machine": describe(),
         "load_average_end": os.getloadavg(),
