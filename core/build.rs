@@ -4,6 +4,41 @@ fn main() {
     // come from rak-abi's build script.)
     let libtorch = rak_build::link_libtorch();
     compile_onednn_shim(&libtorch.lib_dir);
+    compile_dist_shim(&libtorch.lib_dir);
+}
+
+/// The c10d shim (`csrc/dist.cpp`): multi-process training over libtorch's own TCPStore and
+/// Gloo. The torch wheel ships c10d's headers and Gloo's code (inside libtorch_cpu) but not
+/// Gloo's own headers, which `ProcessGroupGloo.hpp` includes; Debian's `libgloo-dev` has them
+/// (scripts/install.sh installs it). Without them the shim is left out and `cfg(rak_c10d)` is
+/// unset: multi-process training then says what to install instead of failing to build.
+fn compile_dist_shim(lib_dir: &std::path::Path) {
+    println!("cargo:rustc-check-cfg=cfg(rak_c10d)");
+    println!("cargo:rerun-if-changed=csrc/dist.cpp");
+    println!("cargo:rerun-if-env-changed=RAK_GLOO_INCLUDE");
+    let gloo = std::env::var_os("RAK_GLOO_INCLUDE").map(std::path::PathBuf::from).unwrap_or_else(|| "/usr/include".into());
+    println!("cargo:rerun-if-changed={}", gloo.join("gloo/config.h").display());
+    if !gloo.join("gloo/config.h").exists() {
+        println!("cargo:warning=Gloo's headers not found (apt install libgloo-dev, or RAK_GLOO_INCLUDE=DIR): multi-process training is left out of this build");
+        return;
+    }
+    let include = lib_dir.parent().expect("libtorch lib dir has a parent").join("include");
+    let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
+    cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .warnings(false)
+        // After torch's own headers, so that only Gloo's come from here.
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .include(&gloo)
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        .flag("-DGLOG_USE_GLOG_EXPORT")
+        .flag("-DUSE_C10D_GLOO")
+        .file("csrc/dist.cpp")
+        .compile("rak_dist");
+    println!("cargo:rustc-cfg=rak_c10d");
 }
 
 /// The small C++ files: libtorch's oneDNN linear operators called by name, and the autograd

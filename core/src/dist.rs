@@ -1,0 +1,257 @@
+//! Multi-process groups over libtorch's own c10d (`csrc/dist.cpp`): a TCPStore rendezvous and a
+//! Gloo process group, with the collectives data-parallel training needs (sum, gather,
+//! broadcast, barrier). The same engine `torch.distributed` runs, so the usual launch variables
+//! (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) mean what they mean there.
+//!
+//! Collectives carry no autograd: a caller that gathers embeddings for the loss puts its own
+//! slice, with its graph, back in place of the gathered copy.
+
+use anyhow::{bail, Result};
+use std::time::Duration;
+use tch::Tensor;
+
+/// Where and how a process joins its group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rendezvous {
+    /// The store's host (rank 0's address) and port.
+    pub host: String,
+    pub port: u16,
+    pub rank: usize,
+    pub world: usize,
+    /// The store is already served (torchrun's agent store): every rank connects as a client.
+    pub store_is_client: bool,
+    /// Bounds the rendezvous and every collective: a rank that dies makes the others fail
+    /// within it instead of hanging.
+    pub timeout: Duration,
+}
+
+impl Rendezvous {
+    /// From the launch variables torchrun and the like set: `RANK`, `WORLD_SIZE`,
+    /// `MASTER_ADDR` (default 127.0.0.1), `MASTER_PORT`, and `TORCHELASTIC_USE_AGENT_STORE`
+    /// (`True`: the agent serves the store). `None` when `WORLD_SIZE` is unset.
+    pub fn from_env(timeout: Duration) -> Result<Option<Self>> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let Some(world) = var("WORLD_SIZE") else { return Ok(None) };
+        let num = |name: &str, v: &str| -> Result<usize> { v.parse().map_err(|_| anyhow::anyhow!("{name}={v:?} is not a whole number")) };
+        let world = num("WORLD_SIZE", &world)?;
+        let Some(rank) = var("RANK") else { bail!("WORLD_SIZE is set but RANK is not: set both, as torchrun does") };
+        let rank = num("RANK", &rank)?;
+        let Some(port) = var("MASTER_PORT") else { bail!("WORLD_SIZE is set but MASTER_PORT is not: the rendezvous needs rank 0's port") };
+        let port: u16 = port.parse().map_err(|_| anyhow::anyhow!("MASTER_PORT={port:?} is not a port number"))?;
+        let r = Rendezvous {
+            host: var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
+            port,
+            rank,
+            world,
+            store_is_client: var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true")),
+            timeout,
+        };
+        r.check()?;
+        Ok(Some(r))
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.world == 0 || self.rank >= self.world {
+            bail!("rank {} of a world of {}: the rank must be below the world size", self.rank, self.world);
+        }
+        Ok(())
+    }
+}
+
+/// A joined process group. Dropping it leaves the group.
+pub struct ProcessGroup {
+    #[cfg_attr(not(rak_c10d), allow(dead_code))]
+    handle: *mut std::ffi::c_void,
+    rank: usize,
+    world: usize,
+}
+
+// SAFETY: c10d process groups are used from one thread at a time here (`&mut self` for every
+// collective); moving the handle between threads is what torch's own Python bindings do.
+unsafe impl Send for ProcessGroup {}
+
+impl ProcessGroup {
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn world(&self) -> usize {
+        self.world
+    }
+}
+
+#[cfg(not(rak_c10d))]
+mod imp {
+    use super::*;
+
+    const MISSING: &str = "this build has no multi-process training: Gloo's headers were not found when it was built \
+         (apt install libgloo-dev, or set RAK_GLOO_INCLUDE, then rebuild)";
+
+    impl ProcessGroup {
+        pub fn join(r: &Rendezvous) -> Result<Self> {
+            r.check()?;
+            bail!("{MISSING}")
+        }
+        pub fn all_reduce_sum(&mut self, _tensors: &[&Tensor]) -> Result<()> {
+            bail!("{MISSING}")
+        }
+        pub fn all_gather(&mut self, _t: &Tensor) -> Result<Vec<Tensor>> {
+            bail!("{MISSING}")
+        }
+        pub fn broadcast(&mut self, _t: &Tensor, _root: usize) -> Result<()> {
+            bail!("{MISSING}")
+        }
+        pub fn barrier(&mut self) -> Result<()> {
+            bail!("{MISSING}")
+        }
+    }
+
+    pub const AVAILABLE: bool = false;
+}
+
+#[cfg(rak_c10d)]
+mod imp {
+    use super::*;
+    use std::ffi::{c_char, c_long, c_void, CStr, CString};
+
+    extern "C" {
+        fn rak_dist_init(
+            host: *const c_char,
+            port: i32,
+            rank: i32,
+            world: i32,
+            store_is_client: i32,
+            prefix: *const c_char,
+            timeout_ms: c_long,
+            err: *mut c_char,
+            len: usize,
+        ) -> *mut c_void;
+        fn rak_dist_free(g: *mut c_void);
+        fn rak_dist_allreduce_sum(g: *mut c_void, ts: *mut *mut c_void, n: i32, err: *mut c_char, len: usize) -> i32;
+        fn rak_dist_allgather(g: *mut c_void, input: *mut c_void, outputs: *mut *mut c_void, world: i32, err: *mut c_char, len: usize) -> i32;
+        fn rak_dist_broadcast(g: *mut c_void, t: *mut c_void, root: i32, err: *mut c_char, len: usize) -> i32;
+        fn rak_dist_barrier(g: *mut c_void, err: *mut c_char, len: usize) -> i32;
+    }
+
+    fn message(err: &[c_char]) -> String {
+        // SAFETY: the C++ side NUL-terminates within the buffer (or leaves it zeroed).
+        unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned()
+    }
+
+    fn ptr(t: &Tensor) -> *mut c_void {
+        t.as_ptr() as *mut c_void
+    }
+
+    impl ProcessGroup {
+        /// Joins the group (blocks until every rank has, or the timeout passes).
+        pub fn join(r: &Rendezvous) -> Result<Self> {
+            r.check()?;
+            let host = CString::new(r.host.as_str())?;
+            let prefix = CString::new("rak")?;
+            let mut err = [0 as c_char; 1024];
+            let timeout_ms = r.timeout.as_millis().min(c_long::MAX as u128) as c_long;
+            // SAFETY: the strings and the error buffer outlive the call.
+            let handle = unsafe {
+                rak_dist_init(host.as_ptr(), r.port as i32, r.rank as i32, r.world as i32, r.store_is_client as i32, prefix.as_ptr(), timeout_ms, err.as_mut_ptr(), err.len())
+            };
+            if handle.is_null() {
+                bail!("rank {} of {}: cannot join the group at {}:{}: {}", r.rank, r.world, r.host, r.port, message(&err));
+            }
+            Ok(ProcessGroup { handle, rank: r.rank, world: r.world })
+        }
+
+        /// Sums the tensors in place over every rank (contiguous, same shapes and kinds on
+        /// every rank; one coalesced call for several).
+        pub fn all_reduce_sum(&mut self, tensors: &[&Tensor]) -> Result<()> {
+            if tensors.is_empty() {
+                return Ok(());
+            }
+            let mut ts: Vec<*mut c_void> = tensors.iter().map(|t| ptr(t)).collect();
+            let mut err = [0 as c_char; 1024];
+            // SAFETY: live tensor handles for the length of the call.
+            if unsafe { rak_dist_allreduce_sum(self.handle, ts.as_mut_ptr(), ts.len() as i32, err.as_mut_ptr(), err.len()) } != 1 {
+                bail!("rank {} of {}: all-reduce failed: {}", self.rank, self.world, message(&err));
+            }
+            Ok(())
+        }
+
+        /// Every rank's `t` (same shape everywhere), in rank order; this rank's slot is a copy.
+        pub fn all_gather(&mut self, t: &Tensor) -> Result<Vec<Tensor>> {
+            let t = t.contiguous();
+            let outputs: Vec<Tensor> = (0..self.world).map(|_| t.empty_like()).collect();
+            let mut outs: Vec<*mut c_void> = outputs.iter().map(ptr).collect();
+            let mut err = [0 as c_char; 1024];
+            // SAFETY: live tensor handles for the length of the call.
+            if unsafe { rak_dist_allgather(self.handle, ptr(&t), outs.as_mut_ptr(), self.world as i32, err.as_mut_ptr(), err.len()) } != 1 {
+                bail!("rank {} of {}: all-gather failed: {}", self.rank, self.world, message(&err));
+            }
+            Ok(outputs)
+        }
+
+        /// Copies rank `root`'s `t` into every rank's `t`, in place.
+        pub fn broadcast(&mut self, t: &Tensor, root: usize) -> Result<()> {
+            let mut err = [0 as c_char; 1024];
+            // SAFETY: a live tensor handle for the length of the call.
+            if unsafe { rak_dist_broadcast(self.handle, ptr(t), root as i32, err.as_mut_ptr(), err.len()) } != 1 {
+                bail!("rank {} of {}: broadcast from rank {root} failed: {}", self.rank, self.world, message(&err));
+            }
+            Ok(())
+        }
+
+        /// Waits until every rank reaches it.
+        pub fn barrier(&mut self) -> Result<()> {
+            let mut err = [0 as c_char; 1024];
+            // SAFETY: the group is live.
+            if unsafe { rak_dist_barrier(self.handle, err.as_mut_ptr(), err.len()) } != 1 {
+                bail!("rank {} of {}: barrier failed: {}", self.rank, self.world, message(&err));
+            }
+            Ok(())
+        }
+    }
+
+    impl Drop for ProcessGroup {
+        fn drop(&mut self) {
+            // SAFETY: the handle came from rak_dist_init and is freed once.
+            unsafe { rak_dist_free(self.handle) };
+        }
+    }
+
+    pub const AVAILABLE: bool = true;
+}
+
+/// Whether this build can join process groups (Gloo's headers were found when it was built).
+pub const AVAILABLE: bool = imp::AVAILABLE;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn launch_variables_are_read_and_checked() {
+        // One test touches these variables (tests run in threads of one process).
+        let set = |vars: &[(&str, Option<&str>)]| {
+            for (k, v) in vars {
+                match v {
+                    Some(v) => std::env::set_var(k, v),
+                    None => std::env::remove_var(k),
+                }
+            }
+        };
+        let t = Duration::from_secs(5);
+        set(&[("WORLD_SIZE", None), ("RANK", None), ("MASTER_ADDR", None), ("MASTER_PORT", None), ("TORCHELASTIC_USE_AGENT_STORE", None)]);
+        assert_eq!(Rendezvous::from_env(t).unwrap(), None);
+        set(&[("WORLD_SIZE", Some("2")), ("RANK", Some("1")), ("MASTER_PORT", Some("29500"))]);
+        let r = Rendezvous::from_env(t).unwrap().unwrap();
+        assert_eq!((r.host.as_str(), r.port, r.rank, r.world, r.store_is_client), ("127.0.0.1", 29500, 1, 2, false));
+        set(&[("TORCHELASTIC_USE_AGENT_STORE", Some("True")), ("MASTER_ADDR", Some("10.0.0.2"))]);
+        let r = Rendezvous::from_env(t).unwrap().unwrap();
+        assert!(r.store_is_client && r.host == "10.0.0.2");
+        set(&[("RANK", Some("2"))]);
+        assert!(Rendezvous::from_env(t).unwrap_err().to_string().contains("rank 2 of a world of 2"));
+        set(&[("RANK", None)]);
+        assert!(Rendezvous::from_env(t).unwrap_err().to_string().contains("RANK is not"));
+        set(&[("RANK", Some("0")), ("MASTER_PORT", Some("x"))]);
+        assert!(Rendezvous::from_env(t).unwrap_err().to_string().contains("MASTER_PORT=\"x\""));
+        set(&[("WORLD_SIZE", None), ("RANK", None), ("MASTER_ADDR", None), ("MASTER_PORT", None), ("TORCHELASTIC_USE_AGENT_STORE", None)]);
+    }
+}

@@ -1,0 +1,104 @@
+//! c10d process groups (`rak_core::dist`) on loopback: two real processes, this test binary
+//! run a second time as rank 1 (`RAK_DIST_TEST_CHILD` names the test it plays).
+use rak_core::dist::{ProcessGroup, Rendezvous, AVAILABLE};
+use rak_core::tch::{Kind, Tensor};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+const CHILD: &str = "RAK_DIST_TEST_CHILD";
+const PORT: &str = "RAK_DIST_TEST_PORT";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn rendezvous(port: u16, rank: usize, timeout: Duration) -> Rendezvous {
+    Rendezvous { host: "127.0.0.1".into(), port, rank, world: 2, store_is_client: false, timeout }
+}
+
+/// Rank 1: this binary again, running only `test` with the child's variables set.
+fn spawn_rank_1(test: &str, port: u16) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads", "1"])
+        .env(CHILD, test)
+        .env(PORT, port.to_string())
+        .spawn()
+        .unwrap()
+}
+
+/// `Some(port)` when this process is the child playing rank 1 of `test`.
+fn as_child(test: &str) -> Option<u16> {
+    (std::env::var(CHILD).ok().as_deref() == Some(test)).then(|| std::env::var(PORT).unwrap().parse().unwrap())
+}
+
+fn values(t: &Tensor) -> Vec<f32> {
+    Vec::<f32>::try_from(t.flatten(0, -1)).unwrap()
+}
+
+fn collectives(rank: usize, port: u16) {
+    let mut g = ProcessGroup::join(&rendezvous(port, rank, Duration::from_secs(60))).unwrap();
+    assert_eq!((g.rank(), g.world()), (rank, 2));
+    let r = rank as f32;
+    // Sum: one tensor, then two coalesced of different shapes.
+    let a = Tensor::full([3], (r + 1.0) as f64, (Kind::Float, rak_core::tch::Device::Cpu));
+    g.all_reduce_sum(&[&a]).unwrap();
+    assert_eq!(values(&a), vec![3.0; 3]);
+    let b = Tensor::from_slice(&[r, 2.0 * r]);
+    let c = Tensor::from_slice(&[10.0 * r, 1.0, 2.0, 3.0]).view([2, 2]);
+    g.all_reduce_sum(&[&b, &c]).unwrap();
+    assert_eq!(values(&b), vec![1.0, 2.0]);
+    assert_eq!(values(&c), vec![10.0, 2.0, 4.0, 6.0]);
+    // Gather, in rank order.
+    let mine = Tensor::from_slice(&[r, r + 0.5]).view([1, 2]);
+    let all = g.all_gather(&mine).unwrap();
+    assert_eq!(all.iter().map(values).collect::<Vec<_>>(), vec![vec![0.0, 0.5], vec![1.0, 1.5]]);
+    // Broadcast from rank 1.
+    let t = Tensor::from_slice(&[r * 7.0]);
+    g.broadcast(&t, 1).unwrap();
+    assert_eq!(values(&t), vec![7.0]);
+    g.barrier().unwrap();
+}
+
+#[test]
+fn collectives_across_two_processes() {
+    assert!(AVAILABLE, "this build has no c10d shim: apt install libgloo-dev (scripts/install.sh does) and rebuild");
+    const NAME: &str = "collectives_across_two_processes";
+    if let Some(port) = as_child(NAME) {
+        return collectives(1, port);
+    }
+    let port = free_port();
+    let mut child = spawn_rank_1(NAME, port);
+    collectives(0, port);
+    assert!(child.wait().unwrap().success(), "rank 1 failed");
+}
+
+#[test]
+fn a_rank_that_dies_fails_the_others_within_the_timeout() {
+    assert!(AVAILABLE, "this build has no c10d shim");
+    const NAME: &str = "a_rank_that_dies_fails_the_others_within_the_timeout";
+    let timeout = Duration::from_secs(10);
+    if let Some(port) = as_child(NAME) {
+        let _g = ProcessGroup::join(&rendezvous(port, 1, timeout)).unwrap();
+        // Dies as a killed worker would: no collective, no clean leave.
+        std::process::abort();
+    }
+    let port = free_port();
+    let mut child = spawn_rank_1(NAME, port);
+    let mut g = ProcessGroup::join(&rendezvous(port, 0, timeout)).unwrap();
+    assert!(!child.wait().unwrap().success());
+    let start = Instant::now();
+    let err = g.all_reduce_sum(&[&Tensor::from_slice(&[1.0f32])]).unwrap_err().to_string();
+    assert!(start.elapsed() < timeout + Duration::from_secs(5), "took {:?}", start.elapsed());
+    assert!(err.contains("rank 0 of 2: all-reduce failed"), "{err}");
+    eprintln!("{err}");
+}
+
+#[test]
+fn a_missing_rank_fails_the_rendezvous_within_the_timeout() {
+    assert!(AVAILABLE, "this build has no c10d shim");
+    let start = Instant::now();
+    let err = ProcessGroup::join(&rendezvous(free_port(), 0, Duration::from_secs(3))).err().expect("joined a group of 2 alone").to_string();
+    assert!(start.elapsed() < Duration::from_secs(20), "took {:?}", start.elapsed());
+    assert!(err.contains("rank 0 of 2: cannot join the group at 127.0.0.1:"), "{err}");
+    eprintln!("{err}");
+}
