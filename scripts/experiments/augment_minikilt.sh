@@ -44,12 +44,16 @@ input_of() {
     echo "$OUT/inputs/$1-every$EVERY.jsonl"
 }
 
-[[ -f $OUT/bm25/index.json ]] || $H index build --kind bm25 --corpus $D/corpus.jsonl --output "$OUT/bm25" >/dev/null
-if [[ ! -f $OUT/minilm-flat/index.json ]]; then
+# RETRIEVERS="none bm25" leaves some out (default: none bm25 minilm, + trained with TRAINED).
+read -r -a RETRIEVERS <<< "${RETRIEVERS:-none bm25 minilm}"
+wants() { [[ " ${RETRIEVERS[*]} " == *" $1 "* ]]; }
+if wants bm25 && [[ ! -f $OUT/bm25/index.json ]]; then
+    $H index build --kind bm25 --corpus $D/corpus.jsonl --output "$OUT/bm25" >/dev/null
+fi
+if wants minilm && [[ ! -f $OUT/minilm-flat/index.json ]]; then
     $H encode --encoder dpr --model $M --input $D/corpus.jsonl --output "$OUT/minilm-corpus"
     $H index build --kind flat --embeddings "$OUT/minilm-corpus" --output "$OUT/minilm-flat" >/dev/null
 fi
-RETRIEVERS=(none bm25 minilm)
 if [[ -n ${TRAINED:-} ]]; then
     RETRIEVERS+=(trained)
     if [[ ! -f $OUT/trained-flat/index.json ]]; then

@@ -57,13 +57,16 @@ pub struct PassageConfig {
     pub template: String,
     /// Between passages, and after the last one.
     pub separator: String,
+    /// Before the first passage, only in prompts that show one: an instruction about the
+    /// passages that a closed-book prompt of the same recipe should not carry.
+    pub header: String,
     /// Characters of each passage's text kept (0 = all).
     pub max_chars: usize,
 }
 
 impl Default for PassageConfig {
     fn default() -> Self {
-        PassageConfig { template: "{title}\n{text}".into(), separator: "\n\n".into(), max_chars: 0 }
+        PassageConfig { template: "{title}\n{text}".into(), separator: "\n\n".into(), header: String::new(), max_chars: 0 }
     }
 }
 
@@ -159,6 +162,8 @@ pub struct TaskPrompts {
     pub choice: Template,
     pub passage: Template,
     pub separator: String,
+    /// `[passages].header`: before the passages, where there are any.
+    pub passages_header: String,
     pub passage_chars: usize,
     pub by_logprobs: bool,
     pub max_tokens: u64,
@@ -204,6 +209,7 @@ impl TaskPrompts {
             choice: Template::parse(t.choice.as_deref().unwrap_or(MC_CHOICE), &["letter", "choice"], &format!("{name}.choice"))?,
             passage: Template::parse(&cfg.passages.template, &["title", "text"], "passages.template")?,
             separator: cfg.passages.separator.clone(),
+            passages_header: cfg.passages.header.clone(),
             passage_chars: cfg.passages.max_chars,
             by_logprobs,
             max_tokens: t.max_tokens.unwrap_or(tokens),

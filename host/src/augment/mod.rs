@@ -98,7 +98,7 @@ impl Prepared {
             Some(n) => char_prefix(&self.passage_block, n),
             None => &self.passage_block,
         };
-        let passages = if block.is_empty() { String::new() } else { format!("{block}{}", p.separator) };
+        let passages = if block.is_empty() { String::new() } else { format!("{}{block}{}", p.passages_header, p.separator) };
         let body = p.template.render(&[
             ("passages", &passages),
             ("question", &self.probe.question),
@@ -401,6 +401,19 @@ mod tests {
         assert!(item2.prompt(&p, Some(23)).starts_with("Sky\nThe sky is blue.\n\nS\n\nHere's"));
         let closed = Prepared::new(&p, probe(), vec![], String::new(), false);
         assert_ne!(closed.prompt_sha256, item.prompt_sha256);
+    }
+
+    #[test]
+    fn the_passages_header_shows_only_with_passages() {
+        let cfg: AugmentConfig = toml::from_str("[passages]\nheader = \"Use these if they help.\\n\"\n[shortqa]\ntemplate = \"{passages}Q: {question}\"\n").unwrap();
+        let p = TaskPrompts::new(&cfg, Task::ShortQa).unwrap();
+        let d = vec![Passage { id: "p1".into(), title: "Sky".into(), text: "The sky is blue.".into() }];
+        let item = Prepared::new(&p, probe(), d, String::new(), false);
+        assert_eq!(item.prompt(&p, None), "Use these if they help.\nSky\nThe sky is blue.\n\nQ: Which colour?");
+        // A prompt cut until no passage shows loses the header too: it is then closed book.
+        assert_eq!(item.prompt(&p, Some(0)), "Q: Which colour?");
+        let closed = Prepared::new(&p, probe(), vec![], String::new(), false);
+        assert_eq!(closed.prompt(&p, None), "Q: Which colour?");
     }
 
     #[test]
