@@ -102,3 +102,43 @@ fn a_missing_rank_fails_the_rendezvous_within_the_timeout() {
     assert!(err.contains("rank 0 of 2: cannot join the group at 127.0.0.1:"), "{err}");
     eprintln!("{err}");
 }
+
+fn gather_and_reduce(rank: usize, port: u16) {
+    let mut g = ProcessGroup::join(&rendezvous(port, rank, Duration::from_secs(60))).unwrap();
+    let r = rank as f32;
+    // Rank 0 has 2 rows, rank 1 has 3; a leaf per rank stands for its encoder's output.
+    let rows = if rank == 0 { 2 } else { 3 };
+    let leaf = Tensor::from_slice(&(0..rows * 2).map(|i| 10.0 * r + i as f32).collect::<Vec<_>>()).view([rows, 2]).set_requires_grad(true);
+    let local = &leaf * 1.0;
+    let (all, offset) = g.gather_rows(&local).unwrap();
+    assert_eq!((all.size(), offset), (vec![5, 2], if rank == 0 { 0 } else { 2 }));
+    assert_eq!(values(&all), vec![0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0]);
+    // The loss over every row reaches this rank's leaf through its own rows only.
+    let weights = Tensor::from_slice(&(0..10).map(|i| i as f32).collect::<Vec<_>>()).view([5, 2]);
+    (&all * &weights).sum(Kind::Float).backward();
+    assert_eq!(values(&leaf.grad()), values(&weights.narrow(0, offset, rows)));
+    // A rank with no rows takes part and gets every other row.
+    let none = Tensor::zeros([0, 0], (Kind::Float, rak_core::tch::Device::Cpu));
+    let (all, offset) = g.gather_rows(if rank == 0 { &none } else { &local }).unwrap();
+    assert_eq!((all.size(), offset), (vec![3, 2], 0));
+    // Gradients: `a` reached on both ranks, `b` on rank 1 only, `c` on neither.
+    let params = [Tensor::zeros([2], (Kind::Float, rak_core::tch::Device::Cpu)), Tensor::zeros([3], (Kind::Float, rak_core::tch::Device::Cpu)), Tensor::zeros([1], (Kind::Float, rak_core::tch::Device::Cpu))];
+    let grads = [Tensor::from_slice(&[1.0 + r, 2.0]), if rank == 1 { Tensor::from_slice(&[5.0f32, 6.0, 7.0]) } else { Tensor::new() }, Tensor::new()];
+    let summed = g.all_reduce_gradients(&params.iter().collect::<Vec<_>>(), &grads).unwrap();
+    assert_eq!(values(&summed[0]), vec![3.0, 4.0]);
+    assert_eq!(values(&summed[1]), vec![5.0, 6.0, 7.0]);
+    assert!(!summed[2].defined());
+}
+
+#[test]
+fn rows_gathered_keep_the_local_graph_and_gradients_sum() {
+    assert!(AVAILABLE, "this build has no c10d shim");
+    const NAME: &str = "rows_gathered_keep_the_local_graph_and_gradients_sum";
+    if let Some(port) = as_child(NAME) {
+        return gather_and_reduce(1, port);
+    }
+    let port = free_port();
+    let mut child = spawn_rank_1(NAME, port);
+    gather_and_reduce(0, port);
+    assert!(child.wait().unwrap().success(), "rank 1 failed");
+}

@@ -222,6 +222,91 @@ mod imp {
 /// Whether this build can join process groups (Gloo's headers were found when it was built).
 pub const AVAILABLE: bool = imp::AVAILABLE;
 
+/// Gradients are summed in buckets of about this many bytes (as DDP's 25 MiB): one
+/// collective per bucket instead of one per tensor, without a copy of every gradient at once.
+const BUCKET_BYTES: i64 = 25 << 20;
+
+impl ProcessGroup {
+    /// Every rank's rows of `local` (`[rows, d]`; the row counts may differ between ranks,
+    /// and a rank with none may pass `[0, 0]`), stacked in rank order, with this rank's slice
+    /// being `local` itself, its autograd graph kept (the others' arrive detached); and where
+    /// that slice starts. A loss over the result, backpropagated on every rank, sends each
+    /// rank's gradient through its own rows only, so summing the gradients over ranks gives
+    /// the gradient of the loss over the whole batch.
+    pub fn gather_rows(&mut self, local: &Tensor) -> Result<(Tensor, i64)> {
+        let (rows, cols) = local.size2()?;
+        let shape = Tensor::from_slice(&[rows, cols]);
+        let shapes: Vec<(i64, i64)> = self
+            .all_gather(&shape)?
+            .iter()
+            .map(|t| (t.int64_value(&[0]), t.int64_value(&[1])))
+            .collect();
+        let width = shapes.iter().map(|s| s.1).max().unwrap_or(0);
+        if let Some((r, s)) = shapes.iter().enumerate().find(|(_, s)| s.0 > 0 && s.1 != width) {
+            bail!("rank {r} has rows of width {} where another has {width}", s.1);
+        }
+        let offset: i64 = shapes[..self.rank].iter().map(|s| s.0).sum();
+        let most = shapes.iter().map(|s| s.0).max().unwrap_or(0);
+        if most == 0 {
+            return Ok((local.shallow_clone(), 0));
+        }
+        let kind = if rows > 0 { local.kind() } else { tch::Kind::Float };
+        let padded = Tensor::zeros([most, width], (kind, local.device()));
+        if rows > 0 {
+            padded.narrow(0, 0, rows).copy_(&local.detach());
+        }
+        let all = self.all_gather(&padded)?;
+        let own = if rows > 0 { local.shallow_clone() } else { Tensor::zeros([0, width], (kind, local.device())) };
+        let pieces: Vec<Tensor> = all
+            .into_iter()
+            .zip(&shapes)
+            .enumerate()
+            .map(|(r, (t, s))| if r == self.rank { own.shallow_clone() } else { t.narrow(0, 0, s.0) })
+            .collect();
+        Ok((Tensor::cat(&pieces, 0), offset))
+    }
+
+    /// Sums each parameter's gradient over the ranks (`grads[i]` belongs to `params[i]`; an
+    /// undefined tensor is a parameter this rank's backward did not reach). A parameter no
+    /// rank reached keeps an undefined gradient, as in one process over the whole batch; one
+    /// that some rank reached gets the sum, zeros standing in for the ranks that did not.
+    pub fn all_reduce_gradients(&mut self, params: &[&Tensor], grads: &[Tensor]) -> Result<Vec<Tensor>> {
+        if params.len() != grads.len() {
+            bail!("{} gradients for {} parameters", grads.len(), params.len());
+        }
+        let reached = Tensor::from_slice(&grads.iter().map(|g| g.defined() as i32 as f32).collect::<Vec<_>>());
+        self.all_reduce_sum(&[&reached])?;
+        let reached = Vec::<f32>::try_from(&reached)?;
+        let out: Vec<Tensor> = grads
+            .iter()
+            .zip(params)
+            .zip(&reached)
+            .map(|((g, p), &n)| match (n > 0.0, g.defined()) {
+                (false, _) => Tensor::new(),
+                (true, true) => g.contiguous(),
+                (true, false) => p.zeros_like(),
+            })
+            .collect();
+        // Buckets of one kind and device (a coalesced call flattens its tensors into one).
+        let mut bucket: Vec<&Tensor> = Vec::new();
+        let mut bytes = 0;
+        for g in out.iter().filter(|g| g.defined()) {
+            let size = g.numel() as i64 * g.kind().elt_size_in_bytes() as i64;
+            if let Some(first) = bucket.first() {
+                if bytes + size > BUCKET_BYTES || first.kind() != g.kind() || first.device() != g.device() {
+                    self.all_reduce_sum(&bucket)?;
+                    bucket.clear();
+                    bytes = 0;
+                }
+            }
+            bucket.push(g);
+            bytes += size;
+        }
+        self.all_reduce_sum(&bucket)?;
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
