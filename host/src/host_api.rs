@@ -349,6 +349,7 @@ impl Services<'_> {
             resume: rak_train::run::Resume::parse(r.resume.as_deref()),
             overwrite: r.overwrite.unwrap_or(false),
             examples,
+            rendezvous: None,
         };
         rak_train::run::run(&spec, self.registry, &self.progress)
     }

@@ -95,7 +95,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Train(args) => {
             let out = commands::train::run(&Registry::discover(&sources)?, &args)?;
-            println!("{}", serde_json::to_string_pretty(&out)?);
+            // Null: a data-parallel process other than rank 0, which has nothing to say.
+            if !out.is_null() {
+                println!("{}", serde_json::to_string_pretty(&out)?);
+            }
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Analyze(args) => {

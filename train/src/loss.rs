@@ -1,40 +1,12 @@
 //! Contrastive losses over query and passage embeddings (REFERENCE §1, §6).
 //!
-//! The single point where embeddings meet the loss is [`Exchange`]: before scoring, the
-//! trainer passes each process's query and passage embeddings through it. In one process it
-//! is the identity; a data-parallel run gathers the embeddings of every rank (detached, with
-//! the local slice put back so its gradient flows), so negatives span the global batch.
+//! Each loss takes the embeddings of the whole batch. In a data-parallel run the trainer
+//! gathers them from every process first (`rak_core::dist::ProcessGroup::gather_rows`: the
+//! local rows keep their graph), so every process computes the same loss over the global
+//! batch and summing the processes' gradients gives its gradient.
 
 use anyhow::{bail, Result};
 use tch::{Kind, Tensor};
-
-/// Where embeddings from other processes join the local ones.
-pub trait Exchange {
-    /// Rows of every process, this process's rows at [`Exchange::offset`] (with their graph).
-    fn gather(&self, local: &Tensor) -> Result<Tensor>;
-    /// Where this process's first row lands in [`Exchange::gather`]'s output, for `local_rows`.
-    fn offset(&self, local_rows: i64) -> i64;
-    /// Whether there are no other processes (the whole step's in-batch negatives are only
-    /// implemented for one).
-    fn is_local(&self) -> bool {
-        false
-    }
-}
-
-/// One process: nothing to gather.
-pub struct Local;
-
-impl Exchange for Local {
-    fn gather(&self, local: &Tensor) -> Result<Tensor> {
-        Ok(local.shallow_clone())
-    }
-    fn offset(&self, _local_rows: i64) -> i64 {
-        0
-    }
-    fn is_local(&self) -> bool {
-        true
-    }
-}
 
 /// NCE with in-batch and hard negatives: `q` is `[B, d]`; `p` is `[B·n, d]`, query `i`'s group
 /// at rows `i·n .. (i+1)·n`, its positive first. Every passage in the (gathered) batch is a
@@ -42,17 +14,15 @@ impl Exchange for Local {
 /// target, over the scores `scale · <q, p>` (1: REFERENCE §1's raw dot product; unit-length
 /// embeddings need a larger one, as sentence-transformers' 20, or cosines in [-1, 1] keep the
 /// softmax nearly flat).
-pub fn nce_loss(q: &Tensor, p: &Tensor, group: usize, scale: f64, exchange: &dyn Exchange) -> Result<Tensor> {
+pub fn nce_loss(q: &Tensor, p: &Tensor, group: usize, scale: f64) -> Result<Tensor> {
     let (b, d) = q.size2()?;
     let (rows, pd) = p.size2()?;
     if group == 0 || rows != b * group as i64 || pd != d {
         bail!("nce_loss: {rows} passages of width {pd} for {b} queries of width {d} in groups of {group}");
     }
-    let all_q = exchange.gather(q)?;
-    let all_p = exchange.gather(p)?;
-    let scores = all_q.matmul(&all_p.tr());
+    let scores = q.matmul(&p.tr());
     let scores = if scale == 1.0 { scores } else { scores * scale };
-    let targets = Tensor::arange(all_q.size()[0], (Kind::Int64, q.device())) * group as i64;
+    let targets = Tensor::arange(b, (Kind::Int64, q.device())) * group as i64;
     Ok(scores.to_kind(Kind::Float).cross_entropy_for_logits(&targets))
 }
 
@@ -76,9 +46,8 @@ pub fn nce_loss_against(q: &Tensor, candidates: &Tensor, first: i64, group: usiz
 /// positives; the mean over pairs. `positives[i]` lists the rows of `p` that are query `i`'s
 /// positives; `copies[i]` the other rows of `p` that hold one of them (another query's
 /// positive or negative that is the same passage: never a negative of `i`; see
-/// [`copies_of_positives`]). Rows gathered from other processes are compared by row, not by
-/// passage. Scores are `scale · <q, p>` as in [`nce_loss`].
-pub fn multi_positive_loss(q: &Tensor, p: &Tensor, positives: &[Vec<i64>], copies: &[Vec<i64>], scale: f64, exchange: &dyn Exchange) -> Result<Tensor> {
+/// [`copies_of_positives`]). Scores are `scale · <q, p>` as in [`nce_loss`].
+pub fn multi_positive_loss(q: &Tensor, p: &Tensor, positives: &[Vec<i64>], copies: &[Vec<i64>], scale: f64) -> Result<Tensor> {
     let (b, _) = q.size2()?;
     if positives.len() != b as usize || positives.iter().any(|ps| ps.is_empty()) {
         bail!("multi_positive_loss: every one of the {b} queries needs at least one positive");
@@ -86,26 +55,23 @@ pub fn multi_positive_loss(q: &Tensor, p: &Tensor, positives: &[Vec<i64>], copie
     if copies.len() != positives.len() {
         bail!("multi_positive_loss: {} lists of copies for {b} queries", copies.len());
     }
-    let all_q = exchange.gather(q)?;
-    let all_p = exchange.gather(p)?;
-    let (q_off, p_off) = (exchange.offset(b), exchange.offset(p.size()[0]));
-    let scores = all_q.narrow(0, q_off, b).matmul(&all_p.tr()).to_kind(Kind::Float);
+    let scores = q.matmul(&p.tr()).to_kind(Kind::Float);
     let scores = if scale == 1.0 { scores } else { scores * scale };
     let n = scores.size()[1];
     let mut losses = Vec::new();
     for (i, ps) in positives.iter().enumerate() {
         let mut own = vec![false; n as usize];
         for &r in ps.iter().chain(&copies[i]) {
-            if r < 0 || r + p_off >= n {
+            if r < 0 || r >= n {
                 bail!("multi_positive_loss: positive row {r} is outside the batch of {n} passages");
             }
-            own[(r + p_off) as usize] = true;
+            own[r as usize] = true;
         }
         let row = scores.get(i as i64);
         for &r in ps {
             // The positive itself plus every passage that is not one of this query's positives.
-            let keep: Vec<i64> = (0..n).filter(|&j| j == r + p_off || !own[j as usize]).collect();
-            let target = keep.iter().position(|&j| j == r + p_off).unwrap() as i64;
+            let keep: Vec<i64> = (0..n).filter(|&j| j == r || !own[j as usize]).collect();
+            let target = keep.iter().position(|&j| j == r).unwrap() as i64;
             let logits = row.index_select(0, &Tensor::from_slice(&keep).to_device(row.device()));
             losses.push(-logits.log_softmax(0, Kind::Float).get(target));
         }
@@ -119,8 +85,7 @@ pub fn multi_positive_loss(q: &Tensor, p: &Tensor, positives: &[Vec<i64>], copie
 /// Q = softmax(`lm_scores[i]` / `lm_temperature`) (its β); the loss is the mean over queries of
 /// KL(P_R ‖ Q), as REFERENCE and the REPLUG paper write it. Q is a constant (computed in f64,
 /// so very negative log-likelihoods do not overflow float32): only the retriever learns. Each
-/// query meets only its own passages, so nothing is gathered from other processes: the local
-/// mean is what a data-parallel run averages across them.
+/// query meets only its own passages.
 pub fn lm_supervised_loss(q: &Tensor, p: &Tensor, lm_scores: &[Vec<f64>], scale: f64, lm_temperature: f64) -> Result<Tensor> {
     let (b, d) = q.size2()?;
     let (rows, pd) = p.size2()?;
@@ -182,7 +147,7 @@ mod tests {
         let q = t(&[1.0, 0.0, 0.5, 0.5], 2);
         let p = t(&[1.0, 0.1, 0.0, 1.0, 0.3, 0.3, 0.2, 0.9], 4);
         for scale in [1.0, 20.0] {
-        let loss = nce_loss(&q, &p, 2, scale, &Local).unwrap().double_value(&[]);
+        let loss = nce_loss(&q, &p, 2, scale).unwrap().double_value(&[]);
         let s = |a: [f64; 2], b: [f64; 2]| scale * (a[0] * b[0] + a[1] * b[1]);
         let qs = [[1.0, 0.0], [0.5, 0.5]];
         let ps = [[1.0, 0.1], [0.0, 1.0], [0.3, 0.3], [0.2, 0.9]];
@@ -195,7 +160,7 @@ mod tests {
         want /= 2.0;
         assert!((loss - want).abs() < 1e-5, "scale {scale}: {loss} vs {want}");
         }
-        assert!(nce_loss(&q, &p, 3, 1.0, &Local).is_err());
+        assert!(nce_loss(&q, &p, 3, 1.0).is_err());
     }
 
     /// Against `nce_loss` on a candidate block, and against the formula with candidates before
@@ -205,7 +170,7 @@ mod tests {
         let q = t(&[1.0, 0.0, 0.5, 0.5], 2);
         let own = t(&[1.0, 0.1, 0.0, 1.0, 0.3, 0.3, 0.2, 0.9], 4);
         let same = nce_loss_against(&q, &own, 0, 2, 20.0).unwrap().double_value(&[]);
-        assert!((same - nce_loss(&q, &own, 2, 20.0, &Local).unwrap().double_value(&[])).abs() < 1e-6);
+        assert!((same - nce_loss(&q, &own, 2, 20.0).unwrap().double_value(&[])).abs() < 1e-6);
         let other = t(&[0.9, 0.0, -1.0, 0.5], 2);
         let all = Tensor::cat(&[&other, &own], 0);
         let loss = nce_loss_against(&q, &all, 2, 2, 1.0).unwrap().double_value(&[]);
@@ -219,7 +184,7 @@ mod tests {
     fn multi_positive_excludes_the_query_s_other_positives() {
         let q = t(&[1.0, 0.0], 1);
         let p = t(&[1.0, 0.0, 0.9, 0.0, 0.0, 1.0], 3);
-        let loss = multi_positive_loss(&q, &p, &[vec![0, 1]], &[vec![]], 1.0, &Local).unwrap().double_value(&[]);
+        let loss = multi_positive_loss(&q, &p, &[vec![0, 1]], &[vec![]], 1.0).unwrap().double_value(&[]);
         // Pair (0): candidates {0, 2}; pair (1): candidates {1, 2}.
         let l0 = -(1f64.exp() / (1f64.exp() + 1.0)).ln();
         let l1 = -(0.9f64.exp() / (0.9f64.exp() + 1.0)).ln();
@@ -283,13 +248,13 @@ mod tests {
         assert_eq!(copies, vec![vec![2], vec![0]]);
         let q = t(&[1.0, 0.0, 0.0, 1.0], 2);
         let p = t(&[1.0, 0.0, 0.2, 0.1, 1.0, 0.0, 0.0, 0.3], 4);
-        let loss = multi_positive_loss(&q, &p, &positives, &copies, 1.0, &Local).unwrap().double_value(&[]);
+        let loss = multi_positive_loss(&q, &p, &positives, &copies, 1.0).unwrap().double_value(&[]);
         // Query 0 (score 1 against "g"): candidates rows {0, 1, 3}; query 1 (score 0 against "g"): rows {2, 1, 3}.
         let l0 = -(1f64.exp() / (1f64.exp() + 0.2f64.exp() + 0f64.exp())).ln();
         let l1 = -(0f64.exp() / (0f64.exp() + 0.1f64.exp() + 0.3f64.exp())).ln();
         assert!((loss - (l0 + l1) / 2.0).abs() < 1e-6, "{loss}");
         // Without the copies, each query's own positive would also be its negative.
-        let naive = multi_positive_loss(&q, &p, &positives, &[vec![], vec![]], 1.0, &Local).unwrap().double_value(&[]);
+        let naive = multi_positive_loss(&q, &p, &positives, &[vec![], vec![]], 1.0).unwrap().double_value(&[]);
         assert!((naive - loss).abs() > 1e-3);
     }
 }

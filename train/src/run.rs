@@ -16,6 +16,7 @@ use crate::recipe::{sampler_kind, Recipe, TrainSection};
 use crate::rng::Rng;
 use crate::trainer::{check_loss_settings, checkpoints, latest_checkpoint, LossKind, Sampler, TaskLossWeight, Trainer, TrainerConfig, LOG_FILE};
 use anyhow::{bail, Context, Result};
+use rak_core::dist::{ProcessGroup, Rendezvous};
 use rak_core::plugin::{Encoder, Optimizer};
 use rak_retrieval::digest::{encoder_identity, file_digest};
 use rak_retrieval::index::{Bm25Index, Bm25Params};
@@ -52,6 +53,9 @@ pub struct RunSpec {
     /// task files and mined negatives (a command plugin's own, as AAR's LM-preferred
     /// positives). The recipe's corpus still gives the passage texts.
     pub examples: Option<Vec<TaskData>>,
+    /// Train data-parallel: this process's place in a group (`host train --nproc`, or the
+    /// launch variables of torchrun and the like).
+    pub rendezvous: Option<Rendezvous>,
 }
 
 /// Where a run starts.
@@ -115,6 +119,16 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     check_loss_settings(t.loss, t.hard_negatives, lm_temperature)?;
     let out = &spec.output_dir;
     let episodes = t.ance_episodes;
+    if spec.rendezvous.is_some() && episodes > 0 {
+        bail!("ANCE episodes in a data-parallel run are not implemented yet (re-encoding the corpus over the processes): train them in one process");
+    }
+    let mut group = spec.rendezvous.as_ref().map(ProcessGroup::join).transpose()?;
+    // Rank 0 prepares the output folder and mines the negatives while the others wait; they
+    // then read what it wrote (the negatives' cache is keyed on everything they depend on).
+    let lead = group.as_ref().is_none_or(|g| g.rank() == 0);
+    if !lead {
+        group.as_mut().context("no process group")?.barrier().context("waiting for rank 0 to prepare the run")?;
+    }
     std::fs::create_dir_all(out).with_context(|| format!("{}: cannot create", out.display()))?;
     let layout = RunLayout { out: out.clone(), episodes };
     let stages = layout.stages();
@@ -131,6 +145,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     let corpus_sha256 = file_digest(&recipe.data.corpus)?;
     let identity = recipe_identity(spec, &corpus_sha256);
     match &spec.resume {
+        _ if !lead => layout.check_recipe(&identity)?,
         Resume::No => {
             if layout.has_earlier_run() && !spec.overwrite {
                 bail!(
@@ -153,7 +168,9 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
             }
         }
     }
-    layout.record(&identity)?;
+    if lead {
+        layout.record(&identity)?;
+    }
 
     let mut tasks = match &spec.examples {
         Some(given) => given_examples(given, t.hard_negatives)?,
@@ -161,6 +178,11 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     };
     if t.hard_negatives > 0 && spec.examples.is_none() {
         bm25_negatives(spec, &layout, &corpus_sha256, &mut tasks, progress)?;
+    }
+    if lead {
+        if let Some(g) = group.as_mut() {
+            g.barrier().context("waiting for the other processes")?;
+        }
     }
     let kind = sampler_kind(t)?;
     let counts: Vec<usize> = tasks.iter().map(|t| t.examples.len()).collect();
@@ -242,6 +264,9 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         };
         let mut trainer = Trainer::new(stage_config, encoder.as_mut(), optimizer.as_mut(), tasks.clone(), texts, stage)?;
         trainer.set_episode(episode);
+        if let Some(g) = group.as_mut() {
+            trainer.set_process_group(g)?;
+        }
         if let Some(ckpt) = &checkpoint {
             trainer.resume(ckpt)?;
             if trainer.episode() != episode {

@@ -10,13 +10,14 @@
 //! uninterrupted one would without saving generator state.
 
 use crate::data::TaskData;
-use crate::loss::{copies_of_positives, lm_supervised_loss, multi_positive_loss, nce_loss, nce_loss_against, Exchange, Local};
+use crate::loss::{copies_of_positives, lm_supervised_loss, multi_positive_loss, nce_loss, nce_loss_against};
 use crate::rng::Rng;
 use crate::sampler::{SubBatch, TacoSampler, TacoSamplerState, TaskPerBatchSampler, TaskPerBatchState};
 use crate::schedule::linear_warmup_decay;
 use anyhow::{bail, Context, Result};
 use rak_core::abi::Role;
 use rak_core::autograd::Autocast;
+use rak_core::dist::ProcessGroup;
 use rak_core::plugin::{Encoder, Optimizer, StepContext, ALL_TASKS};
 use rak_retrieval::pipeline::Progress;
 use serde::{Deserialize, Serialize};
@@ -205,6 +206,14 @@ pub struct TrainerState {
     pub episode: u32,
     /// The configuration the run started with (a resume must match it).
     pub config: TrainerConfig,
+    /// Processes the run's batches were split over (a resume must match it: each step's
+    /// batch is `config.batch_size` queries per process).
+    #[serde(default = "one_process")]
+    pub world_size: usize,
+}
+
+fn one_process() -> usize {
+    1
 }
 
 /// One task's share of a step, as texts.
@@ -253,7 +262,8 @@ pub struct Trainer<'a> {
     output_dir: PathBuf,
     sampler: Sampler,
     state: TrainerState,
-    exchange: Box<dyn Exchange>,
+    /// The other processes of a data-parallel run.
+    dist: Option<&'a mut ProcessGroup>,
     /// Whether the optimizer takes each task's gradient on its own (else one backward pass
     /// over the summed losses).
     per_task_gradients: bool,
@@ -299,14 +309,30 @@ impl<'a> Trainer<'a> {
         }
         let counts: Vec<usize> = tasks.iter().map(|t| t.examples.len()).collect();
         let sampler = Sampler::new(config.sampler, &counts, config.batch_size, config.seed)?;
-        let state = TrainerState { step: 0, sampler: sampler.state(), skipped_steps: 0, episode: 0, config: config.clone() };
+        let state = TrainerState { step: 0, sampler: sampler.state(), skipped_steps: 0, episode: 0, config: config.clone(), world_size: 1 };
         let per_task_gradients = optimizer.needs_task_gradients()?;
-        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, exchange: Box::new(Local), per_task_gradients })
+        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, dist: None, per_task_gradients })
     }
 
-    /// Where embeddings from other processes would join (data-parallel runs).
-    pub fn set_exchange(&mut self, exchange: Box<dyn Exchange>) {
-        self.exchange = exchange;
+    /// Train data-parallel with the group's other processes (before `resume`). Every process
+    /// draws the same batches of `batch_size` × world queries (the same sampler and seed) and
+    /// encodes its own share of each task's queries and their passages; the embeddings are
+    /// gathered, so the loss, its in-batch negatives and the gradient are those of the whole
+    /// batch, as one process would compute them; the gradients are summed over the processes
+    /// before the optimizer sees them, so every process takes the same step. Only rank 0 writes
+    /// the log, the checkpoints and the model.
+    pub fn set_process_group(&mut self, group: &'a mut ProcessGroup) -> Result<()> {
+        let counts: Vec<usize> = self.tasks.iter().map(|t| t.examples.len()).collect();
+        self.sampler = Sampler::new(self.config.sampler, &counts, self.config.batch_size * group.world(), self.config.seed)?;
+        self.state.sampler = self.sampler.state();
+        self.state.world_size = group.world();
+        self.dist = Some(group);
+        Ok(())
+    }
+
+    /// Whether this process writes the run's files (the only one, or rank 0).
+    fn writes(&self) -> bool {
+        self.dist.as_ref().is_none_or(|g| g.rank() == 0)
     }
 
     pub fn step(&self) -> u64 {
@@ -335,6 +361,14 @@ impl<'a> Trainer<'a> {
         let (a, b) = (serde_json::to_value(&state.config)?, serde_json::to_value(&self.config)?);
         if a != b {
             bail!("{} was written by a run with another configuration:\n  checkpoint {a}\n  this run   {b}", checkpoint.display());
+        }
+        if state.world_size != self.state.world_size {
+            bail!(
+                "{} was written by a run over {} processes and this one has {}: resume with the same number of processes",
+                checkpoint.display(),
+                state.world_size,
+                self.state.world_size
+            );
         }
         let opt_path = checkpoint.join(OPTIMIZER_FILE);
         let tensors = Tensor::read_safetensors(&opt_path).map_err(|e| anyhow::anyhow!("{}: cannot read optimizer state: {e}", opt_path.display()))?;
@@ -410,6 +444,44 @@ impl<'a> Trainer<'a> {
         Ok((q.to_kind(Kind::Float), p.to_kind(Kind::Float)))
     }
 
+    /// A group's query and passage embeddings for the loss: this process's own, or in a
+    /// data-parallel run every process's share gathered in rank order (rank `r` of `w` encodes
+    /// queries `n·r/w .. n·(r+1)/w` and their passages; its rows keep their graph).
+    fn encode_for_loss(&mut self, g: &TaskGroup) -> Result<(Tensor, Tensor)> {
+        let Some((rank, world)) = self.dist.as_ref().map(|d| (d.rank(), d.world())) else { return self.encode_group(g) };
+        let n = g.queries.len();
+        let (lo, hi) = (n * rank / world, n * (rank + 1) / world);
+        let bounds = passage_bounds(g, 1 + self.config.hard_negatives);
+        let (q, p) = if hi > lo {
+            let share = TaskGroup {
+                task: g.task.clone(),
+                queries: g.queries[lo..hi].to_vec(),
+                passages: g.passages[bounds[lo]..bounds[hi]].to_vec(),
+                targets: Targets::OnePositive,
+            };
+            self.encode_group(&share)?
+        } else {
+            let none = Tensor::zeros([0, 0], (Kind::Float, tch::Device::Cpu));
+            (none.shallow_clone(), none)
+        };
+        let dist = self.dist.as_deref_mut().context("no process group")?;
+        let (q, _) = dist.gather_rows(&q)?;
+        let (p, _) = dist.gather_rows(&p)?;
+        if q.size()[0] != n as i64 || p.size()[0] != g.passages.len() as i64 {
+            bail!("gathered {} queries and {} passages for a batch of {n} and {}", q.size()[0], p.size()[0], g.passages.len());
+        }
+        Ok((q, p))
+    }
+
+    /// Sums the gradients over the processes of a data-parallel run (in one process, as they are).
+    fn reduce_gradients(&mut self, params: &[(String, Tensor)], grads: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+        let Some(dist) = self.dist.as_deref_mut() else { return Ok(grads) };
+        let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
+        let local: Vec<Tensor> = grads.iter().map(|(_, g)| g.shallow_clone()).collect();
+        let summed = dist.all_reduce_gradients(&tensors, &local)?;
+        Ok(grads.into_iter().map(|(n, _)| n).zip(summed).collect())
+    }
+
     /// One task's loss: its queries against its own passages or, with `step = (all, first)`,
     /// against every passage of the step (its own starting at row `first`).
     /// With the multi-positive loss, `step_texts` are the step's passages (every group's, in
@@ -417,15 +489,15 @@ impl<'a> Trainer<'a> {
     fn task_loss(&self, g: &TaskGroup, q: &Tensor, own: &Tensor, step: Option<(&Tensor, i64)>, step_texts: &[&str]) -> Result<Tensor> {
         let (n, scale) = (1 + self.config.hard_negatives, self.config.score_scale);
         match (&g.targets, step) {
-            (Targets::OnePositive, None) => nce_loss(q, own, n, scale, self.exchange.as_ref()),
+            (Targets::OnePositive, None) => nce_loss(q, own, n, scale),
             (Targets::OnePositive, Some((all, first))) => nce_loss_against(q, all, first, n, scale),
             (Targets::Positives(rows), None) => {
                 let texts: Vec<&str> = g.passages.iter().map(String::as_str).collect();
-                multi_positive_loss(q, own, rows, &copies_of_positives(&texts, rows), scale, self.exchange.as_ref())
+                multi_positive_loss(q, own, rows, &copies_of_positives(&texts, rows), scale)
             }
             (Targets::Positives(rows), Some((all, first))) => {
                 let rows: Vec<Vec<i64>> = rows.iter().map(|r| r.iter().map(|x| x + first).collect()).collect();
-                multi_positive_loss(q, all, &rows, &copies_of_positives(step_texts, &rows), scale, &Local)
+                multi_positive_loss(q, all, &rows, &copies_of_positives(step_texts, &rows), scale)
             }
             // Each query against its own scored passages only, so neither the step's passages
             // nor other processes' enter.
@@ -463,7 +535,7 @@ impl<'a> Trainer<'a> {
         for g in groups {
             let (q, p) = {
                 let _autocast = self.config.bf16.then(|| Autocast::bf16(device)).transpose()?;
-                self.encode_group(g)?
+                self.encode_for_loss(g)?
             };
             let loss = self.task_loss(g, &q, &p, None, &[])?;
             let value = loss.double_value(&[]);
@@ -471,8 +543,12 @@ impl<'a> Trainer<'a> {
                 clear_grads(params)?;
                 return Ok(StepOutcome::Skipped { task: g.task.clone(), why: format!("a non-finite loss ({value})") });
             }
-            (loss * self.task_weight(g, groups)).backward();
+            // A process with none of this task's rows has no graph to go back through.
+            if loss.requires_grad() {
+                (loss * self.task_weight(g, groups)).backward();
+            }
             let grads: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.grad())).collect();
+            let grads = self.reduce_gradients(params, grads)?;
             if let Some(skip) = non_finite(&grads, &g.task, value) {
                 clear_grads(params)?;
                 return Ok(skip);
@@ -491,15 +567,12 @@ impl<'a> Trainer<'a> {
     /// in-batch negatives of the whole step, or an optimizer that takes the summed gradient
     /// (one backward pass). Every task's graph is held at once, as in one batch of the union.
     fn whole_step(&mut self, params: &[(String, Tensor)], groups: &[TaskGroup]) -> Result<StepOutcome> {
-        if self.config.in_batch_negatives == InBatchNegatives::Step && !self.exchange.is_local() {
-            bail!("in_batch_negatives = \"step\" runs in one process only (gathering the other processes' passages for it is not implemented)");
-        }
         let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
         let mut encoded = Vec::with_capacity(groups.len());
         {
             let _autocast = self.config.bf16.then(|| Autocast::bf16(device)).transpose()?;
             for g in groups {
-                encoded.push(self.encode_group(g)?);
+                encoded.push(self.encode_for_loss(g)?);
             }
         }
         let step_passages = (self.config.in_batch_negatives == InBatchNegatives::Step).then(|| Tensor::cat(&encoded.iter().map(|(_, p)| p).collect::<Vec<_>>(), 0));
@@ -517,13 +590,15 @@ impl<'a> Trainer<'a> {
         }
         let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
         let backward = |loss: &Tensor, keep_graph: bool| -> Result<Vec<(String, Tensor)>> {
-            let grads = Tensor::f_run_backward(&[loss], &tensors, keep_graph, false)?;
+            // A process with none of the batch's rows has no graph to go back through.
+            let grads = if loss.requires_grad() { Tensor::f_run_backward(&[loss], &tensors, keep_graph, false)? } else { tensors.iter().map(|_| Tensor::new()).collect() };
             Ok(params.iter().map(|(n, _)| n.clone()).zip(grads).collect())
         };
         if self.per_task_gradients {
             // Each task's gradient on its own; the graph is kept until the last task's.
             for (i, (task, value, loss)) in losses.iter().enumerate() {
                 let grads = backward(loss, i + 1 < losses.len())?;
+                let grads = self.reduce_gradients(params, grads)?;
                 if let Some(skip) = non_finite(&grads, task, *value) {
                     return Ok(skip);
                 }
@@ -533,6 +608,7 @@ impl<'a> Trainer<'a> {
             let total = losses.iter().map(|(_, _, l)| l.shallow_clone()).reduce(|a, b| a + b).context("a step with no task")?;
             let value = losses.iter().map(|(_, v, _)| v).sum::<f64>();
             let grads = backward(&total, false)?;
+            let grads = self.reduce_gradients(params, grads)?;
             if let Some(skip) = non_finite(&grads, ALL_TASKS, value) {
                 return Ok(skip);
             }
@@ -546,8 +622,11 @@ impl<'a> Trainer<'a> {
     /// model goes to the output directory itself.
     pub fn train(&mut self, progress: &dyn Progress) -> Result<()> {
         std::fs::create_dir_all(&self.output_dir).with_context(|| format!("{}: cannot create", self.output_dir.display()))?;
-        remove_stale_checkpoint_temporaries(&self.output_dir);
-        if self.state.step == 0 {
+        let writes = self.writes();
+        if writes {
+            remove_stale_checkpoint_temporaries(&self.output_dir);
+        }
+        if self.state.step == 0 && writes {
             // A fresh run: no log lines of an earlier one (the command refuses to start over an
             // earlier run's checkpoints unless told to overwrite them).
             truncate_log(&self.output_dir.join(LOG_FILE), 0)?;
@@ -563,7 +642,7 @@ impl<'a> Trainer<'a> {
         let task_names: Vec<String> = self.tasks.iter().map(|t| t.name.clone()).collect();
         // As transformers' `get_warmup_steps`: ceil(ratio × steps).
         let warmup = (self.config.warmup_ratio * self.config.max_steps as f64).ceil() as u64;
-        let mut log = open_log(&self.output_dir.join(LOG_FILE))?;
+        let mut log = if writes { Some(open_log(&self.output_dir.join(LOG_FILE))?) } else { None };
         let mut window: BTreeMap<String, (f64, u64)> = BTreeMap::new();
         // The optimizer's statistics of the last step taken (task weights, clipping), for the log.
         let mut last_stats = Value::Null;
@@ -628,19 +707,27 @@ impl<'a> Trainer<'a> {
                     "learning_rate": lr, "loss": loss, "skipped_steps": self.state.skipped_steps,
                     "seconds_per_step": per_step, "optimizer": last_stats,
                 });
-                writeln!(log, "{line}")?;
-                log.flush()?;
+                if let Some(log) = log.as_mut() {
+                    writeln!(log, "{line}")?;
+                    log.flush()?;
+                }
                 let text: Vec<String> = loss.iter().map(|(n, l)| format!("{n} {l:.4}")).collect();
                 progress.message(&format!("lr {lr:.2e} | {}", text.join(" | ")));
                 window.clear();
             }
-            if step % self.config.save_steps.max(1) == 0 && step < self.config.max_steps {
+            if step % self.config.save_steps.max(1) == 0 && step < self.config.max_steps && writes {
                 self.save_checkpoint()?;
             }
         }
         progress.finish();
-        self.save_checkpoint()?;
-        self.encoder.save(&self.output_dir)?;
+        if writes {
+            self.save_checkpoint()?;
+            self.encoder.save(&self.output_dir)?;
+        }
+        // The others wait until the model is written: a run is over when its files are.
+        if let Some(dist) = self.dist.as_deref_mut() {
+            dist.barrier()?;
+        }
         Ok(())
     }
 
@@ -656,6 +743,24 @@ impl<'a> Trainer<'a> {
         })?;
         Ok(dir)
     }
+}
+
+/// Where each query's passages start in `g.passages` (and, last, where the passages end):
+/// `group` each for NCE, each query's positives and negatives for the multi-positive loss,
+/// each query's scored passages for the LM-supervised one.
+fn passage_bounds(g: &TaskGroup, group: usize) -> Vec<usize> {
+    let n = g.queries.len();
+    let mut bounds: Vec<usize> = match &g.targets {
+        Targets::OnePositive => (0..n).map(|i| i * group).collect(),
+        Targets::Positives(rows) => rows.iter().map(|r| r.first().map_or(0, |&x| x as usize)).collect(),
+        Targets::LmScores(scores) => scores.iter().scan(0, |at, s| {
+            let start = *at;
+            *at += s.len();
+            Some(start)
+        }).collect(),
+    };
+    bounds.push(g.passages.len());
+    bounds
 }
 
 fn shallow(params: &[(String, Tensor)]) -> Vec<(String, Tensor)> {

@@ -15,7 +15,7 @@ use rak_core::abi::Role;
 use rak_retrieval::pipeline::Progress;
 use rak_train::analyze::{analyze, commitment_rate, AnalysisConfig, Sensitivities, SensitivityAccumulator};
 use rak_train::data::{corpus_ids, load_task, passage_texts, task_sources, LoadReport};
-use rak_train::loss::{nce_loss, Local};
+use rak_train::loss::nce_loss;
 use rak_train::rng::Rng;
 use rak_train::trainer::{latest_checkpoint, OPTIMIZER_FILE};
 use serde_json::{json, Value};
@@ -154,7 +154,7 @@ fn gradient_sensitivities(registry: &Registry, recipe: &Recipe, dir: &Path, args
             let passages: Vec<&str> = batch.iter().map(|&i| texts[&task.examples[i].positives[0]].as_str()).collect();
             let q = encoder.encode(&queries, Role::Query, task_names.then_some(task.name.as_str()), true)?;
             let p = encoder.encode(&passages, Role::Passage, None, true)?;
-            let loss = nce_loss(&q, &p, 1, recipe.train.score_scale, &Local)?;
+            let loss = nce_loss(&q, &p, 1, recipe.train.score_scale)?;
             loss.backward();
             let grads: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.grad())).collect();
             acc.add(&task.name, &params, &grads)?;

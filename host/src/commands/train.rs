@@ -1,15 +1,24 @@
 //! `host train`: multitask dense-retriever training in the style of Hugging Face's Trainer.
 //! A TOML recipe (`--config`, `rak_train::recipe`) gives the data, model and
 //! hyper-parameters; flags override it; `rak_train::run` does the rest.
+//!
+//! Data-parallel: `--nproc N` starts N copies of the command on this machine, each told its
+//! rank by the variables torchrun sets (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+//! `MASTER_PORT`); a command started with them (by `--nproc`, torchrun or a scheduler) joins
+//! its group. Rank 0 prints the summary and shows progress; a rank that fails stops the rest.
 
 use super::Bar;
 use crate::registry::Registry;
 use anyhow::{bail, Context, Result};
+use rak_core::dist::Rendezvous;
 use rak_core::plugin::{Encoder, Optimizer};
 use rak_train::recipe::read_recipe;
 use rak_train::run::{Plugins, Resume, RunSpec};
+use rak_retrieval::pipeline::Progress;
 use serde_json::Value;
 use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct TrainArgs {
@@ -57,9 +66,33 @@ pub struct TrainArgs {
     /// so far over the whole corpus, then train again (default: the recipe's, else 0).
     #[arg(long)]
     pub ance_episodes: Option<u32>,
+    /// Train data-parallel in this many processes on this machine (`--per-device-train-batch-size`
+    /// queries each, negatives shared across them), as `torchrun --nproc-per-node N` would.
+    #[arg(long, default_value_t = 1)]
+    pub nproc: usize,
+}
+
+/// How long a process waits for the others (the rendezvous, rank 0 mining negatives, every
+/// collective) before it gives up; a process that dies is noticed at once. RAK_DIST_TIMEOUT_S
+/// changes it.
+fn dist_timeout() -> Result<Duration> {
+    match std::env::var("RAK_DIST_TIMEOUT_S") {
+        Ok(v) => Ok(Duration::from_secs(v.parse().map_err(|_| anyhow::anyhow!("RAK_DIST_TIMEOUT_S={v:?} is not a number of seconds"))?)),
+        Err(_) => Ok(Duration::from_secs(30 * 60)),
+    }
 }
 
 pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
+    let rendezvous = Rendezvous::from_env(dist_timeout()?)?;
+    if args.nproc == 0 {
+        bail!("--nproc must be at least 1");
+    }
+    if args.nproc > 1 {
+        if let Some(r) = &rendezvous {
+            bail!("--nproc {} inside a launched group (RANK {} of WORLD_SIZE {}): let the launcher start the processes", args.nproc, r.rank, r.world);
+        }
+        return launch(args.nproc);
+    }
     let Some(config_path) = &args.config else { bail!("--config FILE.toml is required (see configs/minikilt/)") };
     let mut recipe = read_recipe(config_path)?;
     let t = &mut recipe.train;
@@ -92,8 +125,92 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
         resume: Resume::parse(args.resume_from_checkpoint.as_deref()),
         overwrite: args.overwrite_output_dir,
         examples: None,
+        rendezvous: rendezvous.clone(),
     };
-    rak_train::run::run(&spec, registry, &Bar::default())
+    match &rendezvous {
+        Some(r) if r.rank != 0 => {
+            rak_train::run::run(&spec, registry, &Silent)?;
+            Ok(Value::Null)
+        }
+        _ => rak_train::run::run(&spec, registry, &Bar::default()),
+    }
+}
+
+/// The progress of a process other than rank 0: nothing (rank 0 shows the run's; an error
+/// still reaches the user through the command's exit).
+struct Silent;
+
+impl Progress for Silent {
+    fn log(&self, _line: &str) {}
+}
+
+/// `--nproc N`: this command line again in N processes on 127.0.0.1, each with its rank in
+/// the launch variables; waits for them all. Rank 0's summary is the command's; when a
+/// process fails, the others are stopped and the error names it.
+fn launch(n: usize) -> Result<Value> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).context("no free port for the rendezvous")?.port();
+    // The same arguments without --nproc (as `--nproc N` or `--nproc=N`).
+    let mut args: Vec<String> = Vec::new();
+    let mut given = std::env::args().skip(1);
+    while let Some(a) = given.next() {
+        if a == "--nproc" {
+            given.next();
+        } else if !a.starts_with("--nproc=") {
+            args.push(a);
+        }
+    }
+    let exe = std::env::current_exe().context("cannot find this program to start its copies")?;
+    let mut children: Vec<Child> = Vec::with_capacity(n);
+    for rank in 0..n {
+        let child = Command::new(&exe)
+            .args(&args)
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env_remove("TORCHELASTIC_USE_AGENT_STORE")
+            .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
+            .spawn();
+        match child {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                stop(&mut children);
+                bail!("cannot start process {rank} of {n}: {e}");
+            }
+        }
+    }
+    // Rank 0's summary, read while it runs (a full pipe would stall it).
+    let mut out = children[0].stdout.take().context("rank 0's output")?;
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut out, &mut text).map(|_| text)
+    });
+    let mut done = vec![false; n];
+    while done.iter().any(|d| !d) {
+        for rank in 0..n {
+            if done[rank] {
+                continue;
+            }
+            if let Some(status) = children[rank].try_wait().with_context(|| format!("process {rank} of {n}"))? {
+                done[rank] = true;
+                if !status.success() {
+                    stop(&mut children);
+                    bail!("process {rank} of {n} failed ({status}); the other processes were stopped");
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let text = reader.join().map_err(|_| anyhow::anyhow!("reading rank 0's output failed"))?.context("rank 0's output")?;
+    serde_json::from_str(&text).with_context(|| format!("rank 0's summary is not JSON: {text:?}"))
+}
+
+fn stop(children: &mut [Child]) {
+    for c in children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
 }
 
 impl Plugins for Registry {

@@ -1,0 +1,196 @@
+//! Data-parallel `host train` (issue 23): `--nproc 2` with half the batch per process trains
+//! as one process with the whole batch, over libtorch's c10d (Gloo on loopback).
+//!
+//! Dropout is off here (a MiniLM copy whose config sets it to 0): each process draws its own
+//! dropout masks, so with dropout on the two runs differ by design until the masks are drawn
+//! per example.
+
+use rak_e2e::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+/// AdamW's eps is 1e-6 rather than 1e-8: an element whose gradient is near 1e-8, where its
+/// float32 noise is a few percent, would otherwise step by about lr in one run and less in the
+/// other.
+const TRAIN: &str = "optim_settings = { eps = 1e-6 }\nlearning_rate = 1e-4\nper_device_train_batch_size = 8\nmax_steps = 4\nwarmup_ratio = 0.0\nscore_scale = 20.0\nhard_negatives = 1\nnegative_depth = 10\nlogging_steps = 1\nsave_steps = 1\nseed = 7";
+
+/// all-MiniLM-L6-v2 with dropout off: its files linked, its config rewritten.
+fn minilm_without_dropout(dir: &Path) -> PathBuf {
+    let out = dir.join("minilm-no-dropout");
+    std::fs::create_dir_all(&out).unwrap();
+    for e in std::fs::read_dir(minilm_dir()).unwrap().flatten() {
+        if e.file_name() != "config.json" {
+            std::os::unix::fs::symlink(e.path(), out.join(e.file_name())).unwrap();
+        }
+    }
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(minilm_dir().join("config.json")).unwrap()).unwrap();
+    cfg["hidden_dropout_prob"] = 0.0.into();
+    cfg["attention_probs_dropout_prob"] = 0.0.into();
+    std::fs::write(out.join("config.json"), cfg.to_string()).unwrap();
+    out
+}
+
+fn train(recipe: &Path, model: &Path, out: &Path, extra: &[&str]) -> Value {
+    let o = Command::new(host_bin())
+        .args(["train", "--model", p(model), "--config", p(recipe), "--output-dir", p(out)])
+        .args(extra)
+        .env_remove("RAK_PLUGIN_PATH")
+        .env_remove("WORLD_SIZE")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "host train {extra:?} failed:\n{}", stderr(&o));
+    serde_json::from_str(&stdout(&o)).unwrap_or_else(|e| panic!("summary is not JSON ({e}): {}", stdout(&o)))
+}
+
+fn log(out: &Path) -> Vec<Value> {
+    std::fs::read_to_string(out.join("trainer_log.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn weights(dir: &Path) -> Vec<(String, tch::Tensor)> {
+    let mut w = tch::Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
+    w.sort_by(|a, b| a.0.cmp(&b.0));
+    w
+}
+
+/// The optimizer state of a checkpoint (`checkpoint-STEP/optimizer.safetensors`) whose name
+/// starts with `kind/`, by parameter name (AdamW's `exp_avg` is `(1 - beta1) g` after the
+/// first step; T-SAGE's `momentum` is `[tasks, ...]`).
+fn state(out: &Path, step: u64, kind: &str) -> std::collections::HashMap<String, tch::Tensor> {
+    let state = tch::Tensor::read_safetensors(out.join(format!("checkpoint-{step}/optimizer.safetensors"))).unwrap();
+    state.into_iter().filter_map(|(k, t)| k.strip_prefix(&format!("{kind}/")).map(|n| (n.to_string(), t))).collect()
+}
+
+/// The elements where the two runs' arithmetic, not the data, decides the update: their
+/// first gradients disagree by more than 1% (float32 rounding noise in a gradient whose exact
+/// value is 0 or nearly: the runs sum the batch in other orders, and AdamW steps by
+/// g / (|g| + eps) whatever its size), or, with T-SAGE, their task weights
+/// `softmax(M / tau)` differ by more than 0.01 at some step (the momenta reach 1e4 here, so
+/// a difference of 0.1% in them can move a weight from one task to the other). By parameter.
+fn noise_elements(one: &Path, two: &Path, steps: u64) -> std::collections::HashMap<String, tch::Tensor> {
+    let (a, b) = (state(one, 1, "exp_avg"), state(two, 1, "exp_avg"));
+    let mut noise: std::collections::HashMap<String, tch::Tensor> =
+        a.iter().map(|(n, x)| (n.clone(), (x - &b[n]).abs().gt_tensor(&((x.abs() + b[n].abs()) * 0.01)))).collect();
+    for step in 1..=steps {
+        let (m1, m2) = (state(one, step, "momentum"), state(two, step, "momentum"));
+        for (n, x) in &m1 {
+            // T-SAGE's default tau.
+            let (wx, wy) = ((x / 2.0).softmax(0, tch::Kind::Float), (&m2[n] / 2.0).softmax(0, tch::Kind::Float));
+            let moved = (wx - wy).abs().amax([0i64].as_slice(), false).gt(0.01);
+            let e = noise.get_mut(n).unwrap();
+            *e = e.logical_or(&moved);
+        }
+    }
+    noise
+}
+
+/// One process with 8 queries a step against two with 4 each, for AdamW and T-SAGE on two
+/// tasks: the same losses at every step and the same weights after 4 steps.
+#[test]
+fn two_processes_with_half_the_batch_train_as_one() {
+    let dir = TempDir::new("train-dist");
+    let recipe = small_task_data(dir.path(), 24, TRAIN);
+    let model = minilm_without_dropout(dir.path());
+    for optim in ["adamw", "tsage"] {
+        let one = dir.path().join(format!("{optim}-one"));
+        let two = dir.path().join(format!("{optim}-two"));
+        train(&recipe, &model, &one, &["--optim", optim]);
+        let s = train(&recipe, &model, &two, &["--optim", optim, "--per-device-train-batch-size", "4", "--nproc", "2"]);
+        assert_eq!(s["steps"], 4, "{s}");
+        let (a, b) = (log(&one), log(&two));
+        assert_eq!(a.len(), 4);
+        assert_eq!(b.len(), 4, "rank 0 alone writes the log, one line a step");
+        for (x, y) in a.iter().zip(&b) {
+            for (task, l) in x["loss"].as_object().unwrap() {
+                let (l, m) = (l.as_f64().unwrap(), y["loss"][task].as_f64().unwrap());
+                assert!((l - m).abs() <= 1e-5 * l.abs().max(1.0), "{optim} step {}: {task} loss {l} in one process, {m} in two", x["step"]);
+            }
+        }
+        // Every element within 1e-5, except where rounding noise decides the update (see
+        // noise_elements): those within lr x steps, the most AdamW moves an element.
+        let (mut worst, mut worst_noise, mut noisy) = ((0.0f64, String::new()), 0.0f64, 0i64);
+        let noise_of = noise_elements(&one, &two, 4);
+        for ((n, w1), (_, w2)) in weights(&one).iter().zip(weights(&two).iter()) {
+            let d = (w1 - w2).abs();
+            let noise = &noise_of[n];
+            noisy += i64::try_from(noise.sum(tch::Kind::Int64)).unwrap();
+            let on_noise = d.masked_select(noise);
+            if on_noise.numel() > 0 {
+                worst_noise = worst_noise.max(on_noise.max().double_value(&[]));
+            }
+            let m = d.masked_fill(noise, 0.0).max().double_value(&[]);
+            if m > worst.0 {
+                worst = (m, n.clone());
+            }
+        }
+        eprintln!("{optim}: largest weight difference {:.3e} ({}); {noisy} elements stepped on rounding noise, within {worst_noise:.3e}", worst.0, worst.1);
+        assert!(worst.0 <= 1e-5, "{optim}: weights differ by {:.3e} at {}", worst.0, worst.1);
+        assert!(worst_noise <= 1e-4 * 4.0 * 1.01, "{optim}: elements stepped on noise moved {worst_noise:.3e}, more than lr x steps");
+        assert!((1..=4).all(|s| two.join(format!("checkpoint-{s}")).exists()), "rank 0 writes the checkpoints");
+    }
+}
+
+/// The PIDs of `parent`'s children whose environment says `RANK=rank`.
+fn children_with_rank(parent: u32, rank: usize) -> Vec<i32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // The parent PID is the second field after the command name's closing parenthesis.
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)).and_then(|p| p.parse::<u32>().ok());
+        if ppid != Some(parent) {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if env.split(|&b| b == 0).any(|v| v == format!("RANK={rank}").as_bytes()) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// A process killed mid-run stops the run: `--nproc` stops the other process and fails with
+/// an error that names the dead one, soon, not at a timeout; a resume over another number of
+/// processes is refused.
+#[test]
+fn a_killed_process_stops_the_run_and_the_world_size_is_kept() {
+    let dir = TempDir::new("train-dist-kill");
+    let recipe = small_task_data(dir.path(), 24, &TRAIN.replace("max_steps = 4", "max_steps = 200"));
+    let model = minilm_without_dropout(dir.path());
+    let out = dir.path().join("out");
+    let mut run = Command::new(host_bin())
+        .args(["train", "--model", p(&model), "--config", p(&recipe), "--output-dir", p(&out), "--optim", "adamw", "--per-device-train-batch-size", "4", "--nproc", "2"])
+        .env_remove("RAK_PLUGIN_PATH")
+        .env_remove("WORLD_SIZE")
+        .stderr(std::fs::File::create(dir.path().join("stderr.txt")).unwrap())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while !out.join("checkpoint-2").exists() {
+        assert!(started.elapsed().as_secs() < 300 && run.try_wait().unwrap().is_none(), "no checkpoint-2 while training");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let victims = children_with_rank(run.id(), 1);
+    assert_eq!(victims.len(), 1, "one process of rank 1 under the launcher");
+    let killed_at = std::time::Instant::now();
+    assert!(Command::new("kill").args(["-9", &victims[0].to_string()]).status().unwrap().success());
+    let status = run.wait().unwrap();
+    let err = std::fs::read_to_string(dir.path().join("stderr.txt")).unwrap();
+    assert!(!status.success(), "the run went on without rank 1");
+    assert!(killed_at.elapsed().as_secs() < 60, "the run took {:?} to stop", killed_at.elapsed());
+    assert!(err.contains("of 2 failed"), "{err}");
+    eprintln!("{err}");
+    assert!(children_with_rank(run.id(), 0).is_empty(), "rank 0 is still running");
+    // The checkpoints say two processes: one cannot resume them.
+    let o = Command::new(host_bin())
+        .args(["train", "--model", p(&model), "--config", p(&recipe), "--output-dir", p(&out), "--optim", "adamw", "--per-device-train-batch-size", "4", "--resume-from-checkpoint", "latest"])
+        .env_remove("RAK_PLUGIN_PATH")
+        .env_remove("WORLD_SIZE")
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && stderr(&o).contains("run over 2 processes and this one has 1"), "{}", stderr(&o));
+}
