@@ -3,8 +3,34 @@ fn main() {
     // link args are not passed on to its dependents. (The versions a plugin's header records
     // come from rak-abi's build script.)
     let libtorch = rak_build::link_libtorch();
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     compile_onednn_shim(&libtorch.lib_dir);
     compile_dist_shim(&libtorch.lib_dir);
+}
+
+/// A C++ build against libtorch's headers with the same C++ ABI as torch-sys builds its own.
+fn torch_cpp(lib_dir: &std::path::Path) -> cc::Build {
+    let include = lib_dir.parent().expect("libtorch lib dir has a parent").join("include");
+    let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
+    let mut b = cc::Build::new();
+    b.cpp(true)
+        .pic(true)
+        .warnings(false)
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        .flag("-DGLOG_USE_GLOG_EXPORT");
+    b
+}
+
+/// The small C++ files: libtorch's oneDNN linear operators called by name, and the autograd
+/// controls tch lacks (see their headers).
+fn compile_onednn_shim(lib_dir: &std::path::Path) {
+    println!("cargo:rerun-if-changed=csrc/onednn.cpp");
+    println!("cargo:rerun-if-changed=csrc/autograd.cpp");
+    println!("cargo:rerun-if-changed=csrc/guarded.h");
+    torch_cpp(lib_dir).file("csrc/onednn.cpp").file("csrc/autograd.cpp").compile("rak_onednn");
 }
 
 /// The c10d shim (`csrc/dist.cpp`): multi-process training over libtorch's own TCPStore and
@@ -22,45 +48,7 @@ fn compile_dist_shim(lib_dir: &std::path::Path) {
         println!("cargo:warning=Gloo's headers not found (apt install libgloo-dev, or RAK_GLOO_INCLUDE=DIR): multi-process training is left out of this build");
         return;
     }
-    let include = lib_dir.parent().expect("libtorch lib dir has a parent").join("include");
-    let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
-    cc::Build::new()
-        .cpp(true)
-        .pic(true)
-        .warnings(false)
-        // After torch's own headers, so that only Gloo's come from here.
-        .include(&include)
-        .include(include.join("torch/csrc/api/include"))
-        .include(&gloo)
-        .flag("-std=c++17")
-        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
-        .flag("-DGLOG_USE_GLOG_EXPORT")
-        .flag("-DUSE_C10D_GLOO")
-        .file("csrc/dist.cpp")
-        .compile("rak_dist");
+    // After torch's own headers, so that only Gloo's come from here.
+    torch_cpp(lib_dir).include(&gloo).flag("-DUSE_C10D_GLOO").file("csrc/dist.cpp").compile("rak_dist");
     println!("cargo:rustc-cfg=rak_c10d");
-}
-
-/// The small C++ files: libtorch's oneDNN linear operators called by name, and the autograd
-/// controls tch lacks (see their headers).
-/// Built against the same headers and C++ ABI as torch-sys builds its own C++.
-fn compile_onednn_shim(lib_dir: &std::path::Path) {
-    println!("cargo:rerun-if-changed=csrc/onednn.cpp");
-    println!("cargo:rerun-if-changed=csrc/autograd.cpp");
-    println!("cargo:rerun-if-changed=csrc/guarded.h");
-    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
-    let include = lib_dir.parent().expect("libtorch lib dir has a parent").join("include");
-    let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
-    cc::Build::new()
-        .cpp(true)
-        .pic(true)
-        .warnings(false)
-        .include(&include)
-        .include(include.join("torch/csrc/api/include"))
-        .flag("-std=c++17")
-        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
-        .flag("-DGLOG_USE_GLOG_EXPORT")
-        .file("csrc/onednn.cpp")
-        .file("csrc/autograd.cpp")
-        .compile("rak_onednn");
 }

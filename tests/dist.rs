@@ -13,7 +13,7 @@ fn free_port() -> u16 {
 }
 
 fn rendezvous(port: u16, rank: usize, timeout: Duration) -> Rendezvous {
-    Rendezvous { host: "127.0.0.1".into(), port, rank, world: 2, store_is_client: false, timeout }
+    Rendezvous { host: "127.0.0.1".into(), port, rank, world: 2, store_is_client: false, bind: "127.0.0.1".into(), prefix: "test".into(), timeout }
 }
 
 /// Rank 1: this binary again, running only `test` with the child's variables set.
@@ -59,17 +59,22 @@ fn collectives(rank: usize, port: u16) {
     g.barrier().unwrap();
 }
 
-#[test]
-fn collectives_across_two_processes() {
+/// Runs `body` as rank 0 here and as rank 1 in a copy of this test binary that runs only
+/// `test`; both must succeed.
+fn on_two_ranks(test: &str, body: fn(usize, u16)) {
     assert!(AVAILABLE, "this build has no c10d shim: apt install libgloo-dev (scripts/install.sh does) and rebuild");
-    const NAME: &str = "collectives_across_two_processes";
-    if let Some(port) = as_child(NAME) {
-        return collectives(1, port);
+    if let Some(port) = as_child(test) {
+        return body(1, port);
     }
     let port = free_port();
-    let mut child = spawn_rank_1(NAME, port);
-    collectives(0, port);
+    let mut child = spawn_rank_1(test, port);
+    body(0, port);
     assert!(child.wait().unwrap().success(), "rank 1 failed");
+}
+
+#[test]
+fn collectives_across_two_processes() {
+    on_two_ranks("collectives_across_two_processes", collectives);
 }
 
 #[test]
@@ -132,13 +137,5 @@ fn gather_and_reduce(rank: usize, port: u16) {
 
 #[test]
 fn rows_gathered_keep_the_local_graph_and_gradients_sum() {
-    assert!(AVAILABLE, "this build has no c10d shim");
-    const NAME: &str = "rows_gathered_keep_the_local_graph_and_gradients_sum";
-    if let Some(port) = as_child(NAME) {
-        return gather_and_reduce(1, port);
-    }
-    let port = free_port();
-    let mut child = spawn_rank_1(NAME, port);
-    gather_and_reduce(0, port);
-    assert!(child.wait().unwrap().success(), "rank 1 failed");
+    on_two_ranks("rows_gathered_keep_the_local_graph_and_gradients_sum", gather_and_reduce);
 }

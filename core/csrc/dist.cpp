@@ -38,11 +38,12 @@ extern "C" {
 
 // Joins a group of `world` processes: rank 0's TCPStore listens on host:port unless
 // `store_is_client` (torchrun's agent already serves the store), the others connect; then a
-// Gloo process group over the store under `prefix`, bound to `host`'s address. `timeout_ms`
-// bounds the rendezvous and every collective (a rank that dies makes the others fail within
-// it). Returns the group, or null with the message in `err`.
+// Gloo process group over the store under `prefix`. Its sockets bind to `bind`: "" this
+// machine's hostname's address (Gloo's default), "iface:NAME" that interface, else that host
+// or address. `timeout_ms` bounds the rendezvous and every collective (a rank that dies makes
+// the others fail within it). Returns the group, or null with the message in `err`.
 void* rak_dist_init(const char* host, int port, int rank, int world, int store_is_client, const char* prefix,
-                    long timeout_ms, char* err, size_t len) {
+                    const char* bind, long timeout_ms, char* err, size_t len) {
   return guarded(err, len, static_cast<void*>(nullptr), [&]() -> void* {
     auto timeout = std::chrono::milliseconds(timeout_ms);
     c10d::TCPStoreOptions opts;
@@ -54,29 +55,26 @@ void* rak_dist_init(const char* host, int port, int rank, int world, int store_i
     auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
     auto scoped = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), store);
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(std::string(host)));
+    std::string where(bind);
+    if (where.empty()) {
+      options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    } else if (where.rfind("iface:", 0) == 0) {
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(where.substr(6)));
+    } else {
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(where));
+    }
     auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, rank, world, options);
     return new Group{store, pg};
   });
 }
 
-void rak_dist_free(void* g) noexcept {
-  try {
-    delete group(g);
-  } catch (...) {
-    // A destructor that throws while tearing down sockets: nothing left to do.
-  }
-}
+void rak_dist_free(void* g) noexcept { delete group(g); }
 
-// Sums `n` tensors in place across the group (one coalesced call).
-int rak_dist_allreduce_sum(void* g, void** ts, int n, char* err, size_t len) {
+// Sums `t` in place across the group.
+int rak_dist_allreduce_sum(void* g, void* t, char* err, size_t len) {
   return guarded(err, len, 0, [&] {
-    auto v = tensors(ts, n);
-    if (n == 1) {
-      group(g)->pg->allreduce(v)->wait();
-    } else {
-      group(g)->pg->allreduce_coalesced(v)->wait();
-    }
+    std::vector<at::Tensor> v{*static_cast<at::Tensor*>(t)};
+    group(g)->pg->allreduce(v)->wait();
     return 1;
   });
 }

@@ -20,6 +20,11 @@ pub struct Rendezvous {
     pub world: usize,
     /// The store is already served (torchrun's agent store): every rank connects as a client.
     pub store_is_client: bool,
+    /// Where this process's Gloo sockets bind: "" this machine's hostname's address (Gloo's
+    /// default), `iface:NAME` an interface (`GLOO_SOCKET_IFNAME`), else a host or address.
+    pub bind: String,
+    /// The group's keys in the store start with it (a restarted job starts afresh).
+    pub prefix: String,
     /// Bounds the rendezvous and every collective: a rank that dies makes the others fail
     /// within it instead of hanging.
     pub timeout: Duration,
@@ -28,7 +33,9 @@ pub struct Rendezvous {
 impl Rendezvous {
     /// From the launch variables torchrun and the like set: `RANK`, `WORLD_SIZE`,
     /// `MASTER_ADDR` (default 127.0.0.1), `MASTER_PORT`, and `TORCHELASTIC_USE_AGENT_STORE`
-    /// (`True`: the agent serves the store). `None` when `WORLD_SIZE` is unset.
+    /// (`True`: the agent serves the store), `GLOO_SOCKET_IFNAME` (the interface to bind; with
+    /// none, loopback when `MASTER_ADDR` is a loopback address, else Gloo's default) and
+    /// `TORCHELASTIC_RESTART_COUNT`. `None` when `WORLD_SIZE` is unset.
     pub fn from_env(timeout: Duration) -> Result<Option<Self>> {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         let Some(world) = var("WORLD_SIZE") else { return Ok(None) };
@@ -38,12 +45,20 @@ impl Rendezvous {
         let rank = num("RANK", &rank)?;
         let Some(port) = var("MASTER_PORT") else { bail!("WORLD_SIZE is set but MASTER_PORT is not: the rendezvous needs rank 0's port") };
         let port: u16 = port.parse().map_err(|_| anyhow::anyhow!("MASTER_PORT={port:?} is not a port number"))?;
+        let host = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+        let bind = match var("GLOO_SOCKET_IFNAME") {
+            Some(iface) => format!("iface:{iface}"),
+            None if host.starts_with("127.") || host == "localhost" => "127.0.0.1".into(),
+            None => String::new(),
+        };
         let r = Rendezvous {
-            host: var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
+            host,
             port,
             rank,
             world,
             store_is_client: var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true")),
+            bind,
+            prefix: format!("rak/{}", var("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into())),
             timeout,
         };
         r.check()?;
@@ -122,12 +137,13 @@ mod imp {
             world: i32,
             store_is_client: i32,
             prefix: *const c_char,
+            bind: *const c_char,
             timeout_ms: c_long,
             err: *mut c_char,
             len: usize,
         ) -> *mut c_void;
         fn rak_dist_free(g: *mut c_void);
-        fn rak_dist_allreduce_sum(g: *mut c_void, ts: *mut *mut c_void, n: i32, err: *mut c_char, len: usize) -> i32;
+        fn rak_dist_allreduce_sum(g: *mut c_void, t: *mut c_void, err: *mut c_char, len: usize) -> i32;
         fn rak_dist_allgather(g: *mut c_void, input: *mut c_void, outputs: *mut *mut c_void, world: i32, err: *mut c_char, len: usize) -> i32;
         fn rak_dist_broadcast(g: *mut c_void, t: *mut c_void, root: i32, err: *mut c_char, len: usize) -> i32;
         fn rak_dist_barrier(g: *mut c_void, err: *mut c_char, len: usize) -> i32;
@@ -147,12 +163,13 @@ mod imp {
         pub fn join(r: &Rendezvous) -> Result<Self> {
             r.check()?;
             let host = CString::new(r.host.as_str())?;
-            let prefix = CString::new("rak")?;
+            let prefix = CString::new(r.prefix.as_str())?;
+            let bind = CString::new(r.bind.as_str())?;
             let mut err = [0 as c_char; 1024];
             let timeout_ms = r.timeout.as_millis().min(c_long::MAX as u128) as c_long;
             // SAFETY: the strings and the error buffer outlive the call.
             let handle = unsafe {
-                rak_dist_init(host.as_ptr(), r.port as i32, r.rank as i32, r.world as i32, r.store_is_client as i32, prefix.as_ptr(), timeout_ms, err.as_mut_ptr(), err.len())
+                rak_dist_init(host.as_ptr(), r.port as i32, r.rank as i32, r.world as i32, r.store_is_client as i32, prefix.as_ptr(), bind.as_ptr(), timeout_ms, err.as_mut_ptr(), err.len())
             };
             if handle.is_null() {
                 bail!("rank {} of {}: cannot join the group at {}:{}: {}", r.rank, r.world, r.host, r.port, message(&err));
@@ -160,16 +177,34 @@ mod imp {
             Ok(ProcessGroup { handle, rank: r.rank, world: r.world })
         }
 
-        /// Sums the tensors in place over every rank (contiguous, same shapes and kinds on
-        /// every rank; one coalesced call for several).
+        /// Sums the tensors in place over every rank (same shapes and kinds on every rank;
+        /// several go as one flat buffer, so they must share a kind and a device).
         pub fn all_reduce_sum(&mut self, tensors: &[&Tensor]) -> Result<()> {
-            if tensors.is_empty() {
-                return Ok(());
+            match tensors {
+                [] => Ok(()),
+                [one] => self.all_reduce_one(one),
+                many => {
+                    if let Some(t) = many.iter().find(|t| t.kind() != many[0].kind() || t.device() != many[0].device()) {
+                        bail!("all-reduce of tensors of {:?} on {:?} and {:?} on {:?}: one kind and device at a time", many[0].kind(), many[0].device(), t.kind(), t.device());
+                    }
+                    let flat = Tensor::cat(&many.iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(), 0);
+                    self.all_reduce_one(&flat)?;
+                    let mut at = 0;
+                    for t in many {
+                        let n = t.numel() as i64;
+                        t.shallow_clone().copy_(&flat.narrow(0, at, n).view(t.size().as_slice()));
+                        at += n;
+                    }
+                    Ok(())
+                }
             }
-            let mut ts: Vec<*mut c_void> = tensors.iter().map(|t| ptr(t)).collect();
+        }
+
+        fn all_reduce_one(&mut self, t: &Tensor) -> Result<()> {
+            let t_ptr = ptr(t);
             let mut err = [0 as c_char; 1024];
-            // SAFETY: live tensor handles for the length of the call.
-            if unsafe { rak_dist_allreduce_sum(self.handle, ts.as_mut_ptr(), ts.len() as i32, err.as_mut_ptr(), err.len()) } != 1 {
+            // SAFETY: a live tensor handle for the length of the call.
+            if unsafe { rak_dist_allreduce_sum(self.handle, t_ptr, err.as_mut_ptr(), err.len()) } != 1 {
                 bail!("rank {} of {}: all-reduce failed: {}", self.rank, self.world, message(&err));
             }
             Ok(())
@@ -250,6 +285,8 @@ impl ProcessGroup {
         if most == 0 {
             return Ok((local.shallow_clone(), 0));
         }
+        // A rank with no rows sends an empty tensor whose kind may be anything: the rows are
+        // float32 (the trainer's embeddings) unless a rank with rows says otherwise.
         let kind = if rows > 0 { local.kind() } else { tch::Kind::Float };
         let padded = Tensor::zeros([most, width], (kind, local.device()));
         if rows > 0 {
@@ -287,7 +324,7 @@ impl ProcessGroup {
                 (true, false) => p.zeros_like(),
             })
             .collect();
-        // Buckets of one kind and device (a coalesced call flattens its tensors into one).
+        // Buckets of one kind and device, each summed as one flat buffer.
         let mut bucket: Vec<&Tensor> = Vec::new();
         let mut bytes = 0;
         for g in out.iter().filter(|g| g.defined()) {
@@ -323,20 +360,22 @@ mod tests {
             }
         };
         let t = Duration::from_secs(5);
-        set(&[("WORLD_SIZE", None), ("RANK", None), ("MASTER_ADDR", None), ("MASTER_PORT", None), ("TORCHELASTIC_USE_AGENT_STORE", None)]);
+        set(&[("WORLD_SIZE", None), ("RANK", None), ("MASTER_ADDR", None), ("MASTER_PORT", None), ("TORCHELASTIC_USE_AGENT_STORE", None), ("GLOO_SOCKET_IFNAME", None), ("TORCHELASTIC_RESTART_COUNT", None)]);
         assert_eq!(Rendezvous::from_env(t).unwrap(), None);
         set(&[("WORLD_SIZE", Some("2")), ("RANK", Some("1")), ("MASTER_PORT", Some("29500"))]);
         let r = Rendezvous::from_env(t).unwrap().unwrap();
-        assert_eq!((r.host.as_str(), r.port, r.rank, r.world, r.store_is_client), ("127.0.0.1", 29500, 1, 2, false));
-        set(&[("TORCHELASTIC_USE_AGENT_STORE", Some("True")), ("MASTER_ADDR", Some("10.0.0.2"))]);
+        assert_eq!((r.host.as_str(), r.port, r.rank, r.world, r.store_is_client, r.bind.as_str(), r.prefix.as_str()), ("127.0.0.1", 29500, 1, 2, false, "127.0.0.1", "rak/0"));
+        set(&[("TORCHELASTIC_USE_AGENT_STORE", Some("True")), ("MASTER_ADDR", Some("10.0.0.2")), ("TORCHELASTIC_RESTART_COUNT", Some("3"))]);
         let r = Rendezvous::from_env(t).unwrap().unwrap();
-        assert!(r.store_is_client && r.host == "10.0.0.2");
+        assert!(r.store_is_client && r.host == "10.0.0.2" && r.bind.is_empty() && r.prefix == "rak/3", "{r:?}");
+        set(&[("GLOO_SOCKET_IFNAME", Some("eth1"))]);
+        assert_eq!(Rendezvous::from_env(t).unwrap().unwrap().bind, "iface:eth1");
         set(&[("RANK", Some("2"))]);
         assert!(Rendezvous::from_env(t).unwrap_err().to_string().contains("rank 2 of a world of 2"));
         set(&[("RANK", None)]);
         assert!(Rendezvous::from_env(t).unwrap_err().to_string().contains("RANK is not"));
         set(&[("RANK", Some("0")), ("MASTER_PORT", Some("x"))]);
         assert!(Rendezvous::from_env(t).unwrap_err().to_string().contains("MASTER_PORT=\"x\""));
-        set(&[("WORLD_SIZE", None), ("RANK", None), ("MASTER_ADDR", None), ("MASTER_PORT", None), ("TORCHELASTIC_USE_AGENT_STORE", None)]);
+        set(&[("WORLD_SIZE", None), ("RANK", None), ("MASTER_ADDR", None), ("MASTER_PORT", None), ("TORCHELASTIC_USE_AGENT_STORE", None), ("GLOO_SOCKET_IFNAME", None), ("TORCHELASTIC_RESTART_COUNT", None)]);
     }
 }

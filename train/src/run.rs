@@ -186,7 +186,9 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     }
     let kind = sampler_kind(t)?;
     let counts: Vec<usize> = tasks.iter().map(|t| t.examples.len()).collect();
-    let steps_per_epoch = Sampler::new(kind, &counts, t.per_device_train_batch_size, t.seed)?.steps_per_epoch() as u64;
+    // A data-parallel step takes the batch of every process.
+    let world = spec.rendezvous.as_ref().map_or(1, |r| r.world);
+    let steps_per_epoch = Sampler::new(kind, &counts, t.per_device_train_batch_size * world, t.seed)?.steps_per_epoch() as u64;
     let max_steps = t.max_steps.unwrap_or(((t.num_train_epochs * steps_per_epoch as f64).ceil() as u64).max(1));
     let episode_steps = match t.ance_num_train_epochs {
         Some(epochs) => ((epochs * steps_per_epoch as f64).ceil() as u64).max(1),

@@ -375,7 +375,9 @@ impl<'a> Trainer<'a> {
         self.optimizer.load_state(tensors).with_context(|| format!("{}: optimizer state", opt_path.display()))?;
         self.sampler.load_state(&state.sampler).with_context(|| format!("{}: sampler state", state_path.display()))?;
         self.state = state;
-        truncate_log(&self.output_dir.join(LOG_FILE), self.state.step)?;
+        if self.writes() {
+            truncate_log(&self.output_dir.join(LOG_FILE), self.state.step)?;
+        }
         Ok(())
     }
 
@@ -447,7 +449,7 @@ impl<'a> Trainer<'a> {
     /// A group's query and passage embeddings for the loss: this process's own, or in a
     /// data-parallel run every process's share gathered in rank order (rank `r` of `w` encodes
     /// queries `n·r/w .. n·(r+1)/w` and their passages; its rows keep their graph).
-    fn encode_for_loss(&mut self, g: &TaskGroup) -> Result<(Tensor, Tensor)> {
+    fn encode_for_loss(&mut self, g: &TaskGroup, device: tch::Device) -> Result<(Tensor, Tensor)> {
         let Some((rank, world)) = self.dist.as_ref().map(|d| (d.rank(), d.world())) else { return self.encode_group(g) };
         let n = g.queries.len();
         let (lo, hi) = (n * rank / world, n * (rank + 1) / world);
@@ -461,7 +463,8 @@ impl<'a> Trainer<'a> {
             };
             self.encode_group(&share)?
         } else {
-            let none = Tensor::zeros([0, 0], (Kind::Float, tch::Device::Cpu));
+            // On the device the others' rows are, so the loss runs there on every process.
+            let none = Tensor::zeros([0, 0], (Kind::Float, device));
             (none.shallow_clone(), none)
         };
         let dist = self.dist.as_deref_mut().context("no process group")?;
@@ -535,7 +538,7 @@ impl<'a> Trainer<'a> {
         for g in groups {
             let (q, p) = {
                 let _autocast = self.config.bf16.then(|| Autocast::bf16(device)).transpose()?;
-                self.encode_for_loss(g)?
+                self.encode_for_loss(g, device)?
             };
             let loss = self.task_loss(g, &q, &p, None, &[])?;
             let value = loss.double_value(&[]);
@@ -572,7 +575,7 @@ impl<'a> Trainer<'a> {
         {
             let _autocast = self.config.bf16.then(|| Autocast::bf16(device)).transpose()?;
             for g in groups {
-                encoded.push(self.encode_for_loss(g)?);
+                encoded.push(self.encode_for_loss(g, device)?);
             }
         }
         let step_passages = (self.config.in_batch_negatives == InBatchNegatives::Step).then(|| Tensor::cat(&encoded.iter().map(|(_, p)| p).collect::<Vec<_>>(), 0));
@@ -653,7 +656,12 @@ impl<'a> Trainer<'a> {
         progress.inc(first);
         while self.state.step < self.config.max_steps {
             let step = self.state.step;
-            tch::manual_seed(Rng::derive(self.config.seed, &[4, step]).next_u64() as i64);
+            // Dropout: each process its own stream (one process keeps the stream it always had).
+            let mut dropout = match self.dist.as_ref() {
+                Some(d) => Rng::derive(self.config.seed, &[4, step, 1 + d.rank() as u64]),
+                None => Rng::derive(self.config.seed, &[4, step]),
+            };
+            tch::manual_seed(dropout.next_u64() as i64);
             let lr = self.config.learning_rate * linear_warmup_decay(step, self.config.max_steps, warmup);
             let ctx = StepContext {
                 step,
@@ -752,7 +760,12 @@ fn passage_bounds(g: &TaskGroup, group: usize) -> Vec<usize> {
     let n = g.queries.len();
     let mut bounds: Vec<usize> = match &g.targets {
         Targets::OnePositive => (0..n).map(|i| i * group).collect(),
-        Targets::Positives(rows) => rows.iter().map(|r| r.first().map_or(0, |&x| x as usize)).collect(),
+        // Each query's positives, then `group - 1` negatives.
+        Targets::Positives(rows) => rows.iter().scan(0, |at, r| {
+            let start = *at;
+            *at += r.len() + group - 1;
+            Some(start)
+        }).collect(),
         Targets::LmScores(scores) => scores.iter().scan(0, |at, s| {
             let start = *at;
             *at += s.len();

@@ -243,8 +243,8 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
 
 /// What, besides the prompt's digest, decides an answer: the target, its settings that change
 /// replies (with the model the connector says it asks, named or served, and the server
-/// without its port), everything that shapes prompts (templates, the passage template and
-/// separator, the passage cut: a reader's prompt digest covers the passages uncut; the
+/// without its port), everything that shapes prompts (templates, the passage template,
+/// separator and header, the passage cut: a reader's prompt digest covers the passages uncut; the
 /// demonstration template and separator), and the
 /// answering settings. Connection settings (base URL, timeouts, retries, cache) are left out,
 /// so a local server restarted on another port keeps its answers.
@@ -273,6 +273,9 @@ fn setup_sha256(target: &str, settings: &Value, p: &TaskPrompts) -> String {
     }
     if let Some(s) = &p.demonstration_separator {
         prompt["demonstration_separator"] = json!(s);
+    }
+    if !p.passages_header.is_empty() {
+        prompt["passages_header"] = json!(p.passages_header);
     }
     crate::augment::sha256(&json!({"target": target, "settings": kept, "prompt": prompt, "answering": answering}).to_string())
 }

@@ -17,6 +17,7 @@ use rak_train::run::{Plugins, Resume, RunSpec};
 use rak_retrieval::pipeline::Progress;
 use serde_json::Value;
 use std::path::PathBuf;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -120,7 +121,7 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
         model: args.model.clone().or(recipe.model.path.clone()).context("no model: give --model or model.path")?,
         recipe,
         output_dir: args.output_dir.clone(),
-        device: args.device.clone(),
+        device: process_device(&args.device, rendezvous.as_ref())?,
         bf16: args.bf16,
         resume: Resume::parse(args.resume_from_checkpoint.as_deref()),
         overwrite: args.overwrite_output_dir,
@@ -134,6 +135,17 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
         }
         _ => rak_train::run::run(&spec, registry, &Bar::default()),
     }
+}
+
+/// `cuda` in a data-parallel run is the GPU of this process's `LOCAL_RANK` (its rank when
+/// unset), as torchrun's processes each take one; `cuda:N` and `cpu` stay as given.
+fn process_device(device: &str, rendezvous: Option<&Rendezvous>) -> Result<String> {
+    let Some(r) = rendezvous.filter(|_| device == "cuda") else { return Ok(device.to_string()) };
+    let local = match std::env::var("LOCAL_RANK") {
+        Ok(v) => v.parse::<usize>().map_err(|_| anyhow::anyhow!("LOCAL_RANK={v:?} is not a whole number"))?,
+        Err(_) => r.rank,
+    };
+    Ok(format!("cuda:{local}"))
 }
 
 /// The progress of a process other than rank 0: nothing (rank 0 shows the run's; an error
@@ -150,19 +162,20 @@ impl Progress for Silent {
 fn launch(n: usize) -> Result<Value> {
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).context("no free port for the rendezvous")?.port();
     // The same arguments without --nproc (as `--nproc N` or `--nproc=N`).
-    let mut args: Vec<String> = Vec::new();
-    let mut given = std::env::args().skip(1);
+    let mut args: Vec<std::ffi::OsString> = Vec::new();
+    let mut given = std::env::args_os().skip(1);
     while let Some(a) = given.next() {
         if a == "--nproc" {
             given.next();
-        } else if !a.starts_with("--nproc=") {
+        } else if !a.to_string_lossy().starts_with("--nproc=") {
             args.push(a);
         }
     }
     let exe = std::env::current_exe().context("cannot find this program to start its copies")?;
     let mut children: Vec<Child> = Vec::with_capacity(n);
     for rank in 0..n {
-        let child = Command::new(&exe)
+        let mut child = Command::new(&exe);
+        child
             .args(&args)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", rank.to_string())
@@ -170,8 +183,18 @@ fn launch(n: usize) -> Result<Value> {
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env_remove("TORCHELASTIC_USE_AGENT_STORE")
-            .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
-            .spawn();
+            .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() });
+        // SAFETY: only an async-signal-safe call between fork and exec: the process dies with
+        // this one, so a launcher that is killed leaves no process training on.
+        let child = unsafe {
+            child.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            })
+        }
+        .spawn();
         match child {
             Ok(c) => children.push(c),
             Err(e) => {
@@ -192,7 +215,15 @@ fn launch(n: usize) -> Result<Value> {
             if done[rank] {
                 continue;
             }
-            if let Some(status) = children[rank].try_wait().with_context(|| format!("process {rank} of {n}"))? {
+            let polled = children[rank].try_wait();
+            let status = match polled {
+                Ok(s) => s,
+                Err(e) => {
+                    stop(&mut children);
+                    bail!("process {rank} of {n}: {e}; the other processes were stopped");
+                }
+            };
+            if let Some(status) = status {
                 done[rank] = true;
                 if !status.success() {
                     stop(&mut children);
