@@ -28,7 +28,9 @@ fi
 if [[ ! -f ${RAK_GLOO_INCLUDE:-/usr/include}/gloo/config.h ]]; then
     echo "install: libgloo-dev (apt; Gloo's headers, for multi-process training)"
     as_root=(); [[ $(id -u) == 0 ]] || as_root=(sudo)
-    "${as_root[@]}" apt-get update -q >/dev/null
-    DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -q libgloo-dev >/dev/null
+    # Not fatal: everything else builds and runs without it (tests/dist.rs then fails, saying so).
+    if ! { "${as_root[@]}" apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -q libgloo-dev >/dev/null; }; then
+        echo "install: WARNING: could not apt-get install libgloo-dev; multi-process training is left out of the build" >&2
+    fi
 fi
 scripts/fetch_models.sh
