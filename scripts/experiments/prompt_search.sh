@@ -4,10 +4,10 @@
 # each recipe variant, against one target.
 #
 #   scripts/experiments/prompt_search.sh                      # qwen2.5-coder-1.5b, every variant
-#   TARGET=qwen2.5-coder-0.5b scripts/experiments/prompt_search.sh configs/augment/chat.toml
+#   TARGET=qwen2.5-coder-0.5b scripts/experiments/prompt_search.sh configs/augment/search/v1-header.toml
 #
-# Variants: the recipes named on the command line (default: configs/augment/chat.toml and
-# configs/augment/search/*.toml). Each runs scripts/experiments/augment_minikilt.sh into
+# Variants: the recipes named on the command line (default: configs/augment/search/*.toml;
+# configs/augment/chat.toml is v1-header, the variant the search chose). Each runs scripts/experiments/augment_minikilt.sh into
 # runs/prompt-search/TARGET/NAME (resumable) on one server, with a connector cache shared by
 # the variants, so a prompt two variants share (a closed-book prompt the header leaves alone)
 # is asked once. Then scripts/experiments/augment_stats.py on each: accuracy with passages
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/../.."
 TARGET=${TARGET:-qwen2.5-coder-1.5b}
 ROOT=${OUT_ROOT:-runs/prompt-search}/$TARGET
 mkdir -p "$ROOT/recipes"
-if (($#)); then VARIANTS=("$@"); else VARIANTS=(configs/augment/chat.toml configs/augment/search/*.toml); fi
+if (($#)); then VARIANTS=("$@"); else VARIANTS=(configs/augment/search/*.toml); fi
 if [[ -n ${BASE_URL:-} ]]; then
     URL=$BASE_URL
 else

@@ -234,12 +234,16 @@ mod tests {
     #[test]
     fn the_shipped_recipe_parses() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        for recipe in ["openai.toml", "chat.toml"] {
-            let cfg = AugmentConfig::read(&root.join("configs/augment").join(recipe)).unwrap();
+        // The prompt search's variants too (configs/augment/search/).
+        let mut recipes: Vec<PathBuf> = ["openai.toml", "chat.toml"].iter().map(|r| root.join("configs/augment").join(r)).collect();
+        recipes.extend(std::fs::read_dir(root.join("configs/augment/search")).unwrap().flatten().map(|e| e.path()));
+        assert!(recipes.len() >= 6, "{recipes:?}");
+        for recipe in recipes {
+            let cfg = AugmentConfig::read(&recipe).unwrap();
             for task in [Task::Mc, Task::ShortQa] {
                 TaskPrompts::new(&cfg, task).unwrap();
             }
-            assert_eq!(cfg.target.name.as_deref(), Some("openai"), "{recipe}");
+            assert_eq!(cfg.target.name.as_deref(), Some("openai"), "{}", recipe.display());
         }
     }
 
