@@ -16,7 +16,9 @@
 #      (a random T5 of Flan-T5-base's shape), both on the GPU: passages per second and the
 #      largest difference;
 #   8. bench/train_step.py's DPR step on the GPU, ours against a plain PyTorch loop, float32 and
-#      bf16 autocast (sentence-transformers is left out: the machine's copy lacks `datasets`).
+#      bf16 autocast (sentence-transformers is left out: the machine's copy lacks `datasets`);
+#   9. `host train --nproc 2` on one GPU (both processes on cuda:0, Gloo carrying GPU tensors)
+#      against one process with the whole batch.
 # A step that fails says FAIL and the next one still runs (a lent machine's minutes are few);
 # the script's status is 1 if any step failed.
 # Here: bench/gpu_pack.sh (after a release build and `cargo test --release --no-run`). Then,
@@ -124,6 +126,16 @@ for b in "" --bf16; do
     timeout 240 $PY bench/train_step.py --only dpr --steps 30 --threads 8 --device "$DEVICE" $b --no-st --model "$W/model" \
         --host "$H" --negatives "$W/negatives.json" --out "$OUT/train-step-$DEVICE${b:+-bf16}.json" 2>&1 | tail -6 || fail "step 8 $b"
 done
+step "9. data-parallel training on $DEVICE: 2 processes x 8 queries against 1 x 16 (Gloo with GPU tensors)"
+# cuda:0 for both processes (`cuda` alone would send rank 1 to cuda:1, which one GPU lacks).
+dev=$DEVICE; [[ $DEVICE == cuda ]] && dev=cuda:0
+for n in 1 2; do
+    timeout 240 $H train --device "$dev" --model "$W/model" --config "$W/recipe.toml" --output-dir "$W/ddp-$n" --max-steps 3 \
+        --per-device-train-batch-size $((16 / n)) --nproc $n --overwrite-output-dir >/dev/null || fail "train --nproc $n"
+done
+# AdamW steps an element whose gradient is rounding noise by up to lr (1e-4) a step: 3 steps.
+$PY bench/gpu_data.py --compare "$W/ddp-1" "$W/ddp-2" --tolerance 3e-4 || fail "step 9"
+
 echo; [[ $failed == 0 ]] && echo "gpu_check: done, every step OK" || echo "gpu_check: done, some step FAILED"
 exit $failed
 
