@@ -267,6 +267,8 @@ pub struct Trainer<'a> {
     /// Whether the optimizer takes each task's gradient on its own (else one backward pass
     /// over the summed losses).
     per_task_gradients: bool,
+    /// Seconds spent in collectives (gathers and gradient sums) since the last log line.
+    communication_s: f64,
 }
 
 impl<'a> Trainer<'a> {
@@ -311,7 +313,7 @@ impl<'a> Trainer<'a> {
         let sampler = Sampler::new(config.sampler, &counts, config.batch_size, config.seed)?;
         let state = TrainerState { step: 0, sampler: sampler.state(), skipped_steps: 0, episode: 0, config: config.clone(), world_size: 1 };
         let per_task_gradients = optimizer.needs_task_gradients()?;
-        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, dist: None, per_task_gradients })
+        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, dist: None, per_task_gradients, communication_s: 0.0 })
     }
 
     /// Train data-parallel with the group's other processes (before `resume`). Every process
@@ -468,8 +470,10 @@ impl<'a> Trainer<'a> {
             (none.shallow_clone(), none)
         };
         let dist = self.dist.as_deref_mut().context("no process group")?;
+        let started = std::time::Instant::now();
         let (q, _) = dist.gather_rows(&q)?;
         let (p, _) = dist.gather_rows(&p)?;
+        self.communication_s += started.elapsed().as_secs_f64();
         if q.size()[0] != n as i64 || p.size()[0] != g.passages.len() as i64 {
             bail!("gathered {} queries and {} passages for a batch of {n} and {}", q.size()[0], p.size()[0], g.passages.len());
         }
@@ -481,7 +485,9 @@ impl<'a> Trainer<'a> {
         let Some(dist) = self.dist.as_deref_mut() else { return Ok(grads) };
         let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
         let local: Vec<Tensor> = grads.iter().map(|(_, g)| g.shallow_clone()).collect();
+        let started = std::time::Instant::now();
         let summed = dist.all_reduce_gradients(&tensors, &local)?;
+        self.communication_s += started.elapsed().as_secs_f64();
         Ok(grads.into_iter().map(|(n, _)| n).zip(summed).collect())
     }
 
@@ -647,6 +653,7 @@ impl<'a> Trainer<'a> {
         let warmup = (self.config.warmup_ratio * self.config.max_steps as f64).ceil() as u64;
         let mut log = if writes { Some(open_log(&self.output_dir.join(LOG_FILE))?) } else { None };
         let mut window: BTreeMap<String, (f64, u64)> = BTreeMap::new();
+        let mut last_logged = self.state.step;
         // The optimizer's statistics of the last step taken (task weights, clipping), for the log.
         let mut last_stats = Value::Null;
         let optimizer_seed = Rng::derive(self.config.seed, &[5]).next_u64();
@@ -710,11 +717,16 @@ impl<'a> Trainer<'a> {
             if step % self.config.logging_steps.max(1) == 0 || step == self.config.max_steps {
                 let loss: BTreeMap<&str, f64> = window.iter().map(|(n, (s, c))| (n.as_str(), s / *c as f64)).collect();
                 let per_step = started.elapsed().as_secs_f64() / (step - first) as f64;
-                let line = json!({
+                let mut line = json!({
                     "step": step, "epoch": step as f64 / self.sampler.steps_per_epoch().max(1) as f64,
                     "learning_rate": lr, "loss": loss, "skipped_steps": self.state.skipped_steps,
                     "seconds_per_step": per_step, "optimizer": last_stats,
                 });
+                if self.dist.is_some() {
+                    // Rank 0's time in gathers and gradient sums, a step, over the window.
+                    line["communication_seconds_per_step"] = json!(self.communication_s / (step - last_logged).max(1) as f64);
+                }
+                self.communication_s = 0.0;
                 if let Some(log) = log.as_mut() {
                     writeln!(log, "{line}")?;
                     log.flush()?;
@@ -722,6 +734,7 @@ impl<'a> Trainer<'a> {
                 let text: Vec<String> = loss.iter().map(|(n, l)| format!("{n} {l:.4}")).collect();
                 progress.message(&format!("lr {lr:.2e} | {}", text.join(" | ")));
                 window.clear();
+                last_logged = step;
             }
             if step % self.config.save_steps.max(1) == 0 && step < self.config.max_steps && writes {
                 self.save_checkpoint()?;
