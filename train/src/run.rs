@@ -177,7 +177,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         None => load_tasks(recipe, progress)?,
     };
     if t.hard_negatives > 0 && spec.examples.is_none() {
-        bm25_negatives(spec, &layout, &corpus_sha256, &mut tasks, progress)?;
+        bm25_negatives(spec, &layout, &corpus_sha256, &mut tasks, lead, progress)?;
     }
     if lead {
         if let Some(g) = group.as_mut() {
@@ -391,7 +391,9 @@ fn mining_depth(t: &TrainSection, depth: usize) -> usize {
 
 /// Episode 0's negatives: BM25's top `negative_depth` minus gold, loaded from
 /// `negatives-episode-0.json` when it was made from the same inputs.
-fn bm25_negatives(spec: &RunSpec, layout: &RunLayout, corpus_sha256: &str, tasks: &mut [TaskData], progress: &dyn Progress) -> Result<()> {
+/// `mines`: this process may mine them itself (the only one, or rank 0); the other processes
+/// of a data-parallel run only read what rank 0 saved.
+fn bm25_negatives(spec: &RunSpec, layout: &RunLayout, corpus_sha256: &str, tasks: &mut [TaskData], mines: bool, progress: &dyn Progress) -> Result<()> {
     let (d, t) = (&spec.recipe.data, &spec.recipe.train);
     let bm25 = Bm25Params { k1: t.bm25_k1, b: t.bm25_b };
     bm25.validate()?;
@@ -400,6 +402,9 @@ fn bm25_negatives(spec: &RunSpec, layout: &RunLayout, corpus_sha256: &str, tasks
     if negatives::load(&saved, tasks, t.negative_depth, &key)? {
         progress.log(&format!("train: BM25 negatives from {} (made from the same corpus, examples and settings)", saved.display()));
         return Ok(());
+    }
+    if !mines {
+        bail!("{}: rank 0's BM25 negatives are missing or were made from other inputs than this process's", saved.display());
     }
     let index_dir = match &d.bm25_index {
         Some(dir) => dir.clone(),
