@@ -88,8 +88,53 @@ fn noise_elements(one: &Path, two: &Path, steps: u64) -> std::collections::HashM
     noise
 }
 
+/// Checks that `two` (a data-parallel run) trained as `one` did: the same losses at every
+/// step, the same first gradients in all, and the same weights after 4 steps but where
+/// rounding noise decides the update (see [`noise_elements`]).
+fn same_training(one: &Path, two: &Path, what: &str) {
+    let (a, b) = (log(one), log(two));
+    assert_eq!(a.len(), 4);
+    assert_eq!(b.len(), 4, "rank 0 alone writes the log, one line a step");
+    for (x, y) in a.iter().zip(&b) {
+        for (task, l) in x["loss"].as_object().unwrap() {
+            let (l, m) = (l.as_f64().unwrap(), y["loss"][task].as_f64().unwrap());
+            assert!((l - m).abs() <= 1e-5 * l.abs().max(1.0), "{what} step {}: {task} loss {l} in one process, {m} in two", x["step"]);
+        }
+    }
+    // The first step's gradients in all: a sum counted twice or an average instead of a
+    // sum over the processes would show here (AdamW's steps barely do).
+    let size = |out: &Path| state(out, 1, "exp_avg").values().map(|m| m.abs().sum(tch::Kind::Double).double_value(&[])).sum::<f64>();
+    let (s1, s2) = (size(one), size(two));
+    assert!((s1 / s2 - 1.0).abs() < 1e-4, "{what}: the first gradients sum to {s1} in one process and {s2} in two");
+    // Every element within 1e-5, except where rounding noise decides the update: those
+    // within lr x steps, the most AdamW moves an element.
+    let (mut worst, mut worst_noise, mut noisy, mut elements) = ((0.0f64, String::new()), 0.0f64, 0i64, 0i64);
+    let noise_of = noise_elements(one, two, 4);
+    for ((n, w1), (_, w2)) in weights(one).iter().zip(weights(two).iter()) {
+        let d = (w1 - w2).abs();
+        let noise = &noise_of[n];
+        noisy += i64::try_from(noise.sum(tch::Kind::Int64)).unwrap();
+        elements += w1.numel() as i64;
+        let on_noise = d.masked_select(noise);
+        if on_noise.numel() > 0 {
+            worst_noise = worst_noise.max(on_noise.max().double_value(&[]));
+        }
+        let m = d.masked_fill(noise, 0.0).max().double_value(&[]);
+        if m > worst.0 {
+            worst = (m, n.clone());
+        }
+    }
+    eprintln!("{what}: largest weight difference {:.3e} ({}); {noisy} elements stepped on rounding noise, within {worst_noise:.3e}", worst.0, worst.1);
+    assert!(worst.0 <= 1e-5, "{what}: weights differ by {:.3e} at {}", worst.0, worst.1);
+    // A few: a wrong gradient would make most elements disagree.
+    assert!(noisy * 100 < elements, "{what}: {noisy} of {elements} elements decided by rounding noise");
+    assert!(worst_noise <= 1e-4 * 4.0 * 1.01, "{what}: elements stepped on noise moved {worst_noise:.3e}, more than lr x steps");
+    assert!((1..=4).all(|s| two.join(format!("checkpoint-{s}")).exists()), "rank 0 writes the checkpoints");
+}
+
 /// One process with 8 queries a step against two with 4 each, for AdamW and T-SAGE on two
-/// tasks: the same losses at every step and the same weights after 4 steps.
+/// tasks; then 2 queries against 1 each, where each task's sub-batch is one query, so rank 0
+/// encodes nothing and takes its gradients from rank 1 alone.
 #[test]
 fn two_processes_with_half_the_batch_train_as_one() {
     let dir = TempDir::new("train-dist");
@@ -101,45 +146,12 @@ fn two_processes_with_half_the_batch_train_as_one() {
         train(&recipe, &model, &one, &["--optim", optim]);
         let s = train(&recipe, &model, &two, &["--optim", optim, "--per-device-train-batch-size", "4", "--nproc", "2"]);
         assert_eq!(s["steps"], 4, "{s}");
-        let (a, b) = (log(&one), log(&two));
-        assert_eq!(a.len(), 4);
-        assert_eq!(b.len(), 4, "rank 0 alone writes the log, one line a step");
-        for (x, y) in a.iter().zip(&b) {
-            for (task, l) in x["loss"].as_object().unwrap() {
-                let (l, m) = (l.as_f64().unwrap(), y["loss"][task].as_f64().unwrap());
-                assert!((l - m).abs() <= 1e-5 * l.abs().max(1.0), "{optim} step {}: {task} loss {l} in one process, {m} in two", x["step"]);
-            }
-        }
-        // Every element within 1e-5, except where rounding noise decides the update (see
-        // noise_elements): those within lr x steps, the most AdamW moves an element.
-        // The first step's gradients in all: a sum counted twice or an average instead of a
-        // sum over the processes would show here (AdamW's steps barely do).
-        let size = |out: &Path| state(out, 1, "exp_avg").values().map(|m| m.abs().sum(tch::Kind::Double).double_value(&[])).sum::<f64>();
-        let (s1, s2) = (size(&one), size(&two));
-        assert!((s1 / s2 - 1.0).abs() < 1e-4, "{optim}: the first gradients sum to {s1} in one process and {s2} in two");
-        let (mut worst, mut worst_noise, mut noisy, mut elements) = ((0.0f64, String::new()), 0.0f64, 0i64, 0i64);
-        let noise_of = noise_elements(&one, &two, 4);
-        for ((n, w1), (_, w2)) in weights(&one).iter().zip(weights(&two).iter()) {
-            let d = (w1 - w2).abs();
-            let noise = &noise_of[n];
-            noisy += i64::try_from(noise.sum(tch::Kind::Int64)).unwrap();
-            elements += w1.numel() as i64;
-            let on_noise = d.masked_select(noise);
-            if on_noise.numel() > 0 {
-                worst_noise = worst_noise.max(on_noise.max().double_value(&[]));
-            }
-            let m = d.masked_fill(noise, 0.0).max().double_value(&[]);
-            if m > worst.0 {
-                worst = (m, n.clone());
-            }
-        }
-        eprintln!("{optim}: largest weight difference {:.3e} ({}); {noisy} elements stepped on rounding noise, within {worst_noise:.3e}", worst.0, worst.1);
-        assert!(worst.0 <= 1e-5, "{optim}: weights differ by {:.3e} at {}", worst.0, worst.1);
-        // A few: a wrong gradient would make most elements disagree.
-        assert!(noisy * 100 < elements, "{optim}: {noisy} of {elements} elements decided by rounding noise");
-        assert!(worst_noise <= 1e-4 * 4.0 * 1.01, "{optim}: elements stepped on noise moved {worst_noise:.3e}, more than lr x steps");
-        assert!((1..=4).all(|s| two.join(format!("checkpoint-{s}")).exists()), "rank 0 writes the checkpoints");
+        same_training(&one, &two, optim);
     }
+    let (one, two) = (dir.path().join("empty-one"), dir.path().join("empty-two"));
+    train(&recipe, &model, &one, &["--optim", "adamw", "--per-device-train-batch-size", "2"]);
+    train(&recipe, &model, &two, &["--optim", "adamw", "--per-device-train-batch-size", "1", "--nproc", "2"]);
+    same_training(&one, &two, "adamw, one query per task");
 }
 
 /// The PIDs of `parent`'s children whose environment says `RANK=rank`.

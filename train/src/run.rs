@@ -264,11 +264,8 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
             seed: stage_seed(config.seed, episode),
             ..config.clone()
         };
-        let mut trainer = Trainer::new(stage_config, encoder.as_mut(), optimizer.as_mut(), tasks.clone(), texts, stage)?;
+        let mut trainer = Trainer::data_parallel(stage_config, encoder.as_mut(), optimizer.as_mut(), tasks.clone(), texts, stage, group.as_mut())?;
         trainer.set_episode(episode);
-        if let Some(g) = group.as_mut() {
-            trainer.set_process_group(g)?;
-        }
         if let Some(ckpt) = &checkpoint {
             trainer.resume(ckpt)?;
             if trainer.episode() != episode {

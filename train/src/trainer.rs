@@ -281,6 +281,25 @@ impl<'a> Trainer<'a> {
         texts: HashMap<String, String>,
         output_dir: &Path,
     ) -> Result<Self> {
+        Self::data_parallel(config, encoder, optimizer, tasks, texts, output_dir, None)
+    }
+
+    /// [`Trainer::new`], data-parallel with the group's other processes when one is given.
+    /// Every process draws the same batches of `batch_size` × world queries (the same sampler
+    /// and seed) and encodes its own share of each task's queries and their passages; the
+    /// embeddings are gathered, so the loss, its in-batch negatives and the gradient are those
+    /// of the whole batch, as one process would compute them; the gradients are summed over
+    /// the processes before the optimizer sees them, so every process takes the same step.
+    /// Only rank 0 writes the log, the checkpoints and the model.
+    pub fn data_parallel(
+        config: TrainerConfig,
+        encoder: &'a mut dyn Encoder,
+        optimizer: &'a mut dyn Optimizer,
+        tasks: Vec<TaskData>,
+        texts: HashMap<String, String>,
+        output_dir: &Path,
+        group: Option<&'a mut ProcessGroup>,
+    ) -> Result<Self> {
         if config.batch_size == 0 || config.max_steps == 0 {
             bail!("the batch size and the number of steps must be positive");
         }
@@ -310,26 +329,11 @@ impl<'a> Trainer<'a> {
             }
         }
         let counts: Vec<usize> = tasks.iter().map(|t| t.examples.len()).collect();
-        let sampler = Sampler::new(config.sampler, &counts, config.batch_size, config.seed)?;
-        let state = TrainerState { step: 0, sampler: sampler.state(), skipped_steps: 0, episode: 0, config: config.clone(), world_size: 1 };
+        let world = group.as_ref().map_or(1, |g| g.world());
+        let sampler = Sampler::new(config.sampler, &counts, config.batch_size * world, config.seed)?;
+        let state = TrainerState { step: 0, sampler: sampler.state(), skipped_steps: 0, episode: 0, config: config.clone(), world_size: world };
         let per_task_gradients = optimizer.needs_task_gradients()?;
-        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, dist: None, per_task_gradients, communication_s: 0.0 })
-    }
-
-    /// Train data-parallel with the group's other processes (before `resume`). Every process
-    /// draws the same batches of `batch_size` × world queries (the same sampler and seed) and
-    /// encodes its own share of each task's queries and their passages; the embeddings are
-    /// gathered, so the loss, its in-batch negatives and the gradient are those of the whole
-    /// batch, as one process would compute them; the gradients are summed over the processes
-    /// before the optimizer sees them, so every process takes the same step. Only rank 0 writes
-    /// the log, the checkpoints and the model.
-    pub fn set_process_group(&mut self, group: &'a mut ProcessGroup) -> Result<()> {
-        let counts: Vec<usize> = self.tasks.iter().map(|t| t.examples.len()).collect();
-        self.sampler = Sampler::new(self.config.sampler, &counts, self.config.batch_size * group.world(), self.config.seed)?;
-        self.state.sampler = self.sampler.state();
-        self.state.world_size = group.world();
-        self.dist = Some(group);
-        Ok(())
+        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, dist: group, per_task_gradients, communication_s: 0.0 })
     }
 
     /// Whether this process writes the run's files (the only one, or rank 0).
