@@ -12,7 +12,8 @@ extern "C" {
     fn rak_autocast_exit(device: i32, was_on: i32, was_dtype: i32, err: *mut c_char, len: usize) -> i32;
 }
 
-fn message(err: &[c_char]) -> String {
+/// The message a C++ shim wrote into `err` (also the c10d shim's, `dist.rs`).
+pub(crate) fn message(err: &[c_char]) -> String {
     // SAFETY: the C++ side always NUL-terminates within the buffer (or leaves it zeroed).
     unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned()
 }

@@ -127,7 +127,7 @@ mod imp {
 #[cfg(rak_c10d)]
 mod imp {
     use super::*;
-    use std::ffi::{c_char, c_long, c_void, CStr, CString};
+    use std::ffi::{c_char, c_long, c_void, CString};
 
     extern "C" {
         fn rak_dist_init(
@@ -149,16 +149,23 @@ mod imp {
         fn rak_dist_barrier(g: *mut c_void, err: *mut c_char, len: usize) -> i32;
     }
 
-    fn message(err: &[c_char]) -> String {
-        // SAFETY: the C++ side NUL-terminates within the buffer (or leaves it zeroed).
-        unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned()
-    }
+    use crate::autograd::message;
 
     fn ptr(t: &Tensor) -> *mut c_void {
         t.as_ptr() as *mut c_void
     }
 
     impl ProcessGroup {
+        /// Runs one collective of the shim (`call` gets the error buffer; 1 is success) and
+        /// names this rank and `what` in its error.
+        fn collective(&self, what: &str, call: impl FnOnce(*mut c_char, usize) -> i32) -> Result<()> {
+            let mut err = [0 as c_char; 1024];
+            if call(err.as_mut_ptr(), err.len()) != 1 {
+                bail!("rank {} of {}: {what} failed: {}", self.rank, self.world, message(&err));
+            }
+            Ok(())
+        }
+
         /// Joins the group (blocks until every rank has, or the timeout passes).
         pub fn join(r: &Rendezvous) -> Result<Self> {
             r.check()?;
@@ -201,13 +208,8 @@ mod imp {
         }
 
         fn all_reduce_one(&mut self, t: &Tensor) -> Result<()> {
-            let t_ptr = ptr(t);
-            let mut err = [0 as c_char; 1024];
             // SAFETY: a live tensor handle for the length of the call.
-            if unsafe { rak_dist_allreduce_sum(self.handle, t_ptr, err.as_mut_ptr(), err.len()) } != 1 {
-                bail!("rank {} of {}: all-reduce failed: {}", self.rank, self.world, message(&err));
-            }
-            Ok(())
+            self.collective("all-reduce", |err, len| unsafe { rak_dist_allreduce_sum(self.handle, ptr(t), err, len) })
         }
 
         /// Every rank's `t` (same shape everywhere), in rank order; this rank's slot is a copy.
@@ -215,32 +217,21 @@ mod imp {
             let t = t.contiguous();
             let outputs: Vec<Tensor> = (0..self.world).map(|_| t.empty_like()).collect();
             let mut outs: Vec<*mut c_void> = outputs.iter().map(ptr).collect();
-            let mut err = [0 as c_char; 1024];
             // SAFETY: live tensor handles for the length of the call.
-            if unsafe { rak_dist_allgather(self.handle, ptr(&t), outs.as_mut_ptr(), self.world as i32, err.as_mut_ptr(), err.len()) } != 1 {
-                bail!("rank {} of {}: all-gather failed: {}", self.rank, self.world, message(&err));
-            }
+            self.collective("all-gather", |err, len| unsafe { rak_dist_allgather(self.handle, ptr(&t), outs.as_mut_ptr(), self.world as i32, err, len) })?;
             Ok(outputs)
         }
 
         /// Copies rank `root`'s `t` into every rank's `t`, in place.
         pub fn broadcast(&mut self, t: &Tensor, root: usize) -> Result<()> {
-            let mut err = [0 as c_char; 1024];
             // SAFETY: a live tensor handle for the length of the call.
-            if unsafe { rak_dist_broadcast(self.handle, ptr(t), root as i32, err.as_mut_ptr(), err.len()) } != 1 {
-                bail!("rank {} of {}: broadcast from rank {root} failed: {}", self.rank, self.world, message(&err));
-            }
-            Ok(())
+            self.collective(&format!("broadcast from rank {root}"), |err, len| unsafe { rak_dist_broadcast(self.handle, ptr(t), root as i32, err, len) })
         }
 
         /// Waits until every rank reaches it.
         pub fn barrier(&mut self) -> Result<()> {
-            let mut err = [0 as c_char; 1024];
             // SAFETY: the group is live.
-            if unsafe { rak_dist_barrier(self.handle, err.as_mut_ptr(), err.len()) } != 1 {
-                bail!("rank {} of {}: barrier failed: {}", self.rank, self.world, message(&err));
-            }
-            Ok(())
+            self.collective("barrier", |err, len| unsafe { rak_dist_barrier(self.handle, err, len) })
         }
     }
 
