@@ -13,9 +13,12 @@
 #   TARGET=qwen2.5-coder-1.5b CONFIG=configs/augment/chat.toml scripts/experiments/augment_minikilt.sh
 #   TRAINED=runs/taco3/taco-s42 TRAINED_TASK=wikidata ...   # + that model's passages (its
 #       queries encoded as TRAINED_TASK's, when it was trained with task names)
+#   MODELS="aar=runs/aar-smollm2 human=runs/aar-human@squad" ...   # + several models' passages,
+#       each NAME=DIR[@TASK]; TRAINED is MODELS="trained=$TRAINED@$TRAINED_TASK"
 #
 # Resumable: indexes are built once, `host augment` resumes its results files, and replies
-# are cached. Outputs under $OUT (default runs/augment/TARGET): TASK-RETRIEVER.jsonl (one
+# are cached; the indexes are shared by every target, under $INDEXES (default
+# runs/augment/indexes). Outputs under $OUT (default runs/augment/TARGET): TASK-RETRIEVER.jsonl (one
 # record per question), TASK-RETRIEVER.summary.json, table.md and stats.md (95% intervals,
 # paired comparisons against closed book: scripts/experiments/augment_stats.py). BASE_URL
 # uses a server of your own instead of starting one (any OpenAI-compatible server; set MODEL
@@ -44,36 +47,53 @@ input_of() {
     echo "$OUT/inputs/$1-every$EVERY.jsonl"
 }
 
-# RETRIEVERS="none bm25" leaves some out (default: none bm25 minilm, + trained with TRAINED).
+# RETRIEVERS="none bm25" leaves some out (default: none bm25 minilm, + each of MODELS).
 read -r -a RETRIEVERS <<< "${RETRIEVERS:-none bm25 minilm}"
 wants() { [[ " ${RETRIEVERS[*]} " == *" $1 "* ]]; }
-if wants bm25 && [[ ! -f $OUT/bm25/index.json ]]; then
-    $H index build --kind bm25 --corpus $D/corpus.jsonl --output "$OUT/bm25" >/dev/null
+INDEXES=${INDEXES:-runs/augment/indexes}
+mkdir -p "$INDEXES"
+if wants bm25 && [[ ! -f $INDEXES/bm25/index.json ]]; then
+    $H index build --kind bm25 --corpus $D/corpus.jsonl --output "$INDEXES/bm25" >/dev/null
 fi
-if wants minilm && [[ ! -f $OUT/minilm-flat/index.json ]]; then
-    $H encode --encoder dpr --model $M --input $D/corpus.jsonl --output "$OUT/minilm-corpus"
-    $H index build --kind flat --embeddings "$OUT/minilm-corpus" --output "$OUT/minilm-flat" >/dev/null
-fi
-if [[ -n ${TRAINED:-} ]]; then
-    RETRIEVERS+=(trained)
-    if [[ ! -f $OUT/trained-flat/index.json ]]; then
-        $H encode --encoder dpr --model "$TRAINED" --input $D/corpus.jsonl --output "$OUT/trained-corpus"
-        $H index build --kind flat --embeddings "$OUT/trained-corpus" --output "$OUT/trained-flat" >/dev/null
+# A dense index of the corpus for model DIR under $INDEXES/NAME-flat, built once.
+dense_index() { # NAME DIR
+    if [[ -f $INDEXES/$1-flat.model && $(cat "$INDEXES/$1-flat.model") != "$2" ]]; then
+        echo "$INDEXES/$1-flat was built from $(cat "$INDEXES/$1-flat.model"), not $2: name it otherwise" >&2
+        exit 2
     fi
-fi
+    echo "$2" > "$INDEXES/$1-flat.model"
+    if [[ ! -f $INDEXES/$1-flat/index.json ]]; then
+        $H encode --encoder dpr --model "$2" --input $D/corpus.jsonl --output "$INDEXES/$1-corpus"
+        $H index build --kind flat --embeddings "$INDEXES/$1-corpus" --output "$INDEXES/$1-flat" >/dev/null
+    fi
+}
+if wants minilm; then dense_index minilm $M; fi
+# MODELS: NAME=DIR[@TASK] each; TASK is the task name its queries are encoded with, for a
+# model trained with task names.
+read -r -a MODEL_SPECS <<< "${MODELS:-}"
+if [[ -n ${TRAINED:-} ]]; then MODEL_SPECS+=("trained=$TRAINED${TRAINED_TASK:+@$TRAINED_TASK}"); fi
+declare -A MODEL_DIR MODEL_TASK
+for spec in "${MODEL_SPECS[@]}"; do
+    name=${spec%%=*} rest=${spec#*=}
+    [[ $name != "$spec" && -n $name ]] || { echo "MODELS: $spec is not NAME=DIR[@TASK]" >&2; exit 2; }
+    MODEL_DIR[$name]=${rest%%@*}
+    [[ $rest == *@* ]] && MODEL_TASK[$name]=${rest#*@}
+    RETRIEVERS+=("$name")
+    dense_index "$name" "${MODEL_DIR[$name]}"
+done
 
 for task in ${TASKS:-mc shortqa}; do
     for r in "${RETRIEVERS[@]}"; do
         model=$M config=$CONFIG
         case $r in
             none) spec=none ;;
-            bm25) spec=bm25:$OUT/bm25 ;;
-            minilm) spec=dense:$OUT/minilm-flat ;;
-            trained) spec=dense:$OUT/trained-flat model=$TRAINED
+            bm25) spec=bm25:$INDEXES/bm25 ;;
+            minilm) spec=dense:$INDEXES/minilm-flat ;;
+            *) spec=dense:$INDEXES/$r-flat model=${MODEL_DIR[$r]}
                 # The recipe's [retrieval] task: the task name the queries are encoded with.
-                if [[ -n ${TRAINED_TASK:-} ]]; then
-                    config=$OUT/recipe-trained.toml
-                    sed "s/^\[retrieval\]$/[retrieval]\ntask = \"$TRAINED_TASK\"/" "$CONFIG" > "$config"
+                if [[ -n ${MODEL_TASK[$r]:-} ]]; then
+                    config=$OUT/recipe-$r.toml
+                    sed "s/^\[retrieval\]$/[retrieval]\ntask = \"${MODEL_TASK[$r]}\"/" "$CONFIG" > "$config"
                 fi ;;
         esac
         echo "== $task, passages: $r $(date -u +%H:%M:%S)"
