@@ -39,6 +39,9 @@ fn encode_cmd(model: &Path, corpus: &Path, out: &Path, extra: &[&str]) -> Comman
     cmd.args(["encode", "--encoder", "dpr", "--model", p(model), "--input", p(corpus), "--output", p(out)])
         .args(extra)
         .env_remove("RAK_PLUGIN_PATH")
+        .env_remove("SLURM_ARRAY_TASK_ID")
+        .env_remove("JOB_COMPLETION_INDEX")
+        .env_remove("RANK")
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     cmd
@@ -308,6 +311,58 @@ fn concurrent_shards_and_relaunches_match_one_run() {
     let err = run_ok(encode_cmd(&model, &corpus, &stale, &args));
     assert!(err.contains("already complete"), "{err}");
     assert_same_output(&reference, &stale);
+}
+
+/// One command line under each scheduler: N processes started at once, each told its index
+/// only by the environment a Slurm job array, a Kubernetes Indexed Job (plus the count flag it
+/// needs) or torchrun gives it, make the same output as one process.
+#[test]
+fn scheduler_environments_shard_one_command_line() {
+    let dir = TempDir::new("encode-schedulers");
+    let model = minilm_dir();
+    let corpus = small_corpus(dir.path(), 40, 11, 12);
+    let args = ["--part-size", "5", "--batch-size", "16"];
+    let reference = dir.path().join("reference");
+    run_ok(encode_cmd(&model, &corpus, &reference, &args));
+
+    type Env = Vec<(&'static str, String)>;
+    let slurm = |i: usize| -> Env {
+        // --array=1-7:2: tasks 1, 3, 5 and 7.
+        vec![
+            ("SLURM_ARRAY_TASK_ID", (1 + 2 * i).to_string()),
+            ("SLURM_ARRAY_TASK_MIN", "1".into()),
+            ("SLURM_ARRAY_TASK_MAX", "7".into()),
+            ("SLURM_ARRAY_TASK_STEP", "2".into()),
+            ("SLURM_ARRAY_TASK_COUNT", "4".into()),
+        ]
+    };
+    let kubernetes = |i: usize| -> Env { vec![("JOB_COMPLETION_INDEX", i.to_string())] };
+    let torchrun = |i: usize| -> Env { vec![("RANK", i.to_string()), ("WORLD_SIZE", "3".into())] };
+    let schedulers: [(&str, usize, &dyn Fn(usize) -> Env, &[&str]); 3] =
+        [("slurm", 4, &slurm, &[]), ("kubernetes", 2, &kubernetes, &["--shard-num", "2"]), ("torchrun", 3, &torchrun, &[])];
+    for (name, n, env, extra) in schedulers {
+        let out = dir.path().join(name);
+        let mut a = args.to_vec();
+        a.extend(extra);
+        let procs: Vec<_> = (0..n)
+            .map(|i| {
+                let mut cmd = encode_cmd(&model, &corpus, &out, &a);
+                cmd.envs(env(i));
+                spawn_logged(cmd, dir.path().join(format!("{name}-{i}.log")))
+            })
+            .collect();
+        let errs = wait_all_ok(procs);
+        assert_same_output(&reference, &out);
+        for (i, e) in errs.iter().enumerate() {
+            assert!(e.contains(&format!("shard {i} of {n} (from ")), "{name} process {i} did not say its shard:\n{e}");
+        }
+    }
+    // A torchrun rank told another count on the command line is refused, not half-encoded.
+    let mut cmd = encode_cmd(&model, &corpus, &dir.path().join("disagree"), &["--shard-num", "2"]);
+    cmd.envs(torchrun(0));
+    let out = cmd.output().unwrap();
+    assert!(!out.status.success(), "a disagreeing count was accepted");
+    assert!(stderr(&out).contains("--shard-num 2 disagrees with WORLD_SIZE=3"), "{}", stderr(&out));
 }
 
 /// Many processes find every part present and try to join at once (shards finishing together,
