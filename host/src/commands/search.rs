@@ -37,7 +37,7 @@ pub struct SearchArgs {
     pub task: Option<String>,
     #[command(flatten)]
     pub model_args: ModelArgs,
-    /// HNSW candidate list size at search time.
+    /// HNSW candidate list size at search time (a Milvus IVF_FLAT index: clusters searched).
     #[arg(long)]
     pub ef_search: Option<usize>,
     /// The run tag (6th column).
@@ -60,8 +60,10 @@ pub fn run(registry: &Registry, args: &SearchArgs) -> Result<()> {
             }
             let name = args.encoder.as_deref().context("--encoder is required for a dense index")?;
             let model = args.model.as_ref().context("--model is required for a dense index")?;
-            if let (Index::Hnsw(h), Some(ef)) = (&mut *dense, args.ef_search) {
-                h.set_ef_search(ef)?;
+            match (&mut *dense, args.ef_search) {
+                (Index::Hnsw(h), Some(ef)) => h.set_ef_search(ef)?,
+                (Index::Milvus(m), Some(ef)) => m.set_ef_search(ef),
+                _ => {}
             }
             let mut encoder = registry.encoder(name, &encoder_settings(model, &args.model_args)?)?;
             search_queries(dense, Some(encoder.as_mut()), &queries, &opts, &Bar::default())

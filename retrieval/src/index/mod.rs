@@ -1,5 +1,6 @@
 //! Passage indexes: exact inner product ([`FlatIndex`]), approximate maximum inner product
-//! ([`HnswIndex`], an HNSW graph) and lexical BM25 ([`Bm25Index`], tantivy).
+//! ([`HnswIndex`], an HNSW graph), lexical BM25 ([`Bm25Index`], tantivy), and vectors kept in a
+//! Milvus server ([`MilvusIndex`]).
 //!
 //! Every index lives in a directory holding `index.json` ([`IndexMeta`]) beside its own files;
 //! [`open`] reads any of them. Directories are built under a temporary name and renamed into
@@ -9,11 +10,13 @@ mod bm25;
 mod flat;
 mod hnsw;
 mod hnsw_build;
+mod milvus;
 mod simd;
 
 pub use bm25::{Bm25Index, Bm25Params};
 pub use flat::{FlatBackend, FlatIndex};
 pub use hnsw::{HnswBuilder, HnswIndex, HnswParams, InnerProductDist, SearchStats, DROPPED_LINKS};
+pub use milvus::{MilvusAnn, MilvusIndex, MilvusParams};
 
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
@@ -49,7 +52,7 @@ impl<R: Ord> Ord for Scored<R> {
 /// `index.json`: what `host index info` prints.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct IndexMeta {
-    /// `flat`, `hnsw` or `bm25`.
+    /// `flat`, `hnsw`, `bm25` or `milvus`.
     pub kind: String,
     /// Vector width (0 for bm25).
     pub dim: usize,
@@ -92,6 +95,7 @@ pub enum Index {
     Flat(FlatIndex),
     Hnsw(HnswIndex),
     Bm25(Bm25Index),
+    Milvus(MilvusIndex),
 }
 
 /// Open the index in `dir`, whatever its kind.
@@ -101,7 +105,8 @@ pub fn open(dir: &Path) -> Result<Index> {
         "flat" => Index::Flat(FlatIndex::load(dir)?),
         "hnsw" => Index::Hnsw(HnswIndex::load(dir)?),
         "bm25" => Index::Bm25(Bm25Index::open(dir)?),
-        k => bail!("{}: unknown index kind {k:?} (expected flat, hnsw or bm25)", dir.display()),
+        "milvus" => Index::Milvus(MilvusIndex::load(dir)?),
+        k => bail!("{}: unknown index kind {k:?} (expected flat, hnsw, bm25 or milvus)", dir.display()),
     })
 }
 
@@ -116,6 +121,7 @@ impl Index {
             Index::Flat(i) => i.meta(),
             Index::Hnsw(i) => i.meta(),
             Index::Bm25(i) => i.meta(),
+            Index::Milvus(i) => i.meta(),
         }
     }
     pub fn info(&self) -> serde_json::Value {

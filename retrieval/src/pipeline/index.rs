@@ -1,8 +1,8 @@
-//! Build an index directory: flat or HNSW from `encode` output, BM25 from a corpus.
+//! Build an index directory: flat, HNSW or Milvus from `encode` output, BM25 from a corpus.
 
 use super::Progress;
 use crate::data::beir;
-use crate::index::{Bm25Index, Bm25Params, FlatIndex, HnswBuilder, HnswIndex, HnswParams, IndexMeta};
+use crate::index::{Bm25Index, Bm25Params, FlatIndex, HnswBuilder, HnswIndex, HnswParams, IndexMeta, MilvusIndex, MilvusParams};
 use crate::npy::{self, NpyF32, NpyRows};
 use anyhow::{bail, Result};
 use std::path::{Path, PathBuf};
@@ -16,6 +16,8 @@ pub enum IndexSpec {
     Hnsw { embeddings: PathBuf, params: HnswParams, builder: HnswBuilder },
     /// Lexical BM25 over a BEIR `corpus.jsonl`, scored with `params` (stored in `index.json`).
     Bm25 { corpus: PathBuf, params: Bm25Params },
+    /// The same vectors loaded into a Milvus collection; the index directory points at it.
+    Milvus { embeddings: PathBuf, params: MilvusParams },
 }
 
 impl IndexSpec {
@@ -34,7 +36,8 @@ impl IndexSpec {
             "flat" => IndexSpec::Flat { embeddings: embeddings()? },
             "hnsw" => IndexSpec::Hnsw { embeddings: embeddings()?, params, builder },
             "bm25" => IndexSpec::Bm25 { corpus: corpus.ok_or_else(|| anyhow::anyhow!("a corpus file is required for a bm25 index"))?, params: bm25 },
-            other => bail!("index kind {other:?}: expected flat, hnsw or bm25"),
+            "milvus" => bail!("a milvus index needs a server and a collection: IndexSpec::Milvus"),
+            other => bail!("index kind {other:?}: expected flat, hnsw, bm25 or milvus"),
         })
     }
 }
@@ -95,6 +98,11 @@ pub fn build_index(spec: &IndexSpec, output: &Path, progress: &dyn Progress) -> 
             progress.finish();
             idx.save(output)?;
             idx.meta().clone()
+        }
+        IndexSpec::Milvus { embeddings, params } => {
+            let (vectors, ids) = read_embeddings(embeddings)?;
+            let dim = vectors.dim();
+            MilvusIndex::build(&vectors.into_vec(), dim, ids, params.clone(), output, progress)?
         }
         IndexSpec::Bm25 { corpus, params } => {
             let docs = beir::read_corpus(corpus)?.map(|p| p.map(|p| (p.id, p.title, p.text)));

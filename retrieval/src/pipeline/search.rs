@@ -74,6 +74,7 @@ pub fn search_vectors(index: &Index, queries: &[f32], dim: usize, k: usize) -> R
     let (hits, ids): (Vec<Vec<Hit>>, &[String]) = match index {
         Index::Flat(f) => (f.search(queries, dim, k)?, f.ids()),
         Index::Hnsw(h) => (h.search(queries, dim, k)?, h.ids()),
+        Index::Milvus(m) => (m.search(queries, dim, k)?, m.ids()),
         Index::Bm25(_) => bail!("a BM25 index is searched by query text, not by vectors"),
     };
     Ok(hits.into_iter().map(|hs| hs.into_iter().map(|h| (ids[h.row].clone(), h.score)).collect()).collect())

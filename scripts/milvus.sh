@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# A real Milvus server on this machine, for `host index build --kind milvus` and its tests:
+# the server binary that PyPI's `milvus-lite` 2.5.1 wheel carries (Milvus's C++ engine,
+# knowhere, behind Milvus's gRPC API), listening on 127.0.0.1 only.
+#
+#   scripts/milvus.sh start    start (once), wait until it answers, print its URI
+#   scripts/milvus.sh uri      print the URI of the running server
+#   scripts/milvus.sh stop     stop it
+#
+# milvus-lite builds FLAT and IVF_FLAT (and AUTOINDEX) indexes; HNSW needs a Milvus standalone
+# or cluster server (`--ann hnsw` there; this one refuses it by name). PyPI's `milvus` package
+# (2.3.5) bundles a standalone server, but it binds every interface, so tests do not use it.
+# The wheel is fetched with `pip download --no-deps`, checked against the SHA-256 pinned here,
+# and unpacked once per machine under $RAK_CACHE (default ~/.cache/rak). The server's pid, URI,
+# log and data (one database file: collections survive a restart, so index directories that
+# point at them stay valid) live in $MILVUS_STATE_DIR (default .cache/milvus in the checkout);
+# tests use their own. MILVUS_START_TIMEOUT: seconds to wait for it to answer (60).
+set -euo pipefail
+shopt -s inherit_errexit
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VERSION=2.5.1
+WHEEL=milvus_lite-$VERSION-py3-none-manylinux2014_x86_64.whl
+SHA256=25ce13f4b8d46876dd2b7ac8563d7d8306da7ff3999bb0d14b116b30f71d706c
+CACHE=${RAK_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rak}
+HOME_DIR=$CACHE/milvus-lite-$VERSION
+BIN=$HOME_DIR/milvus_lite/lib/milvus
+STATE=${MILVUS_STATE_DIR:-$ROOT/.cache/milvus}
+PY=python3
+[[ -x $ROOT/.venv/bin/python ]] && PY=$ROOT/.venv/bin/python
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+say() { echo "milvus.sh: $*" >&2; }
+
+# The server binary, fetched and checked once per machine.
+fetch() {
+    if [[ -x $BIN ]]; then return; fi
+    mkdir -p "$CACHE"
+    local tmp
+    tmp=$(mktemp -d "$CACHE/.milvus-lite.XXXXXX")
+    # shellcheck disable=SC2064
+    trap "rm -rf '$tmp'" RETURN
+    say "fetching milvus-lite $VERSION from PyPI"
+    "$PY" -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
+        "milvus-lite==$VERSION" -d "$tmp" >&2
+    local got
+    got=$(sha256sum "$tmp/$WHEEL" | cut -d' ' -f1)
+    if [[ $got != "$SHA256" ]]; then
+        say "$WHEEL: SHA-256 $got, expected $SHA256"
+        exit 1
+    fi
+    "$PY" -m zipfile -e "$tmp/$WHEEL" "$tmp/unpacked"
+    chmod +x "$tmp/unpacked/milvus_lite/lib/milvus"
+    rm -rf "$HOME_DIR"
+    mv "$tmp/unpacked" "$HOME_DIR"
+}
+
+proc_start() { # PID: its start time, so that a reused pid is not taken for ours
+    local stat
+    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+    stat=${stat##*) }
+    # shellcheck disable=SC2086
+    set -- $stat
+    echo "${20}"
+}
+
+running() { # true when STATE/pid names the live server this script started
+    local pid start
+    [[ -f $STATE/pid ]] || return 1
+    read -r pid start <"$STATE/pid" || true
+    [[ ${pid:-} =~ ^[0-9]+$ && -n ${start:-} && $(proc_start "$pid" || true) == "$start" ]]
+}
+
+free_port() {
+    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# Wait until PORT accepts connections while PID lives; false if it died or TIMEOUT passed.
+wait_ready() { # PID PORT TIMEOUT
+    "$PY" - "$@" <<'EOF'
+import os, socket, sys, time
+pid, port, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+deadline = time.monotonic() + timeout
+while time.monotonic() < deadline:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                sys.exit(1)
+    except FileNotFoundError:
+        sys.exit(1)
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        sys.exit(0)
+    except OSError:
+        time.sleep(0.2)
+sys.exit(2)
+EOF
+}
+
+stop() {
+    if running; then
+        local pid start _
+        read -r pid start <"$STATE/pid"
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 1 50); do
+            [[ $(proc_start "$pid" || true) == "$start" ]] || break
+            sleep 0.1
+        done
+        kill -9 "$pid" 2>/dev/null || true
+    fi
+    rm -f "$STATE/pid" "$STATE/uri"
+}
+
+start() {
+    if running && [[ -f $STATE/uri ]]; then cat "$STATE/uri"; return; fi
+    stop
+    fetch
+    mkdir -p "$STATE/data"
+    local try port pid status
+    # The port is picked, then bound by the server: another process may take it in between,
+    # so a server that dies at once is tried again on another port.
+    for try in 1 2 3 4 5; do
+        port=$(free_port)
+        : >"$STATE/log"
+        (cd "$STATE/data" && LD_LIBRARY_PATH="$HOME_DIR/milvus_lite/lib" exec setsid "$BIN" \
+            "$STATE/data/milvus.db" "127.0.0.1:$port" "${MILVUS_LOG_LEVEL:-ERROR}" \
+            </dev/null >>"$STATE/log" 2>&1 9>&-) &
+        pid=$!
+        echo "$pid $(proc_start "$pid" || true)" >"$STATE/pid"
+        status=0
+        wait_ready "$pid" "$port" "${MILVUS_START_TIMEOUT:-60}" || status=$?
+        if [[ $status == 0 ]]; then
+            echo "http://127.0.0.1:$port" | tee "$STATE/uri"
+            return
+        fi
+        stop
+        if [[ $status == 2 ]]; then break; fi
+        say "the server exited at once (try $try; port $port taken?)"
+    done
+    tail -20 "$STATE/log" >&2
+    say "Milvus did not start (log above, full log $STATE/log)"
+    exit 1
+}
+
+mkdir -p "$STATE"
+exec 9>"$STATE/lock"
+flock -w 300 9 || { say "another start or stop held $STATE/lock for 5 minutes"; exit 1; }
+case ${1:-} in
+    start) start ;;
+    uri) if running && [[ -f $STATE/uri ]]; then cat "$STATE/uri"; else say "not running"; exit 1; fi ;;
+    stop) stop ;;
+    *) sed -n '2,19p' "$0" >&2; exit 2 ;;
+esac
