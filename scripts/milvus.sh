@@ -7,9 +7,11 @@
 #   scripts/milvus.sh uri      print the URI of the running server
 #   scripts/milvus.sh stop     stop it
 #
-# milvus-lite builds FLAT and IVF_FLAT (and AUTOINDEX) indexes; HNSW needs a Milvus standalone
-# or cluster server (`--ann hnsw` there; this one refuses it by name). PyPI's `milvus` package
-# (2.3.5) bundles a standalone server, but it binds every interface, so tests do not use it.
+# milvus-lite accepts FLAT and IVF_FLAT (and AUTOINDEX) indexes but searches exactly whatever it
+# is given (with pymilvus too: recall 1.0 at nprobe 1, `indexed_rows` 0), and refuses HNSW by
+# name: approximate search needs a Milvus standalone or cluster server (`--ann hnsw` there).
+# PyPI's `milvus` package (2.3.5) bundles a standalone server, but it binds every interface, so
+# this project does not start it.
 # The wheel is fetched with `pip download --no-deps`, checked against the SHA-256 pinned here,
 # and unpacked once per machine under $RAK_CACHE (default ~/.cache/rak). The server's pid, URI,
 # log and data (one database file: collections survive a restart, so index directories that
@@ -148,5 +150,5 @@ case ${1:-} in
     start) start ;;
     uri) if running && [[ -f $STATE/uri ]]; then cat "$STATE/uri"; else say "not running"; exit 1; fi ;;
     stop) stop ;;
-    *) sed -n '2,19p' "$0" >&2; exit 2 ;;
+    *) sed -n "2,21p" "$0" >&2; exit 2 ;;
 esac

@@ -2,7 +2,8 @@
 //! in a Milvus collection (inner product; FLAT, IVF_FLAT or HNSW as the user picks) and the
 //! index directory is small: `index.json` names the server and the collection, and `ids.txt`
 //! maps Milvus's primary key (the row number) back to passage ids. Every command that takes
-//! `--index DIR` then works unchanged.
+//! `--index DIR` then works unchanged. The server tests use (`scripts/milvus.sh`: milvus-lite's)
+//! searches exactly whatever index it is given; a standalone or cluster Milvus builds the ANN.
 //!
 //! Through the official Rust client (`milvus-sdk-rust`, async over tonic) on a runtime of our
 //! own, so callers stay synchronous like the other indexes. The API token is read from
@@ -182,40 +183,13 @@ impl MilvusIndex {
         ]);
         let create = CreateCollectionRequest::builder().collection_name(name).description(DESCRIPTION).schema(schema).build()?;
         client.call(&format!("create {name}"), client.inner.create_collection(create))?;
-
-        let rows_per_insert = (INSERT_BYTES / (4 * dim)).max(1);
-        progress.start("milvus upsert", n as u64);
-        for (b, chunk) in vectors.chunks(rows_per_insert * dim).enumerate() {
-            let first = b * rows_per_insert;
-            let rows = chunk.len() / dim;
-            let columns = vec![
-                FieldData::Int64 { name: ROW_FIELD.into(), values: (first as i64..(first + rows) as i64).collect() },
-                FieldData::FloatVector { name: VECTOR_FIELD.into(), values: chunk.chunks(dim).map(<[f32]>::to_vec).collect() },
-            ];
-            // An upsert, not an insert: the client retries a request whose reply was lost, and
-            // Milvus keeps duplicate primary keys from inserts.
-            let insert = InsertRequest::builder().collection_name(name).columns(columns).build()?;
-            let upsert = UpsertRequest::builder().insert(insert).build()?;
-            let done = client.call(&format!("upsert rows {first}..{} into {name}", first + rows), client.inner.upsert(upsert))?;
-            if done.upsert_count() as usize != rows {
-                bail!("Milvus at {}: wrote {} of {rows} rows into {name}", params.uri, done.upsert_count());
+        match fill(&client, vectors, dim, &params, progress) {
+            Ok(()) => {}
+            Err(e) => {
+                // Leave no half-made collection behind (best effort: the error is what matters).
+                let _ = DropCollectionRequest::builder().collection_name(name).build().map(|r| client.rt.block_on(client.inner.drop_collection(r)));
+                return Err(e);
             }
-            progress.inc(rows as u64);
-        }
-        progress.finish();
-        progress.log(&format!("index: flushing {name} and building its {:?} index", params.ann.index_type()));
-        client.call(&format!("flush {name}"), client.inner.flush(FlushRequest::builder().collection_names([name]).build()?))?;
-        let index = IndexParam::new()
-            .field_name(VECTOR_FIELD)
-            .index_type(params.ann.index_type())
-            .metric_type(MetricType::Ip)
-            .extra_params(params.ann.build_params());
-        let create_index = CreateIndexRequest::builder().collection_name(name).index_param(index).sync(true).build()?;
-        client.call(&format!("create the index of {name}"), client.inner.create_index(create_index))?;
-        client.load(name)?;
-        let count = client.row_count(name)?;
-        if count != n {
-            bail!("Milvus at {}: {name} holds {count} rows after loading {n}", params.uri);
         }
         let meta = IndexMeta::new("milvus", dim, n, "ip", serde_json::to_value(&params)?);
         super::write_dir_atomically(dir, |tmp| {
@@ -308,4 +282,46 @@ impl MilvusIndex {
         }
         Ok(out)
     }
+}
+
+/// Write every row into the new collection `params.collection`, index it and load it.
+fn fill(client: &Client, vectors: &[f32], dim: usize, params: &MilvusParams, progress: &dyn Progress) -> Result<()> {
+    let name = params.collection.as_str();
+    let n = vectors.len() / dim;
+
+    let rows_per_insert = (INSERT_BYTES / (4 * dim)).max(1);
+    progress.start("milvus upsert", n as u64);
+    for (b, chunk) in vectors.chunks(rows_per_insert * dim).enumerate() {
+        let first = b * rows_per_insert;
+        let rows = chunk.len() / dim;
+        let columns = vec![
+            FieldData::Int64 { name: ROW_FIELD.into(), values: (first as i64..(first + rows) as i64).collect() },
+            FieldData::FloatVector { name: VECTOR_FIELD.into(), values: chunk.chunks(dim).map(<[f32]>::to_vec).collect() },
+        ];
+        // An upsert, not an insert: the client retries a request whose reply was lost, and
+        // Milvus keeps duplicate primary keys from inserts.
+        let insert = InsertRequest::builder().collection_name(name).columns(columns).build()?;
+        let upsert = UpsertRequest::builder().insert(insert).build()?;
+        let done = client.call(&format!("upsert rows {first}..{} into {name}", first + rows), client.inner.upsert(upsert))?;
+        if done.upsert_count() as usize != rows {
+            bail!("Milvus at {}: wrote {} of {rows} rows into {name}", params.uri, done.upsert_count());
+        }
+        progress.inc(rows as u64);
+    }
+    progress.finish();
+    progress.log(&format!("index: flushing {name} and building its {:?} index", params.ann.index_type()));
+    client.call(&format!("flush {name}"), client.inner.flush(FlushRequest::builder().collection_names([name]).build()?))?;
+    let index = IndexParam::new()
+        .field_name(VECTOR_FIELD)
+        .index_type(params.ann.index_type())
+        .metric_type(MetricType::Ip)
+        .extra_params(params.ann.build_params());
+    let create_index = CreateIndexRequest::builder().collection_name(name).index_param(index).sync(true).build()?;
+    client.call(&format!("create the index of {name}"), client.inner.create_index(create_index))?;
+    client.load(name)?;
+    let count = client.row_count(name)?;
+    if count != n {
+        bail!("Milvus at {}: {name} holds {count} rows after loading {n}", params.uri);
+    }
+    Ok(())
 }

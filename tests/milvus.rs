@@ -1,0 +1,240 @@
+//! The Milvus index backend against a real Milvus server (milvus-lite's, from PyPI, started on
+//! 127.0.0.1 by `scripts/milvus.sh` with a state folder of the test's own): built by `host index
+//! build --kind milvus`, it returns what exact search returns, `host search` reads it like a
+//! local index, and a collection that changed, vanished or was never ours, a server that is
+//! down and an index type the server lacks each give a clear error.
+
+use milvus::v2::prelude::*;
+use rak_e2e::*;
+use rak_retrieval::index::{self, FlatIndex, Index, MilvusAnn};
+use rak_retrieval::pipeline::search::search_vectors;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A Milvus server of the test's own, stopped at drop.
+struct Milvus {
+    uri: String,
+    state: TempDir,
+}
+
+impl Milvus {
+    fn start(tag: &str) -> Self {
+        let state = TempDir::new(tag);
+        let out = Command::new(root().join("scripts/milvus.sh")).arg("start").env("MILVUS_STATE_DIR", state.path()).output().unwrap();
+        assert!(out.status.success(), "Milvus did not start: {}", stderr(&out));
+        let uri = stdout(&out).trim().to_string();
+        assert!(uri.starts_with("http://127.0.0.1:"), "{uri}");
+        Milvus { uri, state }
+    }
+
+    fn stop(&self) {
+        let out = Command::new(root().join("scripts/milvus.sh")).arg("stop").env("MILVUS_STATE_DIR", self.state.path()).output().unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+
+    /// Run one SDK call (to change the server behind the toolkit's back).
+    fn sdk<T, F: std::future::Future<Output = milvus::v2::error::Result<T>>>(&self, f: impl FnOnce(ClientV2) -> F) -> T {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let config = ConnectConfig::new().uri(self.uri.clone()).keepalive_while_idle(false);
+            let client = ClientV2::new(&config).await.unwrap();
+            f(client).await.unwrap()
+        })
+    }
+}
+
+impl Drop for Milvus {
+    fn drop(&mut self) {
+        let _ = Command::new(root().join("scripts/milvus.sh")).arg("stop").env("MILVUS_STATE_DIR", self.state.path()).output();
+    }
+}
+
+/// `n` unit vectors of width `dim` from a fixed seed (a small LCG: no rand dependency).
+fn unit_vectors(n: usize, dim: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    let mut v: Vec<f32> = (0..n * dim)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        })
+        .collect();
+    for row in v.chunks_mut(dim) {
+        let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt();
+        row.iter_mut().for_each(|x| *x /= norm);
+    }
+    v
+}
+
+/// An embeddings directory as `host encode` writes it.
+fn embeddings(dir: &Path, vectors: &[f32], dim: usize) -> PathBuf {
+    let out = dir.join("emb");
+    std::fs::create_dir_all(&out).unwrap();
+    rak_retrieval::npy::write_f32(&out.join("embeddings.npy"), vectors, dim).unwrap();
+    let ids: Vec<String> = (0..vectors.len() / dim).map(|i| format!("doc{i}")).collect();
+    std::fs::write(out.join("ids.txt"), ids.join("\n") + "\n").unwrap();
+    out
+}
+
+fn build(m: &Milvus, emb: &Path, out: &Path, collection: &str, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["index", "build", "--kind", "milvus", "--uri", &m.uri, "--collection", collection];
+    args.extend(["--embeddings", emb.to_str().unwrap(), "--output", out.to_str().unwrap()]);
+    args.extend(extra);
+    host(&args)
+}
+
+fn build_ok(m: &Milvus, emb: &Path, out: &Path, collection: &str, extra: &[&str]) {
+    let o = build(m, emb, out, collection, extra);
+    assert!(o.status.success(), "host index build --kind milvus failed: {}", stderr(&o));
+}
+
+fn open_err(dir: &Path) -> String {
+    match index::open(dir) {
+        Ok(_) => panic!("{} opened", dir.display()),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
+#[test]
+fn milvus_index_returns_what_exact_search_returns() {
+    let dir = TempDir::new("milvus-exact");
+    let m = Milvus::start("milvus-exact-state");
+    let (n, dim, k) = (3000, 64, 10);
+    let vectors = unit_vectors(n, dim, 7);
+    let emb = embeddings(dir.path(), &vectors, dim);
+    let queries = unit_vectors(50, dim, 11);
+
+    let ids: Vec<String> = (0..n).map(|i| format!("doc{i}")).collect();
+    let exact = Index::Flat(FlatIndex::new(vectors.clone(), dim, ids).unwrap());
+    let want = search_vectors(&exact, &queries, dim, k).unwrap();
+
+    let flat = dir.path().join("milvus-flat");
+    build_ok(&m, &emb, &flat, "exact_flat", &["--ann", "flat"]);
+    // IVF_FLAT searching every cluster is exact too; searching 2 of 32 is not.
+    let ivf_all = dir.path().join("milvus-ivf-all");
+    build_ok(&m, &emb, &ivf_all, "exact_ivf", &["--ann", "ivf_flat", "--nlist", "32", "--nprobe", "32"]);
+    let info = stdout(&host(&["index", "info", ivf_all.to_str().unwrap()]));
+    assert!(info.contains("\"kind\": \"milvus\"") && info.contains("exact_ivf") && info.contains("\"count\": 3000"), "{info}");
+
+    for idx in [&flat, &ivf_all] {
+        let got = search_vectors(&index::open(idx).unwrap(), &queries, dim, k).unwrap();
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(&want) {
+            let g_ids: Vec<&str> = g.iter().map(|(id, _)| id.as_str()).collect();
+            let w_ids: Vec<&str> = w.iter().map(|(id, _)| id.as_str()).collect();
+            assert_eq!(g_ids, w_ids, "{}: not exact search's top {k}", idx.display());
+            for ((_, gs), (_, ws)) in g.iter().zip(w) {
+                assert!((gs - ws).abs() < 1e-4, "{}: score {gs} against exact {ws}", idx.display());
+            }
+        }
+    }
+
+    // Fewer clusters searched: `set_ef_search` (host search --ef-search) is what sets nprobe.
+    // milvus-lite searches exactly whatever index it is asked for (checked with pymilvus: recall
+    // 1.0 at nprobe 1, `indexed_rows` 0), so only a standalone server would show the recall drop.
+    let ivf = dir.path().join("milvus-ivf");
+    build_ok(&m, &emb, &ivf, "approx_ivf", &["--ann", "ivf_flat", "--nlist", "32", "--nprobe", "2"]);
+    let mut approx = index::open(&ivf).unwrap();
+    let Index::Milvus(mi) = &mut approx else { panic!("not a Milvus index") };
+    assert_eq!(mi.params().ann, MilvusAnn::IvfFlat { nlist: 32, nprobe: 2 });
+    mi.set_ef_search(64);
+    assert_eq!(mi.params().ann, MilvusAnn::IvfFlat { nlist: 32, nprobe: 32 }, "nprobe is capped at nlist");
+    let got = search_vectors(&approx, &queries, dim, k).unwrap();
+    assert!(got.iter().all(|h| h.len() == k), "fewer than {k} hits");
+
+    // A rebuild replaces the collection this toolkit made, and the index still answers.
+    build_ok(&m, &emb, &flat, "exact_flat", &["--ann", "flat"]);
+    let again = search_vectors(&index::open(&flat).unwrap(), &queries, dim, k).unwrap();
+    let top = |r: &[Vec<(String, f32)>]| r.iter().map(|h| h[0].0.clone()).collect::<Vec<_>>();
+    assert_eq!(top(&again), top(&want));
+}
+
+/// `host search` reads a Milvus index as it reads a local one: the same run as the flat index
+/// over the same MiniLM embeddings of a real mini-KILT slice.
+#[test]
+fn host_search_reads_a_milvus_index_like_a_local_one() {
+    let dir = TempDir::new("milvus-search");
+    let m = Milvus::start("milvus-search-state");
+    let s = slice();
+    let model = minilm_dir();
+    let emb = dir.path().join("emb");
+    let o = host(&["encode", "--encoder", "dpr", "--model", model.to_str().unwrap(), "--input", s.corpus.to_str().unwrap(), "--output", emb.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let flat = dir.path().join("flat");
+    let o = host(&["index", "build", "--kind", "flat", "--embeddings", emb.to_str().unwrap(), "--output", flat.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let milvus = dir.path().join("milvus");
+    build_ok(&m, &emb, &milvus, "minikilt_slice", &["--ann", "flat"]);
+    let run = |idx: &Path, out: &str| {
+        let out = dir.path().join(out);
+        let o = host(&[
+            "search", "--index", idx.to_str().unwrap(), "--encoder", "dpr", "--model", model.to_str().unwrap(),
+            "--queries", s.queries.to_str().unwrap(), "--k", "10", "--output", out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        // query, Q0, passage, rank (scores may differ in their last digits)
+        std::fs::read_to_string(out).unwrap().lines().map(|l| l.split_whitespace().take(4).collect::<Vec<_>>().join(" ")).collect::<Vec<_>>()
+    };
+    let (a, b) = (run(&flat, "flat.trec"), run(&milvus, "milvus.trec"));
+    assert_eq!(a.len(), 400);
+    assert_eq!(a, b, "the Milvus index ranks otherwise than exact search");
+}
+
+#[test]
+fn milvus_faults_are_named() {
+    let dir = TempDir::new("milvus-faults");
+    let m = Milvus::start("milvus-faults-state");
+    let dim = 16;
+    let emb = embeddings(dir.path(), &unit_vectors(200, dim, 3), dim);
+
+    // Flags missing.
+    let o = host(&["index", "build", "--kind", "milvus", "--embeddings", emb.to_str().unwrap(), "--output", dir.path().join("x").to_str().unwrap()]);
+    assert!(!o.status.success() && stderr(&o).contains("--kind milvus needs --uri URI, --collection NAME and --embeddings DIR"), "{}", stderr(&o));
+
+    // An index type this server lacks: its own refusal, with the server named; no directory.
+    let out = dir.path().join("hnsw");
+    let o = build(&m, &emb, &out, "hnsw_here", &["--ann", "hnsw"]);
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains(&m.uri) && err.contains("HNSW"), "{err}");
+    assert!(!out.exists(), "a failed build left {}", out.display());
+
+    // A collection this toolkit did not make is never replaced.
+    m.sdk(|c| async move {
+        c.create_collection(CreateSimpleCollectionRequest::builder().collection_name("theirs").dimension(dim as u32).build()?).await
+    });
+    let o = build(&m, &emb, &dir.path().join("theirs"), "theirs", &["--ann", "flat"]);
+    assert!(!o.status.success() && stderr(&o).contains("collection theirs exists and was not made by this toolkit"), "{}", stderr(&o));
+    assert!(m.sdk(|c| async move { c.has_collection(HasCollectionRequest::builder().collection_name("theirs").build()?).await }).exists());
+
+    // Rows added behind the index's back: refused on open, naming both counts.
+    let ours = dir.path().join("ours");
+    build_ok(&m, &emb, &ours, "ours", &["--ann", "flat"]);
+    m.sdk(|c| async move {
+        let columns = vec![FieldData::Int64 { name: "row".into(), values: vec![5000] }, FieldData::FloatVector { name: "vec".into(), values: vec![vec![0.25; 16]] }];
+        c.insert(InsertRequest::builder().collection_name("ours").columns(columns).build()?).await
+    });
+    let err = open_err(&ours);
+    assert!(err.contains("holds 201 rows, not the 200"), "{err}");
+
+    // The collection dropped: refused on open, saying how to rebuild.
+    m.sdk(|c| async move { c.drop_collection(DropCollectionRequest::builder().collection_name("ours").build()?).await });
+    let err = open_err(&ours);
+    assert!(err.contains("collection ours is gone") && err.contains("host index build --kind milvus"), "{err}");
+
+    // The server down: an error naming it, within the connect timeout; the token never shown.
+    let kept = dir.path().join("kept");
+    build_ok(&m, &emb, &kept, "kept", &["--ann", "flat"]);
+    m.stop();
+    let t = std::time::Instant::now();
+    let q = dir.path().join("q.jsonl");
+    std::fs::write(&q, "{\"_id\": \"q1\", \"text\": \"anything\"}\n").unwrap();
+    let o = Command::new(host_bin())
+        .args(["search", "--index", kept.to_str().unwrap(), "--encoder", "dpr", "--model", minilm_dir().to_str().unwrap()])
+        .args(["--queries", q.to_str().unwrap(), "--output", dir.path().join("run.trec").to_str().unwrap()])
+        .env("MILVUS_TOKEN", "root:s3cret-token")
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert!(!o.status.success() && err.contains(&m.uri), "{err}");
+    assert!(!err.contains("s3cret"), "the token was printed: {err}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(60), "took {:?}", t.elapsed());
+}
