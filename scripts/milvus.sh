@@ -150,5 +150,5 @@ case ${1:-} in
     start) start ;;
     uri) if running && [[ -f $STATE/uri ]]; then cat "$STATE/uri"; else say "not running"; exit 1; fi ;;
     stop) stop ;;
-    *) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0" >\&2; exit 2 ;;
+    *) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0" >&2; exit 2 ;;
 esac
