@@ -7,9 +7,10 @@
 #   scripts/milvus.sh uri      print the URI of the running server
 #   scripts/milvus.sh stop     stop it
 #
-# milvus-lite accepts FLAT and IVF_FLAT (and AUTOINDEX) indexes but searches exactly whatever it
-# is given (with pymilvus too: recall 1.0 at nprobe 1, `indexed_rows` 0), and refuses HNSW by
-# name: approximate search needs a Milvus standalone or cluster server (`--ann hnsw` there).
+# milvus-lite accepts FLAT and IVF_FLAT (and AUTOINDEX) indexes and refuses HNSW by name; it
+# searches small collections exactly whatever their index, and did not seem to use nprobe at
+# 100,000 vectors (docs/BENCHMARKS.md, with pymilvus too): approximate search at chosen
+# parameters needs a Milvus standalone or cluster server (`--ann hnsw` there).
 # PyPI's `milvus` package (2.3.5) bundles a standalone server, but it binds every interface, so
 # this project does not start it.
 # The wheel is fetched with `pip download --no-deps`, checked against the SHA-256 pinned here,

@@ -2,8 +2,9 @@
 //! in a Milvus collection (inner product; FLAT, IVF_FLAT or HNSW as the user picks) and the
 //! index directory is small: `index.json` names the server and the collection, and `ids.txt`
 //! maps Milvus's primary key (the row number) back to passage ids. Every command that takes
-//! `--index DIR` then works unchanged. The server tests use (`scripts/milvus.sh`: milvus-lite's)
-//! searches exactly whatever index it is given; a standalone or cluster Milvus builds the ANN.
+//! `--index DIR` then works unchanged. The server the tests use (`scripts/milvus.sh`:
+//! milvus-lite's) searches small collections exactly whatever their index; a standalone or
+//! cluster Milvus builds the ANN at the parameters given (docs/BENCHMARKS.md).
 //!
 //! Through the official Rust client (`milvus-sdk-rust`, async over tonic) on a runtime of our
 //! own, so callers stay synchronous like the other indexes. The API token is read from
