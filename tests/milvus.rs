@@ -238,3 +238,31 @@ fn milvus_faults_are_named() {
     assert!(!err.contains("s3cret"), "the token was printed: {err}");
     assert!(t.elapsed() < std::time::Duration::from_secs(60), "took {:?}", t.elapsed());
 }
+
+/// ANCE's episodes mine through a Milvus collection when the recipe says so
+/// (`ance_index = { kind = "milvus", ... }`), with the same negatives as the in-memory index.
+#[test]
+fn ance_mines_through_milvus_as_through_a_local_index() {
+    let dir = TempDir::new("milvus-ance");
+    let m = Milvus::start("milvus-ance-state");
+    let train = "optim = \"adamw\"\nlearning_rate = 5e-5\nper_device_train_batch_size = 6\nmax_steps = 2\nlogging_steps = 1\nsave_steps = 2\nhard_negatives = 1\nnegative_depth = 20\nseed = 7\nance_episodes = 1\nance_depth = 10";
+    let negatives = |name: &str, extra: &str| {
+        let data = dir.path().join(name);
+        std::fs::create_dir_all(&data).unwrap();
+        let recipe = small_task_data(&data, 12, &format!("{train}\n{extra}"));
+        let out = data.join("run");
+        let o = Command::new(host_bin())
+            .args(["train", "--model", minilm_dir().to_str().unwrap(), "--config", recipe.to_str().unwrap(), "--output-dir", out.to_str().unwrap()])
+            .env_remove("RAK_PLUGIN_PATH")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("negatives-episode-1.json")).unwrap()).unwrap();
+        (v["negatives"].clone(), stderr(&o))
+    };
+    let (local, _) = negatives("flat", "");
+    let (remote, log) = negatives("milvus", &format!("ance_index = {{ kind = \"milvus\", uri = \"{}\", collection = \"ance_minilm\" }}", m.uri));
+    assert!(log.contains("flushing ance_minilm"), "the episode did not index through Milvus:\n{log}");
+    assert!(local.as_object().is_some_and(|o| !o.is_empty()));
+    assert_eq!(local, remote, "Milvus's negatives differ from the flat index's");
+}

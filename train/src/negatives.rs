@@ -7,7 +7,7 @@ use crate::data::TaskData;
 use anyhow::{Context, Result};
 use rak_core::abi::Role;
 use rak_core::plugin::Encoder;
-use rak_retrieval::index::{self, Bm25Index};
+use rak_retrieval::index::{self, Bm25Index, MilvusParams};
 use rak_retrieval::pipeline::encode::{encode_file, encode_texts, EncodeJob, EncoderSource};
 use rak_retrieval::pipeline::index::{build_index, IndexSpec};
 use rak_retrieval::pipeline::search::search_vectors;
@@ -37,9 +37,9 @@ pub fn bm25_negatives(index: &Bm25Index, tasks: &mut [TaskData], depth: usize, p
 
 /// ANCE: for each example, the top `depth` passages of `encoder` over the whole corpus that
 /// are not gold, best first. The corpus is encoded into `work/corpus/` (resumable, and keyed
-/// on `identity`, so a rerun with the same model reuses it) and indexed exactly in
-/// `work/index/`; queries are encoded with their task's name when `task_names` is on, as in
-/// training.
+/// on `identity`, so a rerun with the same model reuses it) and indexed in `work/index/`,
+/// exactly, or in the Milvus collection `milvus` names; queries are encoded with their task's
+/// name when `task_names` is on, as in training.
 pub fn ance_negatives(
     encoder: &mut dyn Encoder,
     identity: serde_json::Value,
@@ -48,6 +48,7 @@ pub fn ance_negatives(
     tasks: &mut [TaskData],
     depth: usize,
     task_names: bool,
+    milvus: Option<MilvusParams>,
     progress: &dyn Progress,
 ) -> Result<()> {
     let embeddings = work.join("corpus");
@@ -55,7 +56,11 @@ pub fn ance_negatives(
     encode_file(&job, EncoderSource::Ready(&mut *encoder), progress)?;
     let index_dir = work.join("index");
     if !index_dir.join("index.json").exists() {
-        build_index(&IndexSpec::Flat { embeddings: embeddings.clone() }, &index_dir, progress)?;
+        let spec = match milvus {
+            None => IndexSpec::Flat { embeddings: embeddings.clone() },
+            Some(params) => IndexSpec::Milvus { embeddings: embeddings.clone(), params },
+        };
+        build_index(&spec, &index_dir, progress)?;
     }
     let index = index::open(&index_dir)?;
     let total: usize = tasks.iter().map(|t| t.examples.len()).sum();

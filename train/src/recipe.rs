@@ -4,7 +4,7 @@
 
 use crate::trainer::{InBatchNegatives, LossKind, SamplerKind, TaskLossWeight};
 use anyhow::{bail, Context, Result};
-use rak_retrieval::index::Bm25Params;
+use rak_retrieval::index::{Bm25Params, MilvusAnn, MilvusParams};
 use serde::Deserialize;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -85,6 +85,9 @@ pub struct TrainSection {
     /// Length of each ANCE stage in epochs (TACO: 20 warm-up epochs, then 3 per episode);
     /// default: the same length as the BM25 stage (`max_steps` or `num_train_epochs`).
     pub ance_num_train_epochs: Option<f64>,
+    /// Where each ANCE episode indexes the re-encoded corpus: exactly, in memory (`flat`), or
+    /// in a Milvus collection, for corpora that outgrow one machine's memory.
+    pub ance_index: AnceIndex,
     /// Encode queries with their task's name (the encoder makes it a prefix, a marker or a
     /// `?`, or ignores it).
     pub task_names: bool,
@@ -137,6 +140,7 @@ impl Default for TrainSection {
             ance_episodes: 0,
             ance_depth: 200,
             ance_num_train_epochs: None,
+            ance_index: AnceIndex::Flat,
             task_names: true,
             layerwise_lr_decay: false,
             max_skipped_steps: 10,
@@ -161,4 +165,35 @@ pub fn sampler_kind(t: &TrainSection) -> Result<SamplerKind> {
         "task_per_batch" => SamplerKind::TaskPerBatch,
         other => bail!("sampler {other:?}: expected taco or task_per_batch"),
     })
+}
+
+/// `ance_index`: `{ kind = "flat" }` (the default) or `{ kind = "milvus", uri = "...",
+/// collection = "...", ann = { type = "ivf_flat", nlist = 1024, nprobe = 32 } }` (`ann`
+/// defaults to exact search). The collection is replaced by each episode; two runs must not
+/// share one.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum AnceIndex {
+    #[default]
+    Flat,
+    Milvus {
+        uri: String,
+        collection: String,
+        #[serde(default = "exact")]
+        ann: MilvusAnn,
+    },
+}
+
+fn exact() -> MilvusAnn {
+    MilvusAnn::Flat
+}
+
+impl AnceIndex {
+    /// Where the vectors go, for a Milvus index.
+    pub fn milvus(&self) -> Option<MilvusParams> {
+        match self {
+            AnceIndex::Flat => None,
+            AnceIndex::Milvus { uri, collection, ann } => Some(MilvusParams { uri: uri.clone(), collection: collection.clone(), ann: *ann }),
+        }
+    }
 }

@@ -459,7 +459,7 @@ fn ance_negatives(
     }
     let mut miner = plugins.encoder(&spec.encoder, &settings)?;
     progress.log(&format!("train: episode {episode}: mining negatives with {}", model.display()));
-    negatives::ance_negatives(miner.as_mut(), identity, &spec.recipe.data.corpus, &work, tasks, mining_depth(t, t.ance_depth), t.task_names, progress)?;
+    negatives::ance_negatives(miner.as_mut(), identity, &spec.recipe.data.corpus, &work, tasks, mining_depth(t, t.ance_depth), t.task_names, t.ance_index.milvus(), progress)?;
     exclude_gold_pages(spec, tasks, "the model", progress)?;
     exclude_answer_holders(spec, tasks, t.ance_depth, "the model", progress)?;
     report_filled(negatives::fill_empty(tasks, t.hard_negatives, fill_seed(t.seed, episode)), "the model", progress);
