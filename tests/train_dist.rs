@@ -1,6 +1,8 @@
 //! Data-parallel `host train` (issue 23): `--nproc 2` with half the batch per process trains
 //! as one process with the whole batch, over libtorch's c10d (Gloo on loopback).
 //!
+//! ANCE episodes split the corpus's encoding over the processes.
+//!
 //! Dropout is off here (a MiniLM copy whose config sets it to 0): each process draws its own
 //! dropout masks, so with dropout on the two runs differ by design until the masks are drawn
 //! per example.
@@ -152,6 +154,38 @@ fn two_processes_with_half_the_batch_train_as_one() {
     train(&recipe, &model, &one, &["--optim", "adamw", "--per-device-train-batch-size", "2"]);
     train(&recipe, &model, &two, &["--optim", "adamw", "--per-device-train-batch-size", "1", "--nproc", "2"]);
     same_training(&one, &two, "adamw, one query per task");
+}
+
+/// An ANCE episode over two processes: each encodes half the corpus with the first stage's
+/// model, rank 0 indexes and mines, and the other reads its negatives. They are the negatives
+/// one process mines, and the episode trains as one process does.
+#[test]
+fn ance_episodes_encode_the_corpus_over_the_processes() {
+    let dir = TempDir::new("train-dist-ance");
+    let recipe_text = TRAIN.replace("max_steps = 4", "max_steps = 2") + "\nance_episodes = 1\nance_depth = 10";
+    let recipe = small_task_data(dir.path(), 24, &recipe_text);
+    let model = minilm_without_dropout(dir.path());
+    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    train(&recipe, &model, &one, &["--optim", "adamw"]);
+    let s = train(&recipe, &model, &two, &["--optim", "adamw", "--per-device-train-batch-size", "4", "--nproc", "2"]);
+    assert_eq!(s["episodes"], 1, "{s}");
+    let negatives = |out: &Path| -> Value {
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(out.join("negatives-episode-1.json")).unwrap()).unwrap();
+        v["negatives"].clone()
+    };
+    assert!(negatives(&one).as_object().is_some_and(|o| !o.is_empty()));
+    assert_eq!(negatives(&one), negatives(&two), "two processes mined other negatives than one");
+    assert!(!two.join("episode-1/ance").exists(), "the corpus embeddings are removed once mined");
+    let (a, b) = (log(&one.join("episode-1")), log(&two.join("episode-1")));
+    assert_eq!((a.len(), b.len()), (2, 2));
+    for (x, y) in a.iter().zip(&b) {
+        for (task, l) in x["loss"].as_object().unwrap() {
+            let (l, m) = (l.as_f64().unwrap(), y["loss"][task].as_f64().unwrap());
+            assert!((l - m).abs() <= 1e-4 * l.abs().max(1.0), "episode 1 step {}: {task} loss {l} in one process, {m} in two", x["step"]);
+        }
+    }
+    let worst = weights(&one).iter().zip(weights(&two).iter()).map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[])).fold(0.0, f64::max);
+    assert!(worst <= 1e-4 * 4.0 * 1.01, "the final weights differ by {worst:.3e}");
 }
 
 /// The PIDs of `parent`'s children whose environment says `RANK=rank`.

@@ -35,25 +35,33 @@ pub fn bm25_negatives(index: &Bm25Index, tasks: &mut [TaskData], depth: usize, p
     Ok(())
 }
 
-/// ANCE: for each example, the top `depth` passages of `encoder` over the whole corpus that
-/// are not gold, best first. The corpus is encoded into `work/corpus/` (resumable, and keyed
-/// on `identity`, so a rerun with the same model reuses it) and indexed in `work/index/`,
-/// exactly, or in the Milvus collection `milvus` names; queries are encoded with their task's
-/// name when `task_names` is on, as in training.
+/// ANCE, first half: encode shard `shard` of `shards` of the corpus with `encoder` into
+/// `work/corpus/` (resumable, and keyed on `identity`, so a rerun with the same model reuses
+/// it). The processes of a data-parallel run each encode their shard; the last to finish joins
+/// them (`encode_file`).
+pub fn ance_encode_corpus(encoder: &mut dyn Encoder, identity: serde_json::Value, corpus: &Path, work: &Path, shard: (usize, usize), progress: &dyn Progress) -> Result<()> {
+    let mut job = EncodeJob::new(corpus, &work.join("corpus"), Role::Passage, identity);
+    (job.shard_id, job.shard_num) = shard;
+    encode_file(&job, EncoderSource::Ready(encoder), progress)?;
+    Ok(())
+}
+
+/// ANCE, second half, once the whole corpus is encoded: for each example, the top `depth`
+/// passages of `encoder` that are not gold, best first, from `work/corpus/` indexed in
+/// `work/index/`, exactly, or in the Milvus collection `milvus` names. Queries are encoded
+/// with their task's name when `task_names` is on, as in training.
+#[allow(clippy::too_many_arguments)]
 pub fn ance_negatives(
     encoder: &mut dyn Encoder,
-    identity: serde_json::Value,
-    corpus: &Path,
     work: &Path,
     tasks: &mut [TaskData],
     depth: usize,
     task_names: bool,
+    batch_size: usize,
     milvus: Option<MilvusParams>,
     progress: &dyn Progress,
 ) -> Result<()> {
     let embeddings = work.join("corpus");
-    let job = EncodeJob::new(corpus, &embeddings, Role::Passage, identity);
-    encode_file(&job, EncoderSource::Ready(&mut *encoder), progress)?;
     let index_dir = work.join("index");
     if !index_dir.join("index.json").exists() {
         let spec = match milvus {
@@ -68,7 +76,7 @@ pub fn ance_negatives(
     for task in tasks.iter_mut() {
         let texts: Vec<&str> = task.examples.iter().map(|e| e.query.as_str()).collect();
         let name = task_names.then_some(task.name.as_str());
-        let (vectors, dim) = encode_texts(encoder, &texts, Role::Query, name, job.batch_size, &rak_retrieval::pipeline::Quiet)?;
+        let (vectors, dim) = encode_texts(encoder, &texts, Role::Query, name, batch_size, &rak_retrieval::pipeline::Quiet)?;
         let most_gold = task.examples.iter().map(|e| e.positives.len()).max().unwrap_or(0);
         drop(texts);
         let hits = search_vectors(&index, &vectors, dim, depth + most_gold)?;

@@ -119,9 +119,6 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     check_loss_settings(t.loss, t.hard_negatives, lm_temperature)?;
     let out = &spec.output_dir;
     let episodes = t.ance_episodes;
-    if spec.rendezvous.is_some() && episodes > 0 {
-        bail!("ANCE episodes in a data-parallel run are not implemented yet (re-encoding the corpus over the processes): train them in one process");
-    }
     let mut group = spec.rendezvous.as_ref().map(ProcessGroup::join).transpose()?;
     // Rank 0 prepares the output folder and mines the negatives while the others wait; they
     // then read what it wrote (the negatives' cache is keyed on everything they depend on).
@@ -236,7 +233,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
             progress.log("warning: ANCE episodes with hard_negatives = 0 only repeat training: no negatives are drawn");
         }
         if episode > 0 && t.hard_negatives > 0 {
-            ance_negatives(spec, &layout, episode, &model, &corpus_sha256, &mut tasks, plugins, progress)?;
+            ance_negatives(spec, &layout, episode, &model, &corpus_sha256, &mut tasks, plugins, group.as_mut(), progress)?;
         }
         let wanted: HashSet<&str> =
             tasks.iter().flat_map(|t| &t.examples).flat_map(|e| e.positives.iter().chain(&e.negatives).chain(e.lm_scores.iter().map(|(id, _)| id))).map(String::as_str).collect();
@@ -275,20 +272,26 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         }
         trainer.train(progress)?;
         drop(trainer);
-        if episodes > 0 {
+        if episodes > 0 && lead {
             if episode == episodes {
                 // Before the stage is marked done, so a kill in between redoes the copy.
                 encoder.save(out)?;
             }
             rak_core::fsutil::write_bytes(&stage.join(STAGE_DONE), b"")?;
         }
+        if episodes > 0 {
+            // The next stage's miner loads the model rank 0 has just written.
+            if let Some(g) = group.as_mut() {
+                g.barrier().context("waiting for rank 0 to save the stage's model")?;
+            }
+        }
         model = stage.clone();
     }
-    if episodes > 0 && !out.join(FINAL_MARK).exists() {
-        // Every stage was done already but the copy never finished: make it from the last stage.
-        plugins.encoder(&spec.encoder, &encoder_settings(spec, &model, false))?.save(out)?;
-    }
-    if episodes > 0 {
+    if episodes > 0 && lead {
+        if !out.join(FINAL_MARK).exists() {
+            // Every stage was done already but the copy never finished: make it from the last stage.
+            plugins.encoder(&spec.encoder, &encoder_settings(spec, &model, false))?.save(out)?;
+        }
         rak_core::fsutil::write_bytes(&out.join(FINAL_MARK), b"")?;
     }
     let total_steps = max_steps + episodes as u64 * episode_steps;
@@ -433,7 +436,9 @@ fn cached_bm25_index(dir: &Path, corpus: &Path, corpus_sha256: &str, params: Bm2
     Ok(dir.to_path_buf())
 }
 
-/// Stage `episode`'s negatives (ANCE): the previous stage's model over the whole corpus.
+/// Stage `episode`'s negatives (ANCE): the previous stage's model over the whole corpus. In a
+/// data-parallel run every process encodes its shard of the corpus; rank 0 then indexes it and
+/// mines while the others wait, and they read what it saved.
 #[allow(clippy::too_many_arguments)]
 fn ance_negatives(
     spec: &RunSpec,
@@ -443,6 +448,7 @@ fn ance_negatives(
     corpus_sha256: &str,
     tasks: &mut [TaskData],
     plugins: &dyn Plugins,
+    mut group: Option<&mut ProcessGroup>,
     progress: &dyn Progress,
 ) -> Result<()> {
     let t = &spec.recipe.train;
@@ -452,18 +458,38 @@ fn ance_negatives(
     // Keyed on the miner's weights (their digest), not on the stage's path.
     let key = negatives_key(spec, episode, corpus_sha256, tasks, json!({"ance": identity, "task_names": t.task_names}));
     let work = layout.stage(episode).join("ance");
+    let (rank, world) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.world()));
+    // Every process finds the same file: rank 0 saves it only after they all met below.
     if negatives::load(&saved, tasks, t.ance_depth, &key)? {
         // A run killed between saving the negatives and removing the work folder.
-        let _ = std::fs::remove_dir_all(&work);
+        if rank == 0 {
+            let _ = std::fs::remove_dir_all(&work);
+        }
         return Ok(());
     }
     let mut miner = plugins.encoder(&spec.encoder, &settings)?;
     progress.log(&format!("train: episode {episode}: mining negatives with {}", model.display()));
-    negatives::ance_negatives(miner.as_mut(), identity, &spec.recipe.data.corpus, &work, tasks, mining_depth(t, t.ance_depth), t.task_names, t.ance_index.milvus(), progress)?;
-    exclude_gold_pages(spec, tasks, "the model", progress)?;
-    exclude_answer_holders(spec, tasks, t.ance_depth, "the model", progress)?;
-    report_filled(negatives::fill_empty(tasks, t.hard_negatives, fill_seed(t.seed, episode)), "the model", progress);
-    negatives::save(&saved, tasks, t.ance_depth, &key)?;
+    negatives::ance_encode_corpus(miner.as_mut(), identity, &spec.recipe.data.corpus, &work, (rank, world), progress)?;
+    if let Some(g) = group.as_deref_mut() {
+        g.barrier().context("waiting for the other processes to encode their shards of the corpus")?;
+    }
+    if rank == 0 {
+        let depth = mining_depth(t, t.ance_depth);
+        negatives::ance_negatives(miner.as_mut(), &work, tasks, depth, t.task_names, 64, t.ance_index.milvus(), progress)?;
+        exclude_gold_pages(spec, tasks, "the model", progress)?;
+        exclude_answer_holders(spec, tasks, t.ance_depth, "the model", progress)?;
+        report_filled(negatives::fill_empty(tasks, t.hard_negatives, fill_seed(t.seed, episode)), "the model", progress);
+        negatives::save(&saved, tasks, t.ance_depth, &key)?;
+    }
+    if let Some(g) = group {
+        g.barrier().context("waiting for rank 0 to mine the negatives")?;
+    }
+    if rank != 0 {
+        if !negatives::load(&saved, tasks, t.ance_depth, &key)? {
+            bail!("{}: rank 0's ANCE negatives are missing or were made from other inputs than this process's", saved.display());
+        }
+        return Ok(());
+    }
     // The corpus embeddings and index are as large as the corpus; the negatives are kept.
     std::fs::remove_dir_all(&work).with_context(|| format!("{}: cannot remove", work.display()))
 }
