@@ -8,7 +8,10 @@
 //! GT.npy holds the exact top-K rows per query (as float32). Prints one JSON object on stdout.
 //! Threads: RAYON_NUM_THREADS (HNSW, Rust flat) and tch::set_num_threads from RAK_THREADS.
 
-use rak_retrieval::index::{FlatBackend, FlatIndex, HnswBuilder, HnswIndex, HnswParams, Hit};
+mod common;
+
+use common::recall;
+use rak_retrieval::index::{FlatBackend, FlatIndex, HnswBuilder, HnswIndex, HnswParams};
 use rak_retrieval::npy::NpyF32;
 use std::path::Path;
 use std::time::Instant;
@@ -18,14 +21,6 @@ fn peak_rss_mib() -> f64 {
     s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0) / 1024.0
 }
 
-fn recall(hits: &[Vec<Hit>], gt: &NpyF32, k: usize) -> f64 {
-    let mut found = 0;
-    for (qi, h) in hits.iter().enumerate() {
-        let truth: std::collections::HashSet<usize> = gt.row(qi)[..k].iter().map(|&v| v as usize).collect();
-        found += h.iter().take(k).filter(|x| truth.contains(&x.row)).count();
-    }
-    found as f64 / (hits.len() * k) as f64
-}
 
 fn main() -> anyhow::Result<()> {
     rak_core::malloc::keep_freed_buffers(); // as `host` does

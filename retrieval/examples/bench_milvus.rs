@@ -8,20 +8,15 @@
 //! one query per request and SEARCH_BATCH (256) per request. GT.npy holds the exact top-K rows
 //! per query (as float32). Prints one JSON object on stdout.
 
+mod common;
+
+use common::recall;
 use rak_retrieval::index::{Hit, MilvusAnn, MilvusIndex, MilvusParams};
 use rak_retrieval::npy::NpyF32;
 use rak_retrieval::pipeline::Quiet;
 use std::path::Path;
 use std::time::Instant;
 
-fn recall(hits: &[Vec<Hit>], gt: &NpyF32, k: usize) -> f64 {
-    let mut found = 0;
-    for (qi, h) in hits.iter().enumerate() {
-        let truth: std::collections::HashSet<usize> = gt.row(qi)[..k].iter().map(|&v| v as usize).collect();
-        found += h.iter().take(k).filter(|x| truth.contains(&x.row)).count();
-    }
-    found as f64 / (hits.len() * k) as f64
-}
 
 fn main() -> anyhow::Result<()> {
     let a: Vec<String> = std::env::args().collect();
