@@ -11,11 +11,12 @@ The server: milvus-lite 2.5.1's (scripts/milvus.sh, 127.0.0.1; a state folder of
 queries of width 384 with a 64-d latent and varying norms; cached under .cache/bench/), ground
 truth exact inner product (numpy). Each side, in turn, on a fresh collection:
 - build: every row written in requests of 4 MiB of vectors (pymilvus: MilvusClient.insert of
-  row dicts, as its docs show; ours: upserts of columns), flushed, indexed (IP), loaded and
-  counted (count(*));
+  row dicts from the matrix in memory, as its docs show; ours: upserts of columns streamed
+  from the .npy file), flushed, indexed (IP), loaded and counted (count(*));
 - search: top K, one query per request, then 256 per request; recall@K against exact.
-milvus-lite searches exactly whatever index it is given, so recall is 1.0 on both sides here;
-the comparison is of the clients and their requests, not of ANN structures.
+The comparison is of the clients and their requests on one server: both get the same hits.
+milvus-lite refuses HNSW and searches small collections exactly whatever their index
+(docs/BENCHMARKS.md), so ANN recall at chosen parameters needs a standalone server (--uri).
 """
 import argparse
 import json

@@ -15,8 +15,8 @@
 # this project does not start it.
 # The wheel is fetched with `pip download --no-deps`, checked against the SHA-256 pinned here,
 # and unpacked once per machine under $RAK_CACHE (default ~/.cache/rak). The server's pid, URI,
-# log and data (one database file: collections survive a restart, so index directories that
-# point at them stay valid) live in $MILVUS_STATE_DIR (default .cache/milvus in the checkout);
+# log and data (one database file: collections survive a restart, and the server takes its
+# port again when it is free, so index directories that point at it stay valid) live in $MILVUS_STATE_DIR (default .cache/milvus in the checkout);
 # tests use their own. MILVUS_START_TIMEOUT: seconds to wait for it to answer (60).
 set -euo pipefail
 shopt -s inherit_errexit
@@ -34,27 +34,29 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 say() { echo "milvus.sh: $*" >&2; }
 
-# The server binary, fetched and checked once per machine.
+# The server binary, fetched and checked once per machine (under a lock of the cache's own:
+# tests start several servers, each with its own state folder, at once).
 fetch() {
     if [[ -x $BIN ]]; then return; fi
     mkdir -p "$CACHE"
-    local tmp
+    exec 8>"$CACHE/.milvus-lite.lock"
+    flock -w 600 8 || { say "another fetch held $CACHE/.milvus-lite.lock for 10 minutes"; exit 1; }
+    if [[ -x $BIN ]]; then exec 8>&-; return; fi
+    local tmp got status=0
     tmp=$(mktemp -d "$CACHE/.milvus-lite.XXXXXX")
-    # shellcheck disable=SC2064
-    trap "rm -rf '$tmp'" RETURN
     say "fetching milvus-lite $VERSION from PyPI"
-    "$PY" -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
-        "milvus-lite==$VERSION" -d "$tmp" >&2
-    local got
-    got=$(sha256sum "$tmp/$WHEEL" | cut -d' ' -f1)
-    if [[ $got != "$SHA256" ]]; then
-        say "$WHEEL: SHA-256 $got, expected $SHA256"
-        exit 1
-    fi
-    "$PY" -m zipfile -e "$tmp/$WHEEL" "$tmp/unpacked"
-    chmod +x "$tmp/unpacked/milvus_lite/lib/milvus"
-    rm -rf "$HOME_DIR"
-    mv "$tmp/unpacked" "$HOME_DIR"
+    {
+        "$PY" -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
+            "milvus-lite==$VERSION" -d "$tmp" >&2 &&
+            got=$(sha256sum "$tmp/$WHEEL" | cut -d' ' -f1) &&
+            { [[ $got == "$SHA256" ]] || { say "$WHEEL: SHA-256 $got, expected $SHA256"; false; }; } &&
+            "$PY" -m zipfile -e "$tmp/$WHEEL" "$tmp/unpacked" &&
+            chmod +x "$tmp/unpacked/milvus_lite/lib/milvus" &&
+            rm -rf "$HOME_DIR" && mv "$tmp/unpacked" "$HOME_DIR"
+    } || status=$?
+    rm -rf "$tmp"
+    exec 8>&-
+    [[ $status == 0 ]] || { say "could not fetch milvus-lite $VERSION"; exit 1; }
 }
 
 proc_start() { # PID: its start time, so that a reused pid is not taken for ours
@@ -73,8 +75,26 @@ running() { # true when STATE/pid names the live server this script started
     [[ ${pid:-} =~ ^[0-9]+$ && -n ${start:-} && $(proc_start "$pid" || true) == "$start" ]]
 }
 
+# The port this state folder's server had before, when it is free (index folders name the
+# server's URI, so a restart keeps them valid), else any free one.
 free_port() {
-    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+    "$PY" - "$STATE/port" <<'EOF'
+import socket, sys
+try:
+    wanted = int(open(sys.argv[1]).read())
+except (OSError, ValueError):
+    wanted = 0
+for port in ([wanted] if wanted else []) + [0]:
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        print(s.getsockname()[1])
+        break
+    except OSError:
+        continue
+    finally:
+        s.close()
+EOF
 }
 
 # Wait until PORT accepts connections while PID lives; false if it died or TIMEOUT passed.
@@ -90,11 +110,26 @@ while time.monotonic() < deadline:
                 sys.exit(1)
     except FileNotFoundError:
         sys.exit(1)
+    # Ready when the server itself listens on the port (not another process that took it):
+    # a socket of its own in LISTEN state (0A) on the port in /proc/net/tcp or tcp6.
+    ours = set()
     try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        sys.exit(0)
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                ours.add(link[8:-1])
     except OSError:
-        time.sleep(0.2)
+        pass
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port and f[9] in ours:
+                sys.exit(0)
+    time.sleep(0.2)
 sys.exit(2)
 EOF
 }
@@ -108,7 +143,8 @@ stop() {
             [[ $(proc_start "$pid" || true) == "$start" ]] || break
             sleep 0.1
         done
-        kill -9 "$pid" 2>/dev/null || true
+        # Only if it is still ours: the pid may name another process once ours is gone.
+        if [[ $(proc_start "$pid" || true) == "$start" ]]; then kill -9 "$pid" 2>/dev/null || true; fi
     fi
     rm -f "$STATE/pid" "$STATE/uri"
 }
@@ -132,6 +168,7 @@ start() {
         status=0
         wait_ready "$pid" "$port" "${MILVUS_START_TIMEOUT:-60}" || status=$?
         if [[ $status == 0 ]]; then
+            echo "$port" >"$STATE/port"
             echo "http://127.0.0.1:$port" | tee "$STATE/uri"
             return
         fi

@@ -190,12 +190,20 @@ fn milvus_faults_are_named() {
     let o = host(&["index", "build", "--kind", "milvus", "--embeddings", emb.to_str().unwrap(), "--output", dir.path().join("x").to_str().unwrap()]);
     assert!(!o.status.success() && stderr(&o).contains("--kind milvus needs --uri URI, --collection NAME and --embeddings DIR"), "{}", stderr(&o));
 
-    // An index type this server lacks: its own refusal, with the server named; no directory.
+    // An index type this server lacks: its own refusal, with the server named; no directory,
+    // no half-made collection; the token the client sent is not shown.
     let out = dir.path().join("hnsw");
-    let o = build(&m, &emb, &out, "hnsw_here", &["--ann", "hnsw"]);
+    let o = Command::new(host_bin())
+        .args(["index", "build", "--kind", "milvus", "--uri", &m.uri, "--collection", "hnsw_here", "--ann", "hnsw"])
+        .args(["--embeddings", emb.to_str().unwrap(), "--output", out.to_str().unwrap()])
+        .env("MILVUS_TOKEN", "root:s3cret-token")
+        .output()
+        .unwrap();
     let err = stderr(&o);
     assert!(!o.status.success() && err.contains(&m.uri) && err.contains("HNSW"), "{err}");
+    assert!(!err.contains("s3cret"), "the token was printed: {err}");
     assert!(!out.exists(), "a failed build left {}", out.display());
+    assert!(!m.sdk(|c| async move { c.has_collection(HasCollectionRequest::builder().collection_name("hnsw_here").build()?).await }).exists());
 
     // A collection this toolkit did not make is never replaced.
     m.sdk(|c| async move {
@@ -204,6 +212,15 @@ fn milvus_faults_are_named() {
     let o = build(&m, &emb, &dir.path().join("theirs"), "theirs", &["--ann", "flat"]);
     assert!(!o.status.success() && stderr(&o).contains("collection theirs exists and was not made by this toolkit"), "{}", stderr(&o));
     assert!(m.sdk(|c| async move { c.has_collection(HasCollectionRequest::builder().collection_name("theirs").build()?).await }).exists());
+
+    // The same collection rebuilt for another folder, with as many rows: the first folder is
+    // refused (it would map the new build's rows through its own ids), the second opens.
+    let (first, second) = (dir.path().join("first"), dir.path().join("second"));
+    build_ok(&m, &emb, &first, "shared", &["--ann", "flat"]);
+    build_ok(&m, &embeddings(&dir.path().join("other"), &unit_vectors(200, dim, 4), dim), &second, "shared", &["--ann", "flat"]);
+    let err = open_err(&first);
+    assert!(err.contains("was rebuilt by another build"), "{err}");
+    index::open(&second).unwrap();
 
     // Rows added behind the index's back: refused on open, naming both counts.
     let ours = dir.path().join("ours");

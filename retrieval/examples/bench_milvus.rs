@@ -31,10 +31,10 @@ fn main() -> anyhow::Result<()> {
     let (n, dim, nq) = (base.rows(), base.dim(), queries.rows());
     let ids: Vec<String> = (0..n).map(|i| i.to_string()).collect();
     let dir = std::env::temp_dir().join(format!("bench-milvus-{}", std::process::id()));
-    let vectors = base.into_vec();
+    drop(base);
 
     let t = Instant::now();
-    MilvusIndex::build(&vectors, dim, ids, MilvusParams { uri, collection, ann }, &dir, &Quiet)?;
+    MilvusIndex::build_from_npy(Path::new(&a[3]), &ids, MilvusParams { uri, collection, ann, build: String::new() }, &dir, &Quiet)?;
     let build_s = t.elapsed().as_secs_f64();
     let index = MilvusIndex::load(&dir)?;
 

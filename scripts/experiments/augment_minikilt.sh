@@ -55,15 +55,13 @@ mkdir -p "$INDEXES"
 if wants bm25 && [[ ! -f $INDEXES/bm25/index.json ]]; then
     $H index build --kind bm25 --corpus $D/corpus.jsonl --output "$INDEXES/bm25" >/dev/null
 fi
-# A dense index of the corpus for model DIR under $INDEXES/NAME-flat, built once.
+# A dense index of the corpus for model DIR under $INDEXES/NAME-flat. `host encode` runs every
+# time: it does nothing when the embeddings are complete and made by the same checkpoint, and
+# refuses a checkpoint that changed (a model retrained in place); the index is rebuilt when
+# the embeddings are newer than it.
 dense_index() { # NAME DIR
-    if [[ -f $INDEXES/$1-flat.model && $(cat "$INDEXES/$1-flat.model") != "$2" ]]; then
-        echo "$INDEXES/$1-flat was built from $(cat "$INDEXES/$1-flat.model"), not $2: name it otherwise" >&2
-        exit 2
-    fi
-    echo "$2" > "$INDEXES/$1-flat.model"
-    if [[ ! -f $INDEXES/$1-flat/index.json ]]; then
-        $H encode --encoder dpr --model "$2" --input $D/corpus.jsonl --output "$INDEXES/$1-corpus"
+    $H encode --encoder dpr --model "$2" --input $D/corpus.jsonl --output "$INDEXES/$1-corpus"
+    if [[ ! -f $INDEXES/$1-flat/index.json || $INDEXES/$1-corpus/encode.json -nt $INDEXES/$1-flat/index.json ]]; then
         $H index build --kind flat --embeddings "$INDEXES/$1-corpus" --output "$INDEXES/$1-flat" >/dev/null
     fi
 }
@@ -76,6 +74,7 @@ declare -A MODEL_DIR MODEL_TASK
 for spec in "${MODEL_SPECS[@]}"; do
     name=${spec%%=*} rest=${spec#*=}
     [[ $name != "$spec" && -n $name ]] || { echo "MODELS: $spec is not NAME=DIR[@TASK]" >&2; exit 2; }
+    case $name in none|bm25|minilm) echo "MODELS: $name is a built-in retriever's name" >&2; exit 2 ;; esac
     MODEL_DIR[$name]=${rest%%@*}
     [[ $rest == *@* ]] && MODEL_TASK[$name]=${rest#*@}
     RETRIEVERS+=("$name")
@@ -94,6 +93,7 @@ for task in ${TASKS:-mc shortqa}; do
                 if [[ -n ${MODEL_TASK[$r]:-} ]]; then
                     config=$OUT/recipe-$r.toml
                     sed "s/^\[retrieval\]$/[retrieval]\ntask = \"${MODEL_TASK[$r]}\"/" "$CONFIG" > "$config"
+                    grep -q "^task = \"${MODEL_TASK[$r]}\"$" "$config" || { echo "$CONFIG: no [retrieval] line to put the task after" >&2; exit 2; }
                 fi ;;
         esac
         echo "== $task, passages: $r $(date -u +%H:%M:%S)"

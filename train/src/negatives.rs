@@ -42,6 +42,12 @@ pub fn bm25_negatives(index: &Bm25Index, tasks: &mut [TaskData], depth: usize, p
 pub fn ance_encode_corpus(encoder: &mut dyn Encoder, identity: serde_json::Value, corpus: &Path, work: &Path, shard: (usize, usize), progress: &dyn Progress) -> Result<()> {
     let mut job = EncodeJob::new(corpus, &work.join("corpus"), Role::Passage, identity);
     (job.shard_id, job.shard_num) = shard;
+    if job.shard_num > 1 {
+        // At least four parts a process where the corpus allows (parts of 256 lines or more),
+        // so that every process has a share of the work.
+        let lines = std::io::BufRead::lines(std::io::BufReader::new(std::fs::File::open(corpus).with_context(|| format!("{}: cannot open", corpus.display()))?)).count();
+        job.part_size = lines.div_ceil(4 * job.shard_num).clamp(256, job.part_size);
+    }
     encode_file(&job, EncoderSource::Ready(encoder), progress)?;
     Ok(())
 }

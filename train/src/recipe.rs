@@ -193,7 +193,7 @@ impl AnceIndex {
     pub fn milvus(&self) -> Option<MilvusParams> {
         match self {
             AnceIndex::Flat => None,
-            AnceIndex::Milvus { uri, collection, ann } => Some(MilvusParams { uri: uri.clone(), collection: collection.clone(), ann: *ann }),
+            AnceIndex::Milvus { uri, collection, ann } => Some(MilvusParams { uri: uri.clone(), collection: collection.clone(), ann: *ann, build: String::new() }),
         }
     }
 }

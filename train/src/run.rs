@@ -456,7 +456,13 @@ fn ance_negatives(
     let settings = encoder_settings(spec, model, spec.bf16);
     let identity = encoder_identity(&spec.encoder, &settings)?;
     // Keyed on the miner's weights (their digest), not on the stage's path.
-    let key = negatives_key(spec, episode, corpus_sha256, tasks, json!({"ance": identity, "task_names": t.task_names}));
+    let mut miner_key = json!({"ance": identity, "task_names": t.task_names});
+    // Only for a Milvus index (its ANN may answer otherwise than exact search), so the
+    // negatives that runs with the in-memory index saved stay valid.
+    if let Some(params) = t.ance_index.milvus() {
+        miner_key["index"] = json!({"milvus": params.ann});
+    }
+    let key = negatives_key(spec, episode, corpus_sha256, tasks, miner_key);
     let work = layout.stage(episode).join("ance");
     let (rank, world) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.world()));
     // Every process finds the same file: rank 0 saves it only after they all met below.

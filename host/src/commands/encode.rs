@@ -128,7 +128,10 @@ pub struct Shard {
 /// order: a Slurm job array (`SLURM_ARRAY_TASK_ID` counted from `SLURM_ARRAY_TASK_MIN` in steps
 /// of `SLURM_ARRAY_TASK_STEP`, of `SLURM_ARRAY_TASK_COUNT`); a Kubernetes Indexed Job
 /// (`JOB_COMPLETION_INDEX`, which comes without a count: `--shard-num` gives it); torchrun and
-/// other torch.distributed launchers (`RANK` of `WORLD_SIZE`). Nothing: one shard.
+/// other torch.distributed launchers (`RANK` of `WORLD_SIZE`). Nothing: one shard. A Slurm
+/// array task that runs torchrun inside takes the array's shard; its ranks then share it
+/// through the part locks. `--shard-id 0 --shard-num 1` encodes everything whatever the
+/// environment says.
 /// `env` reads a variable (a parameter, so tests need not change the process's environment).
 pub fn shard_of(flag_id: Option<usize>, flag_num: Option<usize>, env: impl Fn(&str) -> Option<String>) -> Result<Shard> {
     let int = |name: &'static str| -> Result<Option<usize>> {
@@ -146,7 +149,7 @@ pub fn shard_of(flag_id: Option<usize>, flag_num: Option<usize>, env: impl Fn(&s
                 let step = int("SLURM_ARRAY_TASK_STEP")?.unwrap_or(1).max(1);
                 let count = int("SLURM_ARRAY_TASK_COUNT")?.context("SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_COUNT is not")?;
                 let max = int("SLURM_ARRAY_TASK_MAX")?.unwrap_or(min + step * count.saturating_sub(1));
-                if task < min || (task - min) % step != 0 || (max - min) / step + 1 != count {
+                if task < min || (task - min) % step != 0 || max.checked_sub(min).map(|span| span / step + 1) != Some(count) {
                     bail!(
                         "this Slurm array ({min}-{max}:{step}, {count} tasks, this one {task}) is not evenly spaced: \
                          give --shard-id and --shard-num"
@@ -237,6 +240,8 @@ mod tests {
         let d = [("SLURM_ARRAY_TASK_ID", "9"), ("SLURM_ARRAY_TASK_COUNT", "3"), ("SLURM_ARRAY_TASK_MIN", "1"), ("SLURM_ARRAY_TASK_MAX", "9")];
         assert!(err(shard(None, None, &d)).contains("not evenly spaced"));
         assert!(err(shard(None, None, &[("SLURM_ARRAY_TASK_ID", "0")])).contains("SLURM_ARRAY_TASK_COUNT is not"));
+        let e = [("SLURM_ARRAY_TASK_ID", "5"), ("SLURM_ARRAY_TASK_COUNT", "1"), ("SLURM_ARRAY_TASK_MIN", "5"), ("SLURM_ARRAY_TASK_MAX", "2")];
+        assert!(err(shard(None, None, &e)).contains("not evenly spaced"));
         assert!(err(shard(None, None, &[("SLURM_ARRAY_TASK_ID", "x")])).contains("SLURM_ARRAY_TASK_ID=\"x\" is not a whole number"));
     }
 

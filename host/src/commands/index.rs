@@ -49,9 +49,10 @@ pub struct BuildArgs {
     /// Milvus: the collection to create (one this toolkit made before is replaced).
     #[arg(long)]
     pub collection: Option<String>,
-    /// Milvus: the structure it builds: `hnsw` (with --m, --ef-construction, --ef-search),
-    /// `ivf_flat` (with --nlist, --nprobe) or `flat` (exact).
-    #[arg(long, default_value = "hnsw")]
+    /// Milvus: the structure it builds: `ivf_flat` (with --nlist, --nprobe), `hnsw` (with --m,
+    /// --ef-construction, --ef-search; not on milvus-lite, `scripts/milvus.sh`'s server) or
+    /// `flat` (exact).
+    #[arg(long, default_value = "ivf_flat")]
     pub ann: String,
     /// Milvus IVF_FLAT: clusters.
     #[arg(long, default_value_t = 128)]
@@ -89,7 +90,7 @@ fn spec(args: &BuildArgs) -> Result<IndexSpec> {
         let (Some(uri), Some(collection), Some(embeddings)) = (&args.uri, &args.collection, &args.embeddings) else {
             bail!("--kind milvus needs --uri URI, --collection NAME and --embeddings DIR");
         };
-        let params = MilvusParams { uri: uri.clone(), collection: collection.clone(), ann };
+        let params = MilvusParams { uri: uri.clone(), collection: collection.clone(), ann, build: String::new() };
         return Ok(IndexSpec::Milvus { embeddings: embeddings.clone(), params });
     }
     let bm25 = Bm25Params { k1: args.k1, b: args.b };

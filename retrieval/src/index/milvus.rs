@@ -10,7 +10,8 @@
 //! own, so callers stay synchronous like the other indexes. The API token is read from
 //! `MILVUS_TOKEN` and is never written to the index directory nor printed.
 
-use super::{check_matrix, IndexMeta};
+use super::{check_ids, check_matrix, check_rows, IndexMeta};
+use crate::npy::{self, NpyRows};
 use crate::pipeline::Progress;
 use anyhow::{bail, Context, Result};
 use milvus::v2::prelude::*;
@@ -21,7 +22,8 @@ use std::time::Duration;
 
 const ROW_FIELD: &str = "row";
 const VECTOR_FIELD: &str = "vec";
-/// Collections this toolkit made say so: only those are replaced by a rebuild.
+/// Collections this toolkit made say so (followed by their build's id): only those are
+/// replaced by a rebuild.
 const DESCRIPTION: &str = "rak-retrieval dense index (rows of an embeddings.npy; ids in the index directory)";
 /// Bytes of vectors per write request (gRPC's default message limit is 64 MiB).
 const INSERT_BYTES: usize = 4 << 20;
@@ -85,6 +87,10 @@ pub struct MilvusParams {
     pub uri: String,
     pub collection: String,
     pub ann: MilvusAnn,
+    /// Which build filled the collection (also in its description): a folder whose build was
+    /// replaced by another, even with as many rows, is refused rather than searched.
+    #[serde(default)]
+    pub build: String,
 }
 
 /// A dense index whose vectors live in Milvus.
@@ -158,43 +164,46 @@ impl Client {
 }
 
 impl MilvusIndex {
-    /// Load `vectors` (`[n, dim]` row-major; row i is passage `ids[i]`) into a new collection
-    /// and write the index directory `dir` that points at it (replaced atomically, after the
-    /// collection is complete). A collection of that name that this toolkit made is replaced;
+    /// Load the rows of `embeddings` (an `embeddings.npy`; row i is passage `ids[i]`), streamed
+    /// in blocks, into a new collection and write the index directory `dir` that points at it
+    /// (replaced atomically, after the collection is complete). A collection of that name that
+    /// this toolkit made is replaced (a folder still pointing at it is then refused on open);
     /// any other is refused.
-    pub fn build(vectors: &[f32], dim: usize, ids: Vec<String>, params: MilvusParams, dir: &Path, progress: &dyn Progress) -> Result<IndexMeta> {
-        let n = check_matrix("milvus index", vectors, dim)?;
-        if ids.len() != n {
-            bail!("milvus index: {} ids for {n} vectors", ids.len());
+    pub fn build_from_npy(embeddings: &Path, ids: &[String], mut params: MilvusParams, dir: &Path, progress: &dyn Progress) -> Result<IndexMeta> {
+        let mut rows = NpyRows::open(embeddings)?;
+        let (n, dim) = (rows.rows(), rows.dim());
+        let what = embeddings.display().to_string();
+        if dim == 0 || n == 0 {
+            bail!("{what}: no vectors (empty embeddings or dimension 0)");
         }
+        check_ids(ids, n).with_context(|| what.clone())?;
         params.ann.validate()?;
+        params.build = build_id();
         let client = Client::connect(&params.uri)?;
         let name = params.collection.as_str();
         if client.exists(name)? {
             let description = client.description(name)?;
-            if description != DESCRIPTION {
+            if !description.starts_with(DESCRIPTION) {
                 bail!("Milvus at {}: collection {name} exists and was not made by this toolkit; drop it or choose another --collection", params.uri);
             }
             progress.log(&format!("index: replacing Milvus collection {name}"));
             client.call(&format!("drop {name}"), client.inner.drop_collection(DropCollectionRequest::builder().collection_name(name).build()?))?;
         }
-        let schema = CollectionSchema::new().description(DESCRIPTION).fields(vec![
+        let description = format!("{DESCRIPTION} build {}", params.build);
+        let schema = CollectionSchema::new().description(description.clone()).fields(vec![
             FieldSchema::new().name(ROW_FIELD).data_type(DataType::Int64).primary_key(true).auto_id(false),
             FieldSchema::new().name(VECTOR_FIELD).data_type(DataType::FloatVector).dimension(dim as u32),
         ]);
-        let create = CreateCollectionRequest::builder().collection_name(name).description(DESCRIPTION).schema(schema).build()?;
+        let create = CreateCollectionRequest::builder().collection_name(name).description(description).schema(schema).build()?;
         client.call(&format!("create {name}"), client.inner.create_collection(create))?;
-        match fill(&client, vectors, dim, &params, progress) {
-            Ok(()) => {}
-            Err(e) => {
-                // Leave no half-made collection behind (best effort: the error is what matters).
-                let _ = DropCollectionRequest::builder().collection_name(name).build().map(|r| client.rt.block_on(client.inner.drop_collection(r)));
-                return Err(e);
-            }
+        if let Err(e) = fill(&client, &mut rows, &what, &params, progress) {
+            // Leave no half-made collection behind (best effort: the error is what matters).
+            let _ = DropCollectionRequest::builder().collection_name(name).build().map(|r| client.rt.block_on(client.inner.drop_collection(r)));
+            return Err(e);
         }
         let meta = IndexMeta::new("milvus", dim, n, "ip", serde_json::to_value(&params)?);
         super::write_dir_atomically(dir, |tmp| {
-            rak_core::fsutil::write_bytes(&tmp.join("ids.txt"), (ids.join("\n") + "\n").as_bytes())?;
+            npy::write_ids(&tmp.join("ids.txt"), ids)?;
             meta.write(tmp)
         })?;
         Ok(meta)
@@ -214,6 +223,14 @@ impl MilvusIndex {
         let name = params.collection.as_str();
         if !client.exists(name)? {
             bail!("{}: its Milvus collection {name} is gone from {} (rebuild with host index build --kind milvus)", dir.display(), params.uri);
+        }
+        let description = client.description(name)?;
+        if description != format!("{DESCRIPTION} build {}", params.build) {
+            bail!(
+                "{}: Milvus collection {name} at {} was rebuilt by another build since this index was made; rebuild this one (host index build --kind milvus) or use the other's folder",
+                dir.display(),
+                params.uri
+            );
         }
         client.load(name)?;
         let count = client.row_count(name)?;
@@ -285,29 +302,33 @@ impl MilvusIndex {
     }
 }
 
-/// Write every row into the new collection `params.collection`, index it and load it.
-fn fill(client: &Client, vectors: &[f32], dim: usize, params: &MilvusParams, progress: &dyn Progress) -> Result<()> {
+/// Write every row of `rows` into the new collection `params.collection`, index it and load it.
+fn fill(client: &Client, rows: &mut NpyRows, what: &str, params: &MilvusParams, progress: &dyn Progress) -> Result<()> {
     let name = params.collection.as_str();
-    let n = vectors.len() / dim;
-
-    let rows_per_insert = (INSERT_BYTES / (4 * dim)).max(1);
+    let (n, dim) = (rows.rows(), rows.dim());
+    let block = (INSERT_BYTES / (4 * dim)).max(1);
+    let mut buf = Vec::new();
     progress.start("milvus upsert", n as u64);
-    for (b, chunk) in vectors.chunks(rows_per_insert * dim).enumerate() {
-        let first = b * rows_per_insert;
-        let rows = chunk.len() / dim;
+    loop {
+        let first = rows.position();
+        let got = rows.read_rows(block, &mut buf)?;
+        if got == 0 {
+            break;
+        }
+        check_rows(what, &buf, dim, first)?;
         let columns = vec![
-            FieldData::Int64 { name: ROW_FIELD.into(), values: (first as i64..(first + rows) as i64).collect() },
-            FieldData::FloatVector { name: VECTOR_FIELD.into(), values: chunk.chunks(dim).map(<[f32]>::to_vec).collect() },
+            FieldData::Int64 { name: ROW_FIELD.into(), values: (first as i64..(first + got) as i64).collect() },
+            FieldData::FloatVector { name: VECTOR_FIELD.into(), values: buf.chunks(dim).map(<[f32]>::to_vec).collect() },
         ];
-        // An upsert, not an insert: the client retries a request whose reply was lost, and
-        // Milvus keeps duplicate primary keys from inserts.
+        // An upsert, not an insert: a request sent again (the client retries some failures)
+        // must not leave a row twice, and Milvus keeps duplicate primary keys from inserts.
         let insert = InsertRequest::builder().collection_name(name).columns(columns).build()?;
         let upsert = UpsertRequest::builder().insert(insert).build()?;
-        let done = client.call(&format!("upsert rows {first}..{} into {name}", first + rows), client.inner.upsert(upsert))?;
-        if done.upsert_count() as usize != rows {
-            bail!("Milvus at {}: wrote {} of {rows} rows into {name}", params.uri, done.upsert_count());
+        let done = client.call(&format!("upsert rows {first}..{} into {name}", first + got), client.inner.upsert(upsert))?;
+        if done.upsert_count() as usize != got {
+            bail!("Milvus at {}: wrote {} of {got} rows into {name}", params.uri, done.upsert_count());
         }
-        progress.inc(rows as u64);
+        progress.inc(got as u64);
     }
     progress.finish();
     progress.log(&format!("index: flushing {name} and building its {:?} index", params.ann.index_type()));
@@ -325,4 +346,10 @@ fn fill(client: &Client, vectors: &[f32], dim: usize, params: &MilvusParams, pro
         bail!("Milvus at {}: {name} holds {count} rows after loading {n}", params.uri);
     }
     Ok(())
+}
+
+/// A build's id: when and by which process, unique enough to tell two builds apart.
+fn build_id() -> String {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    format!("{:x}-{:x}", now.as_nanos(), std::process::id())
 }

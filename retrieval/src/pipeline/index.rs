@@ -66,9 +66,9 @@ fn read_ids_for(dir: &Path, rows: usize) -> Result<Vec<String>> {
 
 /// Build the index `spec` asks for into the directory `output` (replaced atomically).
 ///
-/// Memory: a flat index streams the embeddings into its own file (a block of rows in memory at
-/// a time); HNSW holds the matrix once (the graph is built on the copy the index keeps); BM25
-/// streams the corpus one passage at a time.
+/// Memory: a flat index streams the embeddings into its own file, and a Milvus index into its
+/// collection (a block of rows in memory at a time); HNSW holds the matrix once (the graph is
+/// built on the copy the index keeps); BM25 streams the corpus one passage at a time.
 pub fn build_index(spec: &IndexSpec, output: &Path, progress: &dyn Progress) -> Result<IndexMeta> {
     Ok(match spec {
         IndexSpec::Flat { embeddings } => {
@@ -100,9 +100,9 @@ pub fn build_index(spec: &IndexSpec, output: &Path, progress: &dyn Progress) -> 
             idx.meta().clone()
         }
         IndexSpec::Milvus { embeddings, params } => {
-            let (vectors, ids) = read_embeddings(embeddings)?;
-            let dim = vectors.dim();
-            MilvusIndex::build(&vectors.into_vec(), dim, ids, params.clone(), output, progress)?
+            let npy_path = embeddings.join("embeddings.npy");
+            let ids = read_ids_for(embeddings, NpyRows::open(&npy_path)?.rows())?;
+            MilvusIndex::build_from_npy(&npy_path, &ids, params.clone(), output, progress)?
         }
         IndexSpec::Bm25 { corpus, params } => {
             let docs = beir::read_corpus(corpus)?.map(|p| p.map(|p| (p.id, p.title, p.text)));
