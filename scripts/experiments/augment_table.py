@@ -22,7 +22,16 @@ from pathlib import Path
 
 from augment_stats import aliases_in, read_jsonl
 
-NAMES = {"none": "closed book", "bm25": "BM25, k = 3", "minilm": "MiniLM, k = 3", "trained": "trained (TRAINED), k = 3"}
+NAMES = {
+    "none": "closed book",
+    "bm25": "BM25, k = 3",
+    "minilm": "MiniLM, k = 3",
+    "trained": "trained (TRAINED), k = 3",
+    # scripts/experiments/aar_minikilt.sh's retrievers
+    "human": "MiniLM fine-tuned on gold positives, k = 3",
+    "aar": "AAR from SmolLM2, k = 3",
+    "replug": "REPLUG-LSR from SmolLM2, k = 3",
+}
 
 
 def accuracy_tables(out):
