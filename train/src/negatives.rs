@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use rak_core::abi::Role;
 use rak_core::plugin::Encoder;
 use rak_retrieval::index::{self, Bm25Index, MilvusParams};
-use rak_retrieval::pipeline::encode::{encode_file, encode_texts, EncodeJob, EncoderSource};
+use rak_retrieval::pipeline::encode::{encode_file, encode_texts, EncodeJob, EncoderSource, DEFAULT_BATCH_SIZE};
 use rak_retrieval::pipeline::index::{build_index, IndexSpec};
 use rak_retrieval::pipeline::search::search_vectors;
 use rak_retrieval::pipeline::Progress;
@@ -56,14 +56,12 @@ pub fn ance_encode_corpus(encoder: &mut dyn Encoder, identity: serde_json::Value
 /// passages of `encoder` that are not gold, best first, from `work/corpus/` indexed in
 /// `work/index/`, exactly, or in the Milvus collection `milvus` names. Queries are encoded
 /// with their task's name when `task_names` is on, as in training.
-#[allow(clippy::too_many_arguments)]
 pub fn ance_negatives(
     encoder: &mut dyn Encoder,
     work: &Path,
     tasks: &mut [TaskData],
     depth: usize,
     task_names: bool,
-    batch_size: usize,
     milvus: Option<MilvusParams>,
     progress: &dyn Progress,
 ) -> Result<()> {
@@ -82,7 +80,7 @@ pub fn ance_negatives(
     for task in tasks.iter_mut() {
         let texts: Vec<&str> = task.examples.iter().map(|e| e.query.as_str()).collect();
         let name = task_names.then_some(task.name.as_str());
-        let (vectors, dim) = encode_texts(encoder, &texts, Role::Query, name, batch_size, &rak_retrieval::pipeline::Quiet)?;
+        let (vectors, dim) = encode_texts(encoder, &texts, Role::Query, name, DEFAULT_BATCH_SIZE, &rak_retrieval::pipeline::Quiet)?;
         let most_gold = task.examples.iter().map(|e| e.positives.len()).max().unwrap_or(0);
         drop(texts);
         let hits = search_vectors(&index, &vectors, dim, depth + most_gold)?;

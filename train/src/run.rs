@@ -481,7 +481,7 @@ fn ance_negatives(
     }
     if rank == 0 {
         let depth = mining_depth(t, t.ance_depth);
-        negatives::ance_negatives(miner.as_mut(), &work, tasks, depth, t.task_names, 64, t.ance_index.milvus(), progress)?;
+        negatives::ance_negatives(miner.as_mut(), &work, tasks, depth, t.task_names, t.ance_index.milvus(), progress)?;
         exclude_gold_pages(spec, tasks, "the model", progress)?;
         exclude_answer_holders(spec, tasks, t.ance_depth, "the model", progress)?;
         report_filled(negatives::fill_empty(tasks, t.hard_negatives, fill_seed(t.seed, episode)), "the model", progress);

@@ -7,7 +7,7 @@ use crate::registry::Registry;
 use anyhow::{bail, Context, Result};
 use rak_core::abi::Role;
 use rak_retrieval::digest::encoder_identity;
-use rak_retrieval::pipeline::encode::{encode_file, EncodeJob, EncoderSource};
+use rak_retrieval::pipeline::encode::{encode_file, EncodeJob, EncoderSource, DEFAULT_BATCH_SIZE};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
@@ -50,7 +50,7 @@ pub struct EncodeArgs {
 /// How an encoder runs: the flags `encode` and `search` share.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ModelArgs {
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = DEFAULT_BATCH_SIZE)]
     pub batch_size: usize,
     /// Max tokens per text (default: the encoder's).
     #[arg(long)]

@@ -141,6 +141,11 @@ impl Client {
         Ok(self.call(&format!("describe {collection}"), self.inner.describe_collection(req))?.description().get_description().to_string())
     }
 
+    fn drop(&self, collection: &str) -> Result<()> {
+        let req = DropCollectionRequest::builder().collection_name(collection).build()?;
+        self.call(&format!("drop {collection}"), self.inner.drop_collection(req))
+    }
+
     /// Load the collection into the server's memory (searches and counts need it).
     fn load(&self, collection: &str) -> Result<()> {
         let req = LoadCollectionRequest::builder().collection_name(collection).build()?;
@@ -187,7 +192,7 @@ impl MilvusIndex {
                 bail!("Milvus at {}: collection {name} exists and was not made by this toolkit; drop it or choose another --collection", params.uri);
             }
             progress.log(&format!("index: replacing Milvus collection {name}"));
-            client.call(&format!("drop {name}"), client.inner.drop_collection(DropCollectionRequest::builder().collection_name(name).build()?))?;
+            client.drop(name)?;
         }
         let description = format!("{DESCRIPTION} build {}", params.build);
         let schema = CollectionSchema::new().description(description.clone()).fields(vec![
@@ -198,7 +203,7 @@ impl MilvusIndex {
         client.call(&format!("create {name}"), client.inner.create_collection(create))?;
         if let Err(e) = fill(&client, &mut rows, &what, &params, progress) {
             // Leave no half-made collection behind (best effort: the error is what matters).
-            let _ = DropCollectionRequest::builder().collection_name(name).build().map(|r| client.rt.block_on(client.inner.drop_collection(r)));
+            let _ = client.drop(name);
             return Err(e);
         }
         let meta = IndexMeta::new("milvus", dim, n, "ip", serde_json::to_value(&params)?);

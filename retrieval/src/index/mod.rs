@@ -95,7 +95,8 @@ pub enum Index {
     Flat(FlatIndex),
     Hnsw(HnswIndex),
     Bm25(Bm25Index),
-    Milvus(MilvusIndex),
+    /// Boxed: its client and runtime make it the largest by far.
+    Milvus(Box<MilvusIndex>),
 }
 
 /// Open the index in `dir`, whatever its kind.
@@ -105,7 +106,7 @@ pub fn open(dir: &Path) -> Result<Index> {
         "flat" => Index::Flat(FlatIndex::load(dir)?),
         "hnsw" => Index::Hnsw(HnswIndex::load(dir)?),
         "bm25" => Index::Bm25(Bm25Index::open(dir)?),
-        "milvus" => Index::Milvus(MilvusIndex::load(dir)?),
+        "milvus" => Index::Milvus(Box::new(MilvusIndex::load(dir)?)),
         k => bail!("{}: unknown index kind {k:?} (expected flat, hnsw, bm25 or milvus)", dir.display()),
     })
 }

@@ -35,6 +35,9 @@ use serde_json::{json, Value};
 use std::fs::{File, OpenOptions, TryLockError};
 use std::path::{Path, PathBuf};
 
+/// Texts per encoder call unless a job says otherwise (`host encode --batch-size`'s default).
+pub const DEFAULT_BATCH_SIZE: usize = 64;
+
 /// One encoding job.
 #[derive(Debug, Clone)]
 pub struct EncodeJob {
@@ -64,7 +67,7 @@ impl EncodeJob {
             output: output.to_path_buf(),
             role,
             task: None,
-            batch_size: 64,
+            batch_size: DEFAULT_BATCH_SIZE,
             shard_id: 0,
             shard_num: 1,
             part_size: 4096,
