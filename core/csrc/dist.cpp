@@ -2,13 +2,20 @@
 // a TCPStore rendezvous and a Gloo process group over it, with the few collectives the trainer
 // needs. Compiled only where Gloo's headers are found (Debian's libgloo-dev: the torch wheel
 // ships c10d's headers and Gloo's code inside libtorch_cpu, not Gloo's headers); see build.rs.
+// Where the CUDA and NCCL headers are found too (USE_C10D_NCCL), a group may also hold an
+// NCCL process group, which then carries every CUDA tensor's collective, as torch's
+// "cpu:gloo,cuda:nccl" backend does; CPU tensors and barriers stay on Gloo.
 // Tensors cross as tch's `at::Tensor*`. No C++ exception may cross into Rust: each entry point
 // runs its body inside `guarded`.
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 #include <chrono>
+#include <stdexcept>
 #include <memory>
 #include <vector>
 
@@ -21,6 +28,14 @@ using rak::guarded;
 struct Group {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+  // Null unless the group was joined with NCCL.
+  c10::intrusive_ptr<c10d::Backend> nccl;
+
+  // The backend that carries `t`'s collective.
+  c10d::Backend& on(const at::Tensor& t) {
+    if (nccl && t.is_cuda()) return *nccl;
+    return *pg;
+  }
 };
 
 Group* group(void* g) { return static_cast<Group*>(g); }
@@ -41,9 +56,11 @@ extern "C" {
 // Gloo process group over the store under `prefix`. Its sockets bind to `bind`: "" this
 // machine's hostname's address (Gloo's default), "iface:NAME" that interface, else that host
 // or address. `timeout_ms` bounds the rendezvous and every collective (a rank that dies makes
-// the others fail within it). Returns the group, or null with the message in `err`.
+// the others fail within it). With `nccl`, an NCCL group over the same store carries CUDA
+// tensors' collectives (an error in a build without NCCL). Returns the group, or null with the
+// message in `err`.
 void* rak_dist_init(const char* host, int port, int rank, int world, int store_is_client, const char* prefix,
-                    const char* bind, long timeout_ms, char* err, size_t len) {
+                    const char* bind, long timeout_ms, int nccl, char* err, size_t len) {
   return guarded(err, len, static_cast<void*>(nullptr), [&]() -> void* {
     auto timeout = std::chrono::milliseconds(timeout_ms);
     c10d::TCPStoreOptions opts;
@@ -64,8 +81,28 @@ void* rak_dist_init(const char* host, int port, int rank, int world, int store_i
       options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(where));
     }
     auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, rank, world, options);
-    return new Group{store, pg};
+    c10::intrusive_ptr<c10d::Backend> nccl_pg;
+    if (nccl) {
+#ifdef USE_C10D_NCCL
+      auto nccl_store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix) + "/nccl", store);
+      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+      nccl_options->timeout = timeout;
+      nccl_pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(nccl_store, rank, world, nccl_options);
+#else
+      throw std::runtime_error("this build has no NCCL (the CUDA and NCCL headers were not found when it was built)");
+#endif
+    }
+    return new Group{store, pg, nccl_pg};
   });
+}
+
+// Whether this build can make NCCL groups.
+int rak_dist_has_nccl() noexcept {
+#ifdef USE_C10D_NCCL
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 void rak_dist_free(void* g) noexcept { delete group(g); }
@@ -74,7 +111,7 @@ void rak_dist_free(void* g) noexcept { delete group(g); }
 int rak_dist_allreduce_sum(void* g, void* t, char* err, size_t len) {
   return guarded(err, len, 0, [&] {
     std::vector<at::Tensor> v{*static_cast<at::Tensor*>(t)};
-    group(g)->pg->allreduce(v)->wait();
+    group(g)->on(v[0]).allreduce(v)->wait();
     return 1;
   });
 }
@@ -85,7 +122,7 @@ int rak_dist_allgather(void* g, void* input, void** outputs, int world, char* er
   return guarded(err, len, 0, [&] {
     std::vector<std::vector<at::Tensor>> out{tensors(outputs, world)};
     std::vector<at::Tensor> in{*static_cast<at::Tensor*>(input)};
-    group(g)->pg->allgather(out, in)->wait();
+    group(g)->on(in[0]).allgather(out, in)->wait();
     return 1;
   });
 }
@@ -96,7 +133,7 @@ int rak_dist_broadcast(void* g, void* t, int root, char* err, size_t len) {
     std::vector<at::Tensor> v{*static_cast<at::Tensor*>(t)};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
-    group(g)->pg->broadcast(v, opts)->wait();
+    group(g)->on(v[0]).broadcast(v, opts)->wait();
     return 1;
   });
 }

@@ -28,6 +28,9 @@ pub struct Rendezvous {
     /// Bounds the rendezvous and every collective: a rank that dies makes the others fail
     /// within it instead of hanging.
     pub timeout: Duration,
+    /// Also join an NCCL group, which then carries the collectives of CUDA tensors (Gloo
+    /// keeps CPU tensors and barriers), as torch's `cpu:gloo,cuda:nccl` does.
+    pub nccl: bool,
 }
 
 impl Rendezvous {
@@ -60,6 +63,7 @@ impl Rendezvous {
             bind,
             prefix: format!("rak/{}", var("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into())),
             timeout,
+            nccl: false,
         };
         r.check()?;
         Ok(Some(r))
@@ -122,6 +126,10 @@ mod imp {
     }
 
     pub const AVAILABLE: bool = false;
+
+    pub fn nccl_available() -> bool {
+        false
+    }
 }
 
 #[cfg(rak_c10d)]
@@ -139,9 +147,11 @@ mod imp {
             prefix: *const c_char,
             bind: *const c_char,
             timeout_ms: c_long,
+            nccl: i32,
             err: *mut c_char,
             len: usize,
         ) -> *mut c_void;
+        fn rak_dist_has_nccl() -> i32;
         fn rak_dist_free(g: *mut c_void);
         fn rak_dist_allreduce_sum(g: *mut c_void, t: *mut c_void, err: *mut c_char, len: usize) -> i32;
         fn rak_dist_allgather(g: *mut c_void, input: *mut c_void, outputs: *mut *mut c_void, world: i32, err: *mut c_char, len: usize) -> i32;
@@ -176,7 +186,19 @@ mod imp {
             let timeout_ms = r.timeout.as_millis().min(c_long::MAX as u128) as c_long;
             // SAFETY: the strings and the error buffer outlive the call.
             let handle = unsafe {
-                rak_dist_init(host.as_ptr(), r.port as i32, r.rank as i32, r.world as i32, r.store_is_client as i32, prefix.as_ptr(), bind.as_ptr(), timeout_ms, err.as_mut_ptr(), err.len())
+                rak_dist_init(
+                    host.as_ptr(),
+                    r.port as i32,
+                    r.rank as i32,
+                    r.world as i32,
+                    r.store_is_client as i32,
+                    prefix.as_ptr(),
+                    bind.as_ptr(),
+                    timeout_ms,
+                    r.nccl as i32,
+                    err.as_mut_ptr(),
+                    err.len(),
+                )
             };
             if handle.is_null() {
                 bail!("rank {} of {}: cannot join the group at {}:{}: {}", r.rank, r.world, r.host, r.port, message(&err));
@@ -243,10 +265,18 @@ mod imp {
     }
 
     pub const AVAILABLE: bool = true;
+
+    /// Whether this build can join NCCL groups (the CUDA and NCCL headers were found).
+    pub fn nccl_available() -> bool {
+        // SAFETY: no arguments; reads a compile-time constant.
+        unsafe { rak_dist_has_nccl() == 1 }
+    }
 }
 
 /// Whether this build can join process groups (Gloo's headers were found when it was built).
 pub const AVAILABLE: bool = imp::AVAILABLE;
+
+pub use imp::nccl_available;
 
 /// Gradients are summed in buckets of about this many bytes (as DDP's 25 MiB): one
 /// collective per bucket instead of one per tensor, without a copy of every gradient at once.

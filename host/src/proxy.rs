@@ -70,23 +70,43 @@ proxy!(ConnectorProxy, ConnectorModRef);
 // objects and must not run concurrently.
 unsafe impl Sync for ConnectorProxy {}
 
+impl EncoderProxy {
+    /// The tensor an encode call returned, checked here once for every caller: an undefined
+    /// tensor would be an internal error further on, and a wrong row count would silently drop
+    /// or misalign texts.
+    fn checked_rows(&self, what: &str, out: RResult<TensorPtr, RString>, n: usize) -> Result<Tensor> {
+        let out = unsafe { self.origin.check(what, out)?.take() };
+        if !out.defined() {
+            return Err(anyhow!("{} returned an undefined tensor from {what} for {n} texts", self.origin.0));
+        }
+        let size = out.size();
+        if size.len() != 2 || size[0] != n as i64 {
+            return Err(anyhow!("{} returned a tensor of shape {size:?} from {what} for {n} texts (expected [{n}, dim])", self.origin.0));
+        }
+        Ok(out)
+    }
+}
+
 impl Encoder for EncoderProxy {
     fn encode(&mut self, texts: &[&str], role: Role, task: Option<&str>, train: bool) -> Result<Tensor> {
         let texts: Vec<RStr<'_>> = texts.iter().map(|s| (*s).into()).collect();
         let task: ROption<RStr<'_>> = task.map(RStr::from).into();
         let n = texts.len();
         let out = (self.module.encode())(self.handle, texts.as_slice().into(), role, task, train);
-        let out = unsafe { self.origin.check("encode", out)?.take() };
-        // Check here, once for every caller: an undefined tensor would be an internal error
-        // further on, and a wrong row count would silently drop or misalign texts.
-        if !out.defined() {
-            return Err(anyhow!("{} returned an undefined tensor from encode for {n} texts", self.origin.0));
+        self.checked_rows("encode", out, n)
+    }
+
+    fn encode_keyed(&mut self, texts: &[&str], role: Role, task: Option<&str>, keys: &[u64]) -> Result<Tensor> {
+        // Plugins built before this function existed draw their masks from torch's generator.
+        let Some(f) = self.module.encode_keyed() else { return self.encode(texts, role, task, true) };
+        if keys.len() != texts.len() {
+            return Err(anyhow!("{} keys for {} texts", keys.len(), texts.len()));
         }
-        let size = out.size();
-        if size.len() != 2 || size[0] != n as i64 {
-            return Err(anyhow!("{} returned a tensor of shape {size:?} from encode for {n} texts (expected [{n}, dim])", self.origin.0));
-        }
-        Ok(out)
+        let texts: Vec<RStr<'_>> = texts.iter().map(|s| (*s).into()).collect();
+        let task: ROption<RStr<'_>> = task.map(RStr::from).into();
+        let n = texts.len();
+        let out = f(self.handle, texts.as_slice().into(), role, task, keys.into());
+        self.checked_rows("encode_keyed", out, n)
     }
 
     fn parameters(&self) -> Result<Vec<(String, Tensor)>> {

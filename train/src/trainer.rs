@@ -224,6 +224,10 @@ pub struct TaskGroup {
     /// Each query's passages in turn, as [`Targets`] lays them out.
     pub passages: Vec<String>,
     pub targets: Targets,
+    /// One dropout key per query and per passage, from (seed, step, task, row), so that a
+    /// text's dropout masks do not depend on which process encodes it or with what.
+    pub query_keys: Vec<u64>,
+    pub passage_keys: Vec<u64>,
 }
 
 /// What a group's passages are to its queries, by loss.
@@ -438,7 +442,10 @@ impl<'a> Trainer<'a> {
             LossKind::MultiPositive => Targets::Positives(positive_rows),
             LossKind::LmSupervised => Targets::LmScores(lm_scores),
         };
-        Ok(TaskGroup { task: task.name.clone(), queries, passages, targets })
+        let key = |role: u64, row: usize| Rng::derive(self.config.seed, &[7, self.state.step, sub.task as u64, role, row as u64]).next_u64();
+        let query_keys = (0..queries.len()).map(|row| key(0, row)).collect();
+        let passage_keys = (0..passages.len()).map(|row| key(1, row)).collect();
+        Ok(TaskGroup { task: task.name.clone(), queries, passages, targets, query_keys, passage_keys })
     }
 
     /// A group's query and passage embeddings, with autograd, in float32 for the loss (under
@@ -447,8 +454,8 @@ impl<'a> Trainer<'a> {
         let queries: Vec<&str> = g.queries.iter().map(String::as_str).collect();
         let passages: Vec<&str> = g.passages.iter().map(String::as_str).collect();
         let task = self.config.task_names.then_some(g.task.as_str());
-        let q = self.encoder.encode(&queries, Role::Query, task, true)?;
-        let p = self.encoder.encode(&passages, Role::Passage, None, true)?;
+        let q = self.encoder.encode_keyed(&queries, Role::Query, task, &g.query_keys)?;
+        let p = self.encoder.encode_keyed(&passages, Role::Passage, None, &g.passage_keys)?;
         Ok((q.to_kind(Kind::Float), p.to_kind(Kind::Float)))
     }
 
@@ -466,6 +473,8 @@ impl<'a> Trainer<'a> {
                 queries: g.queries[lo..hi].to_vec(),
                 passages: g.passages[bounds[lo]..bounds[hi]].to_vec(),
                 targets: Targets::OnePositive,
+                query_keys: g.query_keys[lo..hi].to_vec(),
+                passage_keys: g.passage_keys[bounds[lo]..bounds[hi]].to_vec(),
             };
             self.encode_group(&share)?
         } else {

@@ -296,6 +296,13 @@ impl crate::plugin::Encoder for BertEncoder {
         Ok(pool(&states, &mask, self.pooling, self.normalize).to_kind(Kind::Float))
     }
 
+    fn encode_keyed(&mut self, texts: &[&str], role: Role, task: Option<&str>, keys: &[u64]) -> Result<Tensor> {
+        if keys.len() != texts.len() {
+            bail!("{} dropout keys for {} texts", keys.len(), texts.len());
+        }
+        crate::models::dropout::with_example_keys(keys, || self.encode(texts, role, task, true))
+    }
+
     fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
         for (prefix, model) in self.models() {

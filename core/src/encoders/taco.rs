@@ -208,6 +208,13 @@ impl crate::plugin::Encoder for TacoEncoder {
         Ok(out.to_kind(Kind::Float))
     }
 
+    fn encode_keyed(&mut self, texts: &[&str], role: Role, task: Option<&str>, keys: &[u64]) -> Result<Tensor> {
+        if keys.len() != texts.len() {
+            bail!("{} dropout keys for {} texts", keys.len(), texts.len());
+        }
+        crate::models::dropout::with_example_keys(keys, || self.encode(texts, role, task, true))
+    }
+
     fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
         let mut vars: Vec<(String, Tensor)> = self.model.var_store().variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));

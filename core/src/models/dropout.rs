@@ -9,9 +9,57 @@
 //! the trainer sets each step. The arithmetic is torch's: `x ⊙ m` with `m` either 0 or
 //! `1/(1−p)`, kept with probability `1−p` (to 2^-24). Other devices and dtypes use torch's
 //! dropout (on CUDA it is one fused kernel).
+//!
+//! Per-example masks: inside [`with_example_keys`], row `b` of every dropout input (all of
+//! them put the batch first) takes its mask from `(keys[b], the call's ordinal in the forward
+//! pass, the element's coordinates)` alone, so an example's masks do not depend on which other
+//! examples share its batch, how long they are, or which process encodes it: a data-parallel
+//! run then trains as one process does, dropout on. Coordinates, not flat offsets, key the
+//! elements, so padding the batch to another length moves no mask. The same hash runs as
+//! tensor operations on other devices and dtypes, giving the same masks.
 
 use crate::optim::kernels::{f32_slice_mut, multiversion};
+use std::cell::RefCell;
 use tch::{Device, Kind, Tensor};
+
+thread_local! {
+    /// The example keys of the forward pass running on this thread, and how many dropout
+    /// calls it has made. Thread-local because the models' signatures carry only `train`; the
+    /// keys never cross a plugin boundary this way (the encoder that sets them and the model
+    /// code that reads them are one copy of this crate).
+    static KEYED: RefCell<Option<(Vec<u64>, u32)>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` (a training forward pass over `keys.len()` examples) with per-example masks.
+pub fn with_example_keys<R>(keys: &[u64], f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<(Vec<u64>, u32)>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let previous = self.0.take();
+            KEYED.with(|k| *k.borrow_mut() = previous);
+        }
+    }
+    let _restore = Restore(KEYED.with(|k| k.borrow_mut().replace((keys.to_vec(), 0))));
+    f()
+}
+
+/// This call's example keys and ordinal, when a keyed pass over `rows` examples is running.
+fn next_keyed_call(rows: i64) -> Option<(Vec<u64>, u32)> {
+    KEYED.with(|k| {
+        let mut k = k.borrow_mut();
+        let (keys, calls) = k.as_mut()?;
+        if keys.len() as i64 != rows {
+            return None;
+        }
+        *calls += 1;
+        Some((keys.clone(), *calls))
+    })
+}
+
+/// Whether a keyed pass is running (the attention of `bert` then applies dropout itself).
+pub fn keyed() -> bool {
+    KEYED.with(|k| k.borrow().is_some())
+}
 
 /// `x` with each element zeroed with probability `p` and the rest scaled by `1/(1−p)`, when
 /// `train`; else `x` itself.
@@ -19,16 +67,131 @@ pub fn dropout(x: &Tensor, p: f64, train: bool) -> Tensor {
     if !train || p == 0.0 || x.numel() == 0 {
         return x.shallow_clone();
     }
-    if !own_mask_applies(x) || !(0.0..1.0).contains(&p) {
+    if !(0.0..1.0).contains(&p) {
+        return x.dropout(p, train);
+    }
+    if x.dim() >= 1 {
+        if let Some((keys, call)) = next_keyed_call(x.size()[0]) {
+            return x * keyed_mask(x, p, &keys, call);
+        }
+    }
+    if !fillable_on_cpu(x) {
         return x.dropout(p, train);
     }
     x * mask_like(x, p)
 }
 
-/// Whether [`dropout`] draws its own mask for `x` (float32 on the CPU, under 2^32 elements;
-/// the mask is made contiguous, and `x ⊙ m` broadcasts over any layout); the attention of `bert` uses this to apply it to the probabilities itself.
+/// Whether [`dropout`] draws its own mask for `x` (float32 on the CPU, under 2^32 elements,
+/// or any tensor in a keyed pass; the mask is made contiguous, and `x ⊙ m` broadcasts over any
+/// layout); the attention of `bert` uses this to apply it to the probabilities itself.
 pub fn own_mask_applies(x: &Tensor) -> bool {
+    keyed() || fillable_on_cpu(x)
+}
+
+/// Whether this module's vectorised CPU fill can make `x`'s mask.
+fn fillable_on_cpu(x: &Tensor) -> bool {
     x.device() == Device::Cpu && x.kind() == Kind::Float && (x.numel() as u64) < (1 << 32)
+}
+
+/// The key of one run of a keyed mask: the example's key, the call's ordinal and the run's
+/// coordinates `r` (every dimension but the batch's and the last, each in 16 bits). The last
+/// dimension's index keys the elements of a run.
+fn run_key(key: u64, call: u32, r: u32) -> (u32, u32) {
+    let call_key = mix((key as u32) ^ call.wrapping_mul(0x9e37_79b9));
+    (mix(call_key ^ mix(r)), (key >> 32) as u32)
+}
+
+/// Run coordinates of a shape's middle dimensions (between the batch and the last), row-major.
+fn middle_dims(shape: &[i64]) -> &[i64] {
+    if shape.len() <= 2 {
+        &[]
+    } else {
+        &shape[1..shape.len() - 1]
+    }
+}
+
+/// A keyed mask of `x`'s shape on `x`'s device and dtype (see the module's header).
+fn keyed_mask(x: &Tensor, p: f64, keys: &[u64], call: u32) -> Tensor {
+    let threshold = (p * (1u64 << 24) as f64).round() as u32;
+    let keep = 1.0 / (1.0 - p);
+    if fillable_on_cpu(x) {
+        return keyed_mask_cpu(&x.size(), threshold, keep as f32, keys, call);
+    }
+    keyed_mask_tensor(x, threshold, keep, keys, call)
+}
+
+/// The keyed mask filled run by run on the CPU (the vectorised fill of [`seeded_mask`]).
+fn keyed_mask_cpu(shape: &[i64], threshold: u32, keep: f32, keys: &[u64], call: u32) -> Tensor {
+    let mask = Tensor::empty(shape, (Kind::Float, Device::Cpu));
+    let n = if shape.len() >= 2 { *shape.last().unwrap() as usize } else { 1 };
+    let middle = middle_dims(shape);
+    let runs: usize = middle.iter().map(|&d| d as usize).product();
+    // SAFETY: a fresh tensor no one else holds.
+    let out = unsafe { f32_slice_mut(&mask) }.expect("a float32 CPU tensor");
+    let mut coords = vec![0i64; middle.len()];
+    for (b, &key) in keys.iter().enumerate() {
+        coords.iter_mut().for_each(|c| *c = 0);
+        for run in 0..runs {
+            let r = coords.iter().fold(0u32, |r, &c| r.wrapping_shl(16) ^ c as u32);
+            let (k1, k2) = run_key(key, call, r);
+            let start = (b * runs + run) * n;
+            fill_block(&mut out[start..start + n], 0, k1, k2, threshold, keep);
+            // The next run's coordinates (row-major).
+            for (c, &d) in coords.iter_mut().zip(middle).rev() {
+                *c += 1;
+                if *c < d {
+                    break;
+                }
+                *c = 0;
+            }
+        }
+    }
+    mask
+}
+
+/// The keyed mask computed with tensor operations on `x`'s device: the same bits as
+/// [`keyed_mask_cpu`] (32-bit words held in int64 so that no product overflows).
+fn keyed_mask_tensor(x: &Tensor, threshold: u32, keep: f64, keys: &[u64], call: u32) -> Tensor {
+    let shape = x.size();
+    let (device, int) = (x.device(), (Kind::Int64, x.device()));
+    let middle = middle_dims(&shape);
+    // Views that put a vector along one dimension of x's rank.
+    let along = |dim: usize, t: Tensor| {
+        let mut view = vec![1i64; shape.len()];
+        view[dim] = t.size()[0];
+        t.view(view.as_slice())
+    };
+    // Each run's coordinates folded as in the CPU fill: [1, middle..., 1].
+    let mut r = Tensor::zeros([1], int);
+    for (i, &d) in middle.iter().enumerate() {
+        r = (r.bitwise_left_shift_tensor_scalar(16).bitwise_and(0xffff_ffffi64)).bitwise_xor_tensor(&along(i + 1, Tensor::arange(d, int)));
+    }
+    let words = |f: fn(u64) -> i64| Tensor::from_slice(&keys.iter().map(|&k| f(k)).collect::<Vec<i64>>()).to_device(device);
+    let lo = along(0, words(|k| k as u32 as i64));
+    let hi = along(0, words(|k| (k >> 32) as i64));
+    let call_key = tmix(&lo.bitwise_xor(call.wrapping_mul(0x9e37_79b9) as i64));
+    let k1 = tmix(&call_key.bitwise_xor_tensor(&tmix(&r)));
+    let last = shape.len() - 1;
+    let n = if shape.len() >= 2 { shape[last] } else { 1 };
+    let j = along(last, Tensor::arange(n, int));
+    let bits = tmix(&tmix(&j.bitwise_xor_tensor(&k1)).bitwise_xor_tensor(&hi)).bitwise_right_shift_tensor_scalar(8);
+    bits.ge(threshold as i64).to_kind(x.kind()) * keep
+}
+
+/// [`mix`] on 32-bit words held in an int64 tensor.
+fn tmix(x: &Tensor) -> Tensor {
+    let x = x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(16));
+    let x = mul32(&x, 0x7feb_352d);
+    let x = x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(15));
+    let x = mul32(&x, 0x846c_a68b);
+    x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(16))
+}
+
+/// `x · c mod 2^32` for 32-bit words in int64, in 16-bit halves of `c` so no product passes 2^49.
+fn mul32(x: &Tensor, c: u32) -> Tensor {
+    let low = x * (c & 0xffff) as i64;
+    let high = (x * (c >> 16) as i64).bitwise_and(0xffffi64).bitwise_left_shift_tensor_scalar(16);
+    (low + high).bitwise_and(0xffff_ffffi64)
 }
 
 /// A contiguous mask of `x`'s shape: 0 with probability `p`, else `1/(1−p)`.
@@ -65,14 +228,17 @@ fn fill_body(out: &mut [f32], start: u32, k1: u32, k2: u32, threshold: u32, keep
 /// mixer (Wellons' lowbias32), keyed before each; 32-bit multiplies vectorise everywhere.
 #[inline(always)]
 fn uniform24(i: u32, k1: u32, k2: u32) -> u32 {
-    let mix = |mut x: u32| {
-        x ^= x >> 16;
-        x = x.wrapping_mul(0x7feb_352d);
-        x ^= x >> 15;
-        x = x.wrapping_mul(0x846c_a68b);
-        x ^ (x >> 16)
-    };
     mix(mix(i ^ k1) ^ k2) >> 8
+}
+
+/// Wellons' lowbias32 integer mixer.
+#[inline(always)]
+fn mix(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^ (x >> 16)
 }
 
 #[cfg(test)]
@@ -105,6 +271,71 @@ mod tests {
         let (a, b) = (m.narrow(0, 0, n - 1), m.narrow(0, 1, n - 1));
         let both = (&a * &b).mean(Kind::Double).double_value(&[]);
         assert!((both - 0.25).abs() < 0.01, "P(both kept) {both}");
+    }
+
+    /// Row `b` of a keyed mask for `key` in a batch of `shape`, cut to `keep` (each middle and
+    /// last dimension's leading extent).
+    fn keyed_row(shape: &[i64], keys: &[u64], b: usize, keep: &[i64]) -> Tensor {
+        let m = keyed_mask_cpu(shape, (0.3 * (1u64 << 24) as f64) as u32, 1.0 / 0.7, keys, 1);
+        let mut row = m.get(b as i64);
+        for (d, &n) in keep.iter().enumerate() {
+            row = row.narrow(d as i64, 0, n);
+        }
+        row
+    }
+
+    #[test]
+    fn a_keyed_row_ignores_its_batch_companions_and_padding() {
+        // Hidden states [B, L, D]: the example keyed 7 in a batch of three padded to 5 tokens
+        // and in a batch of two padded to 9 has the same mask over its first 5 tokens.
+        let a = keyed_row(&[3, 5, 16], &[1, 7, 2], 1, &[5, 16]);
+        let b = keyed_row(&[2, 9, 16], &[7, 3], 0, &[5, 16]);
+        assert!(a.equal(&b));
+        // Attention probabilities [B, heads, L, L].
+        let a = keyed_row(&[2, 3, 5, 5], &[1, 7], 1, &[3, 5, 5]);
+        let b = keyed_row(&[1, 3, 9, 9], &[7], 0, &[3, 5, 5]);
+        assert!(a.equal(&b));
+        // Another key, another mask; the kept share is 1 − p.
+        let c = keyed_row(&[1, 3, 9, 9], &[8], 0, &[3, 5, 5]);
+        assert!(!a.equal(&c));
+        let big = keyed_mask_cpu(&[4, 64, 128], (0.3 * (1u64 << 24) as f64) as u32, 1.0 / 0.7, &[1, 2, 3, 4], 1);
+        let kept = big.ne(0.0).to_kind(Kind::Double).mean(Kind::Double).double_value(&[]);
+        assert!((kept - 0.7).abs() < 5.0 * (0.21f64 / 32768.0).sqrt(), "kept {kept}");
+    }
+
+    #[test]
+    fn the_tensor_form_draws_the_cpu_fill_s_masks() {
+        // Float64 is not filled on the CPU, so it takes the tensor form (the path other
+        // devices and dtypes take).
+        for shape in [vec![5i64], vec![3, 40], vec![2, 7, 33], vec![2, 3, 6, 6]] {
+            let keys = [u64::MAX, 0, 0x1234_5678_9abc_def0, 42, 9][..shape[0] as usize].to_vec();
+            for call in [1, 2, 1000] {
+                let cpu = keyed_mask_cpu(&shape, (0.25 * (1u64 << 24) as f64) as u32, 1.0 / 0.75, &keys, call);
+                let x = Tensor::ones(shape.as_slice(), (Kind::Double, Device::Cpu));
+                let t = keyed_mask_tensor(&x, (0.25 * (1u64 << 24) as f64) as u32, 1.0 / 0.75, &keys, call);
+                assert!(t.to_kind(Kind::Float).equal(&cpu), "shape {shape:?} call {call}");
+            }
+        }
+    }
+
+    #[test]
+    fn each_call_of_a_keyed_pass_draws_anew_and_the_pass_ends_cleanly() {
+        let x = Tensor::ones([2, 4, 32], (Kind::Float, Device::Cpu));
+        let (first, second, other_batch) = with_example_keys(&[5, 6], || {
+            let first = dropout(&x, 0.5, true);
+            let second = dropout(&x, 0.5, true);
+            // A tensor whose first dimension is not the batch's takes an unkeyed mask.
+            let other_batch = dropout(&Tensor::ones([3, 4], (Kind::Float, Device::Cpu)), 0.5, true);
+            (first, second, other_batch)
+        });
+        assert!(!first.equal(&second), "the second call has its own masks");
+        assert_eq!(other_batch.size(), [3, 4]);
+        let again = with_example_keys(&[6], || dropout(&x.narrow(0, 0, 1), 0.5, true));
+        assert!(again.equal(&first.narrow(0, 1, 1)), "example 6's first mask again");
+        assert!(!keyed(), "the pass's keys are gone after it");
+        // Panics inside a pass leave no keys behind either.
+        let _ = std::panic::catch_unwind(|| with_example_keys(&[1], || panic!("inside")));
+        assert!(!keyed());
     }
 
     #[test]

@@ -116,6 +116,20 @@ extern "C" fn encoder_encode<T: Encoder + PluginInfo>(
     })
 }
 
+extern "C" fn encoder_encode_keyed<T: Encoder + PluginInfo>(
+    h: Handle,
+    texts: RSlice<'_, RStr<'_>>,
+    role: Role,
+    task: ROption<RStr<'_>>,
+    keys: RSlice<'_, u64>,
+) -> Res<TensorPtr> {
+    with_mut(h, "encode_keyed", |enc: &mut T| {
+        let texts: Vec<&str> = texts.iter().map(|s| s.as_str()).collect();
+        let task = task.as_ref().map(|s| s.as_str()).into_option();
+        Ok(TensorPtr::give(enc.encode_keyed(&texts, role, task, keys.as_slice())?))
+    })
+}
+
 extern "C" fn encoder_parameters<T: Encoder + PluginInfo>(h: Handle) -> Res<RVec<NamedTensor>> {
     with_mut(h, "parameters", |enc: &mut T| Ok(owned_named(enc.parameters()?)))
 }
@@ -154,6 +168,7 @@ pub fn encoder_module<T: Encoder + PluginInfo>() -> EncoderModRef {
             save: encoder_save::<T>,
             destroy: destroy::<T>,
             token_lengths: encoder_token_lengths::<T>,
+            encode_keyed: encoder_encode_keyed::<T>,
         })
         .static_as_prefix(),
     )

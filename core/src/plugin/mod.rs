@@ -35,6 +35,15 @@ pub trait Encoder: Send {
     /// `[texts.len(), dim]` f32 (or bf16) embeddings. With `train`, dropout is on and the
     /// result carries gradients back to [`Encoder::parameters`].
     fn encode(&mut self, texts: &[&str], role: Role, task: Option<&str>, train: bool) -> Result<Tensor>;
+    /// A training pass ([`Encoder::encode`] with `train`) whose dropout masks come from one key
+    /// per text, so that a text's masks depend on its key alone, not on the batch it shares
+    /// (what keeps a data-parallel run equal to one process, dropout on). The default, for
+    /// encoders that cannot key their masks, draws them from torch's generator as `encode`
+    /// does.
+    fn encode_keyed(&mut self, texts: &[&str], role: Role, task: Option<&str>, keys: &[u64]) -> Result<Tensor> {
+        let _ = keys;
+        self.encode(texts, role, task, true)
+    }
     /// Trainable parameters (shallow clones: they share storage and `.grad`).
     fn parameters(&self) -> Result<Vec<(String, Tensor)>>;
     /// At least `{"dim": n, "parameters": n}`.
@@ -63,6 +72,15 @@ macro_rules! delegate_encoder {
                 train: bool,
             ) -> $crate::anyhow::Result<$crate::tch::Tensor> {
                 self.0.encode(texts, role, task, train)
+            }
+            fn encode_keyed(
+                &mut self,
+                texts: &[&str],
+                role: $crate::abi::Role,
+                task: Option<&str>,
+                keys: &[u64],
+            ) -> $crate::anyhow::Result<$crate::tch::Tensor> {
+                self.0.encode_keyed(texts, role, task, keys)
             }
             fn parameters(&self) -> $crate::anyhow::Result<Vec<(String, $crate::tch::Tensor)>> {
                 self.0.parameters()

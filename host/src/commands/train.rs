@@ -115,13 +115,15 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
     if let Some(v) = args.ance_episodes {
         t.ance_episodes = v;
     }
+    let device = process_device(&args.device, rendezvous.as_ref())?;
+    let rendezvous = rendezvous.map(|r| with_backend(r, &device)).transpose()?;
     let spec = RunSpec {
         encoder: args.encoder.clone().or(recipe.model.encoder.clone()).context("no encoder: give --encoder or model.encoder")?,
         optim: args.optim.clone().or(recipe.train.optim.clone()).context("no optimizer: give --optim or train.optim")?,
         model: args.model.clone().or(recipe.model.path.clone()).context("no model: give --model or model.path")?,
         recipe,
         output_dir: args.output_dir.clone(),
-        device: process_device(&args.device, rendezvous.as_ref())?,
+        device,
         bf16: args.bf16,
         resume: Resume::parse(args.resume_from_checkpoint.as_deref()),
         overwrite: args.overwrite_output_dir,
@@ -135,6 +137,24 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
         }
         _ => rak_train::run::run(&spec, registry, &Bar::default()),
     }
+}
+
+/// Whether a data-parallel run's CUDA tensors go over NCCL: `RAK_DIST_BACKEND` `gloo` or
+/// `nccl`, else NCCL when the run is on CUDA and this build has it (CPU tensors and barriers
+/// always go over Gloo).
+fn with_backend(mut r: Rendezvous, device: &str) -> Result<Rendezvous> {
+    let cuda = device.starts_with("cuda");
+    r.nccl = match std::env::var("RAK_DIST_BACKEND").ok().as_deref() {
+        None | Some("") => cuda && rak_core::dist::nccl_available(),
+        Some("gloo") => false,
+        Some("nccl") if !rak_core::dist::nccl_available() => {
+            bail!("RAK_DIST_BACKEND=nccl: this build has no NCCL (the CUDA and NCCL headers were not found when it was built)")
+        }
+        Some("nccl") if !cuda => bail!("RAK_DIST_BACKEND=nccl needs --device cuda (NCCL carries CUDA tensors only)"),
+        Some("nccl") => true,
+        Some(other) => bail!("RAK_DIST_BACKEND={other:?}: expected gloo or nccl"),
+    };
+    Ok(r)
 }
 
 /// `cuda` in a data-parallel run is the GPU of this process's `LOCAL_RANK` (its rank when
