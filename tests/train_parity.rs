@@ -204,11 +204,11 @@ fn check(name: &str) {
         .as_array()
         .unwrap()
         .iter()
-        .map(|t| TaskGroup {
-            task: t["task"].as_str().unwrap().to_string(),
-            queries: strings(&t["queries"]),
-            passages: strings(&t["passages"]),
-            targets: Targets::OnePositive,
+        .map(|t| {
+            let (queries, passages) = (strings(&t["queries"]), strings(&t["passages"]));
+            // Dropout is off in these checkpoints: the keys draw nothing.
+            let (query_keys, passage_keys) = ((0..queries.len() as u64).collect(), (0..passages.len() as u64).collect());
+            TaskGroup { task: t["task"].as_str().unwrap().to_string(), queries, passages, targets: Targets::OnePositive, query_keys, passage_keys }
         })
         .collect();
     let task_names: Vec<String> = groups.iter().map(|g| g.task.clone()).collect();
@@ -287,6 +287,7 @@ fn check(name: &str) {
         seed: 0,
         logging_steps: 1,
         save_steps: steps,
+        save_total_limit: None,
         task_names: meta["task_names"].as_bool().unwrap(),
         layerwise_lr_decay: false,
         max_skipped_steps: 0,

@@ -65,6 +65,9 @@ pub struct TrainSection {
     pub seed: u64,
     pub logging_steps: u64,
     pub save_steps: u64,
+    /// Keep only this many checkpoints, the newest (Hugging Face's `save_total_limit`); all
+    /// when unset. A MiniLM checkpoint with AdamW's state is about 260 MB.
+    pub save_total_limit: Option<usize>,
     /// `taco` (every task in every step) or `task_per_batch` (MT-DPR).
     pub sampler: String,
     /// TACO's c in `(N_t/ΣN)^(1/c)`.
@@ -130,6 +133,7 @@ impl Default for TrainSection {
             seed: 42,
             logging_steps: 10,
             save_steps: 500,
+            save_total_limit: None,
             sampler: "taco".into(),
             temperature: 4.0,
             hard_negatives: 1,

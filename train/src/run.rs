@@ -202,6 +202,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         seed: t.seed,
         logging_steps: t.logging_steps,
         save_steps: t.save_steps,
+        save_total_limit: t.save_total_limit,
         task_names: t.task_names,
         layerwise_lr_decay: t.layerwise_lr_decay,
         max_skipped_steps: t.max_skipped_steps,

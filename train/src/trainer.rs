@@ -97,6 +97,10 @@ pub struct TrainerConfig {
     pub seed: u64,
     pub logging_steps: u64,
     pub save_steps: u64,
+    /// Keep only the newest this many checkpoints. Not part of the run's identity: a resumed
+    /// run may change it.
+    #[serde(skip)]
+    pub save_total_limit: Option<usize>,
     /// Encode queries with their task's name; the encoder turns it into a prefix, a marker or
     /// a `?`, or ignores it.
     pub task_names: bool,
@@ -775,6 +779,9 @@ impl<'a> Trainer<'a> {
             rak_core::models::weights::save_safetensors(&tmp.join(OPTIMIZER_FILE), &self.optimizer.state()?)?;
             rak_core::fsutil::write_bytes(&tmp.join(STATE_FILE), serde_json::to_string_pretty(&self.state)?.as_bytes())
         })?;
+        if let Some(limit) = self.config.save_total_limit {
+            remove_old_checkpoints(&self.output_dir, limit.max(1))?;
+        }
         Ok(dir)
     }
 }
@@ -870,6 +877,20 @@ fn remove_stale_checkpoint_temporaries(output_dir: &Path) {
     }
 }
 
+/// Removes all but the newest `keep` checkpoints of `output_dir` (by step), the oldest first,
+/// so that a kill in between leaves the newest ones.
+fn remove_old_checkpoints(output_dir: &Path, keep: usize) -> Result<()> {
+    let mut steps: Vec<(u64, PathBuf)> = checkpoints(output_dir)
+        .into_iter()
+        .filter_map(|p| Some((p.file_name()?.to_str()?.strip_prefix("checkpoint-")?.parse().ok()?, p)))
+        .collect();
+    steps.sort();
+    for (_, dir) in steps.iter().take(steps.len().saturating_sub(keep)) {
+        std::fs::remove_dir_all(dir).with_context(|| format!("{}: cannot remove (save_total_limit)", dir.display()))?;
+    }
+    Ok(())
+}
+
 /// Earlier runs' checkpoints in `output_dir` (`checkpoint-N` folders).
 pub fn checkpoints(output_dir: &Path) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(output_dir) else { return Vec::new() };
@@ -914,5 +935,26 @@ mod decay_tests {
         for name in ["encoder.layer.0.attention.self.query.weight", "shared.weight", "encoder.normalizer.weight", "norms_table"] {
             assert!(!exempt_from_decay(name), "{name}");
         }
+    }
+}
+
+#[cfg(test)]
+mod checkpoint_tests {
+    use super::*;
+
+    #[test]
+    fn save_total_limit_keeps_the_newest_checkpoints_by_step() {
+        let dir = std::env::temp_dir().join(format!("rak-limit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        // Step 10 sorts before step 9 as text; the limit goes by number.
+        for step in [1, 9, 10, 2] {
+            std::fs::create_dir_all(dir.join(format!("checkpoint-{step}"))).unwrap();
+        }
+        std::fs::create_dir_all(dir.join("checkpoint-final-notes")).unwrap();
+        remove_old_checkpoints(&dir, 2).unwrap();
+        let mut left: Vec<String> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        left.sort();
+        assert_eq!(left, ["checkpoint-10", "checkpoint-9", "checkpoint-final-notes"]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
