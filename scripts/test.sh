@@ -3,6 +3,10 @@
 # from real models (not committed), build, and run every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Free disk, before and after: a run needs about 14 GB (the venv's torch 5 GB, target/ 3 GB,
+# the tests' training runs up to 5 GB at a time); a full disk fails tests far from the cause.
+disk_free() { echo "test: $(df -h --output=avail . | tail -n1 | tr -d ' ') free on this disk ($1)"; }
+disk_free "before"
 scripts/install.sh
 . scripts/env.sh
 # A reference made by an older version of its script is made again.
@@ -31,6 +35,7 @@ set +e
 cargo test --release --workspace --no-fail-fast 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
+disk_free "after"
 # One closing line for the whole run (cargo's own last line is often a crate with no doc tests).
 awk '/^test result:/ { p += $4; f += $6 } END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
 exit "$status"

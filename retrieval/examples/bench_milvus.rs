@@ -1,9 +1,9 @@
 //! Milvus backend benchmark driven by `bench/milvus_vs_pymilvus.py` (which runs pymilvus on the
 //! same server and files).
 //!
-//! bench_milvus URI COLLECTION BASE.npy QUERIES.npy GT.npy K ANN [NLIST NPROBE]
+//! bench_milvus URI COLLECTION BASE.npy QUERIES.npy GT.npy K ANN [NLIST NPROBE | M EF_CONSTRUCTION EF_SEARCH]
 //!
-//! ANN is `flat` or `ivf_flat`. Times the build (every row written, flushed, indexed, loaded and
+//! ANN is `flat`, `ivf_flat` (NLIST NPROBE) or `hnsw` (M EF_CONSTRUCTION EF_SEARCH). Times the build (every row written, flushed, indexed, loaded and
 //! counted: what `host index build --kind milvus` does after reading the file), then searches
 //! one query per request and SEARCH_BATCH (256) per request. GT.npy holds the exact top-K rows
 //! per query (as float32). Prints one JSON object on stdout.
@@ -26,7 +26,8 @@ fn main() -> anyhow::Result<()> {
     let ann = match a[7].as_str() {
         "flat" => MilvusAnn::Flat,
         "ivf_flat" => MilvusAnn::IvfFlat { nlist: a[8].parse()?, nprobe: a[9].parse()? },
-        other => anyhow::bail!("ANN {other}: flat or ivf_flat"),
+        "hnsw" => MilvusAnn::Hnsw { m: a[8].parse()?, ef_construction: a[9].parse()?, ef_search: a[10].parse()? },
+        other => anyhow::bail!("ANN {other}: flat, ivf_flat or hnsw"),
     };
     let (n, dim, nq) = (base.rows(), base.dim(), queries.rows());
     let ids: Vec<String> = (0..n).map(|i| i.to_string()).collect();

@@ -30,6 +30,9 @@ const INSERT_BYTES: usize = 4 << 20;
 /// Queries per search request.
 const SEARCH_BATCH: usize = 256;
 
+/// How long a build waits for the server to index, or to load, a collection (12 hours).
+const INDEX_BUILD_TIMEOUT_MS: i64 = 12 * 3600 * 1000;
+
 /// The ANN structure Milvus builds, with its parameters (Milvus's names).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -148,7 +151,8 @@ impl Client {
 
     /// Load the collection into the server's memory (searches and counts need it).
     fn load(&self, collection: &str) -> Result<()> {
-        let req = LoadCollectionRequest::builder().collection_name(collection).build()?;
+        // As the index build, loading a large collection takes longer than the SDK's 60 s.
+        let req = LoadCollectionRequest::builder().collection_name(collection).timeout_ms(INDEX_BUILD_TIMEOUT_MS).build()?;
         self.call(&format!("load {collection}"), self.inner.load_collection(req))
     }
 
@@ -343,7 +347,9 @@ fn fill(client: &Client, rows: &mut NpyRows, what: &str, params: &MilvusParams, 
         .index_type(params.ann.index_type())
         .metric_type(MetricType::Ip)
         .extra_params(params.ann.build_params());
-    let create_index = CreateIndexRequest::builder().collection_name(name).index_param(index).sync(true).build()?;
+    // The SDK waits 60 s for the index by default; HNSW over 100,000 vectors of 384 took
+    // longer on 2 cores, and a large corpus takes hours.
+    let create_index = CreateIndexRequest::builder().collection_name(name).index_param(index).sync(true).timeout_ms(INDEX_BUILD_TIMEOUT_MS).build()?;
     client.call(&format!("create the index of {name}"), client.inner.create_index(create_index))?;
     client.load(name)?;
     let count = client.row_count(name)?;
