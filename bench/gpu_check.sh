@@ -18,8 +18,9 @@
 #   8. bench/train_step.py's DPR step on the GPU, ours against a plain PyTorch loop, float32 and
 #      bf16 autocast (sentence-transformers is left out: the machine's copy lacks `datasets`);
 #   9. `host train --nproc 2` on one GPU (both processes on cuda:0, Gloo carrying GPU tensors)
+#      against one process with the whole batch;
 #  10. a one-process NCCL group on cuda:0 (NCCL's collectives run; one GPU allows no more)
-#      against one process with the whole batch.
+#      against no group.
 # A step that fails says FAIL and the next one still runs (a lent machine's minutes are few);
 # the script's status is 1 if any step failed.
 # Here: bench/gpu_pack.sh (after a release build and `cargo test --release --no-run`). Then,
@@ -137,6 +138,18 @@ for n in 1 2; do
 done
 # AdamW steps an element whose gradient is rounding noise by up to lr (1e-4) a step: 3 steps.
 $PY bench/gpu_data.py --compare "$W/ddp-1" "$W/ddp-2" --tolerance 3e-4 || fail "step 9"
+# Again with dropout 0.1: each text's masks keyed, drawn by tensor operations on the GPU; and
+# the same run on the CPU (its masks from the CPU fill) must end with the same weights.
+mkdir -p "$W/model-dropout" && ln -sf "$W"/model/* "$W/model-dropout/" && rm "$W/model-dropout/config.json"
+$PY -c "import json,sys; c=json.load(open(sys.argv[1])); c['hidden_dropout_prob']=c['attention_probs_dropout_prob']=0.1; json.dump(c, open(sys.argv[2], 'w'))" \
+    "$W/model/config.json" "$W/model-dropout/config.json"
+for run in "$dev 1" "$dev 2" "cpu 1"; do
+    read -r d n <<<"$run"
+    RAK_DIST_BACKEND=gloo timeout 240 $H train --device "$d" --model "$W/model-dropout" --config "$W/recipe.toml" --output-dir "$W/ddp-dropout-$d-$n" \
+        --max-steps 3 --per-device-train-batch-size $((16 / n)) --nproc $n --overwrite-output-dir >/dev/null || fail "train with dropout on $d --nproc $n"
+done
+$PY bench/gpu_data.py --compare "$W/ddp-dropout-$dev-1" "$W/ddp-dropout-$dev-2" --tolerance 3e-4 || fail "step 9, dropout, 2 processes"
+$PY bench/gpu_data.py --compare "$W/ddp-dropout-cpu-1" "$W/ddp-dropout-$dev-1" --tolerance 3e-4 || fail "step 9, dropout, CPU against $dev"
 if [[ $DEVICE == cuda ]]; then
     step "10. NCCL: a group of one process on cuda:0 (the only NCCL group one GPU allows) trains as no group"
     WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 RAK_DIST_BACKEND=nccl timeout 240 $H train --device cuda \

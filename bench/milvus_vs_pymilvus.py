@@ -2,7 +2,7 @@
 """The Milvus index backend (milvus-sdk-rust, through rak-retrieval's MilvusIndex) against
 pymilvus doing the same on the same server, side by side.
 
-    . scripts/env.sh && cargo build --release -p rak-retrieval --example bench_milvus
+    . scripts/env.sh && cargo build --release -p rak-retrieval --example bench_milvus --example bench_index
     .venv/bin/pip install -r bench/requirements.txt      # pymilvus
     python bench/milvus_vs_pymilvus.py [--n 100000] [--nq 1000] [--ann ivf_flat]
     bench/milvus_standalone.sh --ann hnsw     # HNSW: Milvus standalone (see that script)

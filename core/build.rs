@@ -50,14 +50,26 @@ fn compile_dist_shim(lib_dir: &std::path::Path) {
     }
     // After torch's own headers, so that only Gloo's come from here.
     let mut build = torch_cpp(lib_dir);
-    build.include(&gloo).flag("-DUSE_C10D_GLOO");
-    if let Some(includes) = cuda_includes(lib_dir) {
-        build.flag("-DUSE_C10D_NCCL").flag("-DUSE_CUDA");
+    build.include(&gloo).flag("-DUSE_C10D_GLOO").file("csrc/dist.cpp");
+    let mut with_nccl = build.clone();
+    let nccl = cuda_includes(lib_dir).is_some_and(|includes| {
+        with_nccl.flag("-DUSE_C10D_NCCL").flag("-DUSE_CUDA");
         for dir in includes {
-            build.include(dir);
+            with_nccl.include(dir);
         }
+        // The CUDA headers c10d's NCCL group pulls in are many (crt/, nv/target, cuBLAS, ...)
+        // and a wheel's packages may lack some: without them, Gloo alone.
+        match with_nccl.try_compile("rak_dist") {
+            Ok(()) => true,
+            Err(e) => {
+                println!("cargo:warning=c10d's NCCL group did not compile ({e}): multi-process training on CUDA goes over Gloo (scripts/install.sh installs the CUDA headers it needs)");
+                false
+            }
+        }
+    });
+    if !nccl {
+        build.compile("rak_dist");
     }
-    build.file("csrc/dist.cpp").compile("rak_dist");
     println!("cargo:rustc-cfg=rak_c10d");
 }
 
@@ -88,7 +100,8 @@ fn cuda_includes(lib_dir: &std::path::Path) -> Option<Vec<std::path::PathBuf>> {
         .map(PathBuf::from)
         .unwrap_or_else(|| nvidia.join("nccl/include"));
     let nccl = [nccl, cuda.clone()].into_iter().find(|d| d.join("nccl.h").exists())?;
-    println!("cargo:rerun-if-changed={}", cuda.join("cuda_runtime_api.h").display());
-    println!("cargo:rerun-if-changed={}", nccl.join("nccl.h").display());
+    // The folders, not the headers: installing a missing header (crt/, nv/) changes them.
+    println!("cargo:rerun-if-changed={}", cuda.display());
+    println!("cargo:rerun-if-changed={}", nccl.display());
     Some(vec![cuda, nccl])
 }

@@ -12,7 +12,7 @@
 # 100,000 vectors (docs/BENCHMARKS.md, with pymilvus too): approximate search at chosen
 # parameters needs a Milvus standalone or cluster server (`--ann hnsw` there).
 # PyPI's `milvus` package (2.3.5) bundles a standalone server, but it binds every interface, so
-# this project does not start it.
+# only bench/milvus_standalone.sh starts it, inside a loopback-only network namespace (root).
 # The wheel is fetched with `pip download --no-deps`, checked against the SHA-256 pinned here,
 # and unpacked once per machine under $RAK_CACHE (default ~/.cache/rak). The server's pid, URI,
 # log and data (one database file: collections survive a restart, and the server takes its

@@ -80,6 +80,18 @@ fn dpr_on_minilm_equals_sentence_transformers() {
 /// TACO's prefix in BERT form against transformers: each query as the pair (TASK, query),
 /// mean-pooled over every token, and with `pool_task_prefix: false` over `[CLS]` and the
 /// query's segment only (scripts/fixtures/minilm_reference.py). Passages never get a prefix.
+/// In training (MiniLM's dropout 0.1), a text's masks follow its key, not its batch (texts of
+/// different lengths, so the batch pads): what keeps a data-parallel run equal to one process.
+#[test]
+fn dpr_keyed_dropout_follows_each_text_not_its_batch() {
+    let reg = registry();
+    let texts: Vec<String> = fixture_texts().into_iter().take(6).collect();
+    let mut enc = reg.encoder("dpr", &json!({"model": minilm()})).unwrap();
+    check_keyed_dropout(enc.as_mut(), &texts, Role::Passage, None, 1e-5);
+    let mut taser = reg.encoder("taser", &json!({"model": minilm()})).unwrap();
+    check_keyed_dropout(taser.as_mut(), &texts, Role::Query, None, 1e-5);
+}
+
 #[test]
 fn dpr_task_prefix_and_its_pooling_equal_transformers() {
     let reg = registry();

@@ -165,8 +165,22 @@ fn nccl_group(rank: usize, port: u16) {
     g.barrier().unwrap();
 }
 
+/// Whether the libtorch this process runs has CUDA: `libtorch_cuda.so` beside the loaded
+/// `libtorch_cpu.so` (the torch wheel scripts/install.sh brings has it; a CPU-only libtorch has
+/// no NCCL to build).
+fn libtorch_has_cuda() -> bool {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let cpu = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| p.ends_with("/libtorch_cpu.so")).expect("libtorch_cpu.so is loaded");
+    std::path::Path::new(cpu).with_file_name("libtorch_cuda.so").exists()
+}
+
 #[test]
 fn an_nccl_group_is_built_in_and_leaves_cpu_tensors_to_gloo() {
+    if !libtorch_has_cuda() {
+        assert!(!rak_core::dist::nccl_available());
+        eprintln!("a CPU-only libtorch: no NCCL to test");
+        return;
+    }
     assert!(rak_core::dist::nccl_available(), "this build has no NCCL: scripts/install.sh brings CUDA's headers, then rebuild");
     on_two_ranks("an_nccl_group_is_built_in_and_leaves_cpu_tensors_to_gloo", nccl_group);
 }

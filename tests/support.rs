@@ -250,3 +250,26 @@ impl Drop for LlamaServer {
         let _ = Command::new(root().join("scripts/llama-server.sh")).arg("stop").env("LLAMA_STATE_DIR", self.state.path()).output();
     }
 }
+
+/// Keyed dropout through the plugin ABI (`encode_keyed`): each text's training embedding
+/// depends on its key alone: the same encoded alone, in the whole batch, or in the batch
+/// reversed (keys following their texts), within `tol`; and dropout is on (the same text under
+/// another key, or in eval mode, comes out otherwise).
+pub fn check_keyed_dropout(enc: &mut dyn rak_core::plugin::Encoder, texts: &[String], role: rak_core::abi::Role, task: Option<&str>, tol: f64) {
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let keys: Vec<u64> = (0..texts.len() as u64).map(|i| 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(i + 1)).collect();
+    let together = enc.encode_keyed(&refs, role, task, &keys).unwrap().detach();
+    let (rev_texts, rev_keys): (Vec<&str>, Vec<u64>) = refs.iter().copied().zip(keys.iter().copied()).rev().unzip();
+    let backwards = enc.encode_keyed(&rev_texts, role, task, &rev_keys).unwrap().detach();
+    let eval = enc.encode(&refs, role, task, false).unwrap();
+    let n = texts.len() as i64;
+    let diff = |a: &tch::Tensor, b: &tch::Tensor| (a - b).abs().max().double_value(&[]);
+    for i in 0..n {
+        let alone = enc.encode_keyed(&refs[i as usize..=i as usize], role, task, &keys[i as usize..=i as usize]).unwrap().detach().get(0);
+        let d = diff(&together.get(i), &alone).max(diff(&backwards.get(n - 1 - i), &alone));
+        assert!(d < tol, "text {i}: keyed embedding in a batch vs alone differs by {d}");
+        assert!(diff(&alone, &eval.get(i)) > 10.0 * tol, "text {i}: dropout made no difference");
+        let other_key = enc.encode_keyed(&refs[i as usize..=i as usize], role, task, &[keys[i as usize] ^ 1]).unwrap().detach().get(0);
+        assert!(diff(&alone, &other_key) > 10.0 * tol, "text {i}: another key drew the same masks");
+    }
+}

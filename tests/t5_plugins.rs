@@ -225,6 +225,18 @@ fn taco_passage_embedding_does_not_depend_on_batchmates() {
     }
 }
 
+/// In training (dropout 0.1 in the fixture), a text's masks follow its key, not its batch:
+/// what keeps a data-parallel run equal to one process.
+#[test]
+fn taco_keyed_dropout_follows_each_text_not_its_batch() {
+    let reg = registry();
+    let dir = fixture("t5-v1_1");
+    let texts = strings(&meta(&dir)["texts"]);
+    let mut enc = taco(&reg, json!({"model": dir, "max_length": 64}));
+    check_keyed_dropout(enc.as_mut(), &texts, Role::Passage, None, 1e-5);
+    check_keyed_dropout(enc.as_mut(), &texts, Role::Query, Some("nq"), 1e-5);
+}
+
 // ---------------------------------------------------------------------------------------------
 // fid
 // ---------------------------------------------------------------------------------------------

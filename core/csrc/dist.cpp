@@ -105,7 +105,17 @@ int rak_dist_has_nccl() noexcept {
 #endif
 }
 
-void rak_dist_free(void* g) noexcept { delete group(g); }
+void rak_dist_free(void* g) noexcept {
+  // NCCL's group is shut down before it is destroyed, as destroy_process_group does (its
+  // destructor warns otherwise); a failure there changes nothing for a process leaving.
+  if (auto nccl = group(g)->nccl) {
+    try {
+      nccl->shutdown();
+    } catch (...) {
+    }
+  }
+  delete group(g);
+}
 
 // Sums `t` in place across the group.
 int rak_dist_allreduce_sum(void* g, void* t, char* err, size_t len) {

@@ -97,11 +97,11 @@ impl Encoder for EncoderProxy {
     }
 
     fn encode_keyed(&mut self, texts: &[&str], role: Role, task: Option<&str>, keys: &[u64]) -> Result<Tensor> {
-        // Plugins built before this function existed draw their masks from torch's generator.
-        let Some(f) = self.module.encode_keyed() else { return self.encode(texts, role, task, true) };
         if keys.len() != texts.len() {
             return Err(anyhow!("{} keys for {} texts", keys.len(), texts.len()));
         }
+        // Plugins built before this function existed draw their masks from torch's generator.
+        let Some(f) = self.module.encode_keyed() else { return self.encode(texts, role, task, true) };
         let texts: Vec<RStr<'_>> = texts.iter().map(|s| (*s).into()).collect();
         let task: ROption<RStr<'_>> = task.map(RStr::from).into();
         let n = texts.len();

@@ -107,6 +107,9 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     if t.task_loss_weight == TaskLossWeight::Queries && matches!(spec.optim.as_str(), "gradnorm" | "cgd") {
         bail!("task_loss_weight = \"queries\" scales the task gradients, which {} weighs itself; use \"equal\" with it", spec.optim);
     }
+    if t.save_total_limit == Some(0) {
+        bail!("save_total_limit = 0 would keep no checkpoint: give at least 1, or leave it out to keep all");
+    }
     // The loss's own settings, checked before any negatives are mined or models loaded.
     if t.loss == LossKind::LmSupervised && spec.examples.is_none() {
         bail!("loss = \"lm_supervised\" trains on a language model's scores of each query's passages, which task files do not hold; `host aar-train` with aar.mode = \"replug\" gives them");

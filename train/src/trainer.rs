@@ -5,9 +5,11 @@
 //! the queries (with the task name, for prefixes or markers) and each query's group (its
 //! positive, then `h` hard negatives), [`nce_loss`] scores them, backward fills the gradients,
 //! and the optimizer receives that task's loss and gradients before they are zeroed for the
-//! next task. `finish_step` then combines and updates. Dropout draws from libtorch's global
-//! generator, reseeded from (seed, step) at each step, so a resumed run draws what the
-//! uninterrupted one would without saving generator state.
+//! next task. `finish_step` then combines and updates. Dropout masks are keyed per text by
+//! (seed, step, task, row) through [`Encoder::encode_keyed`], so a resumed run draws what the
+//! uninterrupted one would, and a data-parallel run what one process would. Encoder plugins
+//! without keyed encoding draw from libtorch's global generator, reseeded from (seed, step,
+//! rank) at each step.
 
 use crate::data::TaskData;
 use crate::loss::{copies_of_positives, lm_supervised_loss, multi_positive_loss, nce_loss, nce_loss_against};
@@ -780,7 +782,7 @@ impl<'a> Trainer<'a> {
             rak_core::fsutil::write_bytes(&tmp.join(STATE_FILE), serde_json::to_string_pretty(&self.state)?.as_bytes())
         })?;
         if let Some(limit) = self.config.save_total_limit {
-            remove_old_checkpoints(&self.output_dir, limit.max(1))?;
+            remove_old_checkpoints(&self.output_dir, self.state.step, limit)?;
         }
         Ok(dir)
     }
@@ -877,15 +879,18 @@ fn remove_stale_checkpoint_temporaries(output_dir: &Path) {
     }
 }
 
-/// Removes all but the newest `keep` checkpoints of `output_dir` (by step), the oldest first,
-/// so that a kill in between leaves the newest ones.
-fn remove_old_checkpoints(output_dir: &Path, keep: usize) -> Result<()> {
+/// Removes all but the newest `keep` checkpoints of `output_dir` up to `step` (the one just
+/// written), the oldest first, so that a kill in between leaves the newest ones. Checkpoints
+/// after `step` (left by a run this one resumed before their step) are not counted or
+/// removed: the one just written is never the one to go.
+fn remove_old_checkpoints(output_dir: &Path, step: u64, keep: usize) -> Result<()> {
     let mut steps: Vec<(u64, PathBuf)> = checkpoints(output_dir)
         .into_iter()
         .filter_map(|p| Some((p.file_name()?.to_str()?.strip_prefix("checkpoint-")?.parse().ok()?, p)))
+        .filter(|(s, _)| *s <= step)
         .collect();
     steps.sort();
-    for (_, dir) in steps.iter().take(steps.len().saturating_sub(keep)) {
+    for (_, dir) in steps.iter().take(steps.len().saturating_sub(keep.max(1))) {
         std::fs::remove_dir_all(dir).with_context(|| format!("{}: cannot remove (save_total_limit)", dir.display()))?;
     }
     Ok(())
@@ -951,10 +956,18 @@ mod checkpoint_tests {
             std::fs::create_dir_all(dir.join(format!("checkpoint-{step}"))).unwrap();
         }
         std::fs::create_dir_all(dir.join("checkpoint-final-notes")).unwrap();
-        remove_old_checkpoints(&dir, 2).unwrap();
-        let mut left: Vec<String> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
-        left.sort();
-        assert_eq!(left, ["checkpoint-10", "checkpoint-9", "checkpoint-final-notes"]);
+        let left = |dir: &Path| {
+            let mut left: Vec<String> = std::fs::read_dir(dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+            left.sort();
+            left
+        };
+        remove_old_checkpoints(&dir, 10, 2).unwrap();
+        assert_eq!(left(&dir), ["checkpoint-10", "checkpoint-9", "checkpoint-final-notes"]);
+        // Resumed from step 2 beside stale checkpoints 9 and 10, a run writes step 3: the later
+        // ones neither count nor push step 3 out.
+        std::fs::create_dir_all(dir.join("checkpoint-3")).unwrap();
+        remove_old_checkpoints(&dir, 3, 1).unwrap();
+        assert_eq!(left(&dir), ["checkpoint-10", "checkpoint-3", "checkpoint-9", "checkpoint-final-notes"]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -7,8 +7,8 @@
 //! drawn from torch's generator, the element's index), vectorised (AVX-512 or AVX2 when the
 //! CPU has them); the mask depends on the seed alone, so runs stay reproducible from the seed
 //! the trainer sets each step. The arithmetic is torch's: `x ⊙ m` with `m` either 0 or
-//! `1/(1−p)`, kept with probability `1−p` (to 2^-24). Other devices and dtypes use torch's
-//! dropout (on CUDA it is one fused kernel).
+//! `1/(1−p)`, kept with probability `1−p` (to 2^-24). Outside keyed passes, other devices and
+//! dtypes use torch's dropout (on CUDA it is one fused kernel).
 //!
 //! Per-example masks: inside [`with_example_keys`], row `b` of every dropout input (all of
 //! them put the batch first) takes its mask from `(keys[b], the call's ordinal in the forward
@@ -16,7 +16,9 @@
 //! examples share its batch, how long they are, or which process encodes it: a data-parallel
 //! run then trains as one process does, dropout on. Coordinates, not flat offsets, key the
 //! elements, so padding the batch to another length moves no mask. The same hash runs as
-//! tensor operations on other devices and dtypes, giving the same masks.
+//! tensor operations on other devices and dtypes, giving the same masks (on CUDA that is
+//! about 20 elementwise kernels over int64 words instead of torch's one fused kernel, and
+//! BERT's attention takes its math path to apply the mask).
 
 use crate::optim::kernels::{f32_slice_mut, multiversion};
 use std::cell::RefCell;
@@ -43,14 +45,20 @@ pub fn with_example_keys<R>(keys: &[u64], f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// This call's example keys and ordinal, when a keyed pass over `rows` examples is running.
-fn next_keyed_call(rows: i64) -> Option<(Vec<u64>, u32)> {
+/// This call's example keys and ordinal, when a keyed pass is running. Panics (an error at
+/// the plugin boundary) on a tensor the keys cannot key: its first dimension not the batch's,
+/// more than two dimensions between the batch's and the last, or one of 2^16 or more. A
+/// quiet fallback to unkeyed masks would make data-parallel runs differ without a word.
+fn next_keyed_call(shape: &[i64]) -> Option<(Vec<u64>, u32)> {
     KEYED.with(|k| {
         let mut k = k.borrow_mut();
         let (keys, calls) = k.as_mut()?;
-        if keys.len() as i64 != rows {
-            return None;
-        }
+        let middle = middle_dims(shape);
+        assert!(
+            shape.first() == Some(&(keys.len() as i64)) && middle.len() <= 2 && middle.iter().all(|&d| d < 1 << 16),
+            "keyed dropout over {} examples cannot key a tensor of shape {shape:?} (the batch first, then at most two dimensions under 65,536 before the last)",
+            keys.len()
+        );
         *calls += 1;
         Some((keys.clone(), *calls))
     })
@@ -70,10 +78,8 @@ pub fn dropout(x: &Tensor, p: f64, train: bool) -> Tensor {
     if !(0.0..1.0).contains(&p) {
         return x.dropout(p, train);
     }
-    if x.dim() >= 1 {
-        if let Some((keys, call)) = next_keyed_call(x.size()[0]) {
-            return x * keyed_mask(x, p, &keys, call);
-        }
+    if let Some((keys, call)) = next_keyed_call(&x.size()) {
+        return x * keyed_mask(x, p, &keys, call);
     }
     if !fillable_on_cpu(x) {
         return x.dropout(p, train);
@@ -169,29 +175,41 @@ fn keyed_mask_tensor(x: &Tensor, threshold: u32, keep: f64, keys: &[u64], call: 
     let words = |f: fn(u64) -> i64| Tensor::from_slice(&keys.iter().map(|&k| f(k)).collect::<Vec<i64>>()).to_device(device);
     let lo = along(0, words(|k| k as u32 as i64));
     let hi = along(0, words(|k| (k >> 32) as i64));
-    let call_key = tmix(&lo.bitwise_xor(call.wrapping_mul(0x9e37_79b9) as i64));
-    let k1 = tmix(&call_key.bitwise_xor_tensor(&tmix(&r)));
+    let call_key = tmix(lo.bitwise_xor(call.wrapping_mul(0x9e37_79b9) as i64));
+    let k1 = tmix(call_key.bitwise_xor_tensor(&tmix(r)));
     let last = shape.len() - 1;
     let n = if shape.len() >= 2 { shape[last] } else { 1 };
     let j = along(last, Tensor::arange(n, int));
-    let bits = tmix(&tmix(&j.bitwise_xor_tensor(&k1)).bitwise_xor_tensor(&hi)).bitwise_right_shift_tensor_scalar(8);
+    // The full-size words: one int64 tensor of x's shape, mixed in place (with one temporary
+    // at a time), then compared.
+    let mut bits = tmix(tmix(j.bitwise_xor_tensor(&k1)).bitwise_xor_tensor_(&hi));
+    let _ = bits.bitwise_right_shift_tensor_scalar_(8);
     bits.ge(threshold as i64).to_kind(x.kind()) * keep
 }
 
-/// [`mix`] on 32-bit words held in an int64 tensor.
-fn tmix(x: &Tensor) -> Tensor {
-    let x = x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(16));
-    let x = mul32(&x, 0x7feb_352d);
-    let x = x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(15));
-    let x = mul32(&x, 0x846c_a68b);
-    x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(16))
+/// [`mix`] on 32-bit words held in an int64 tensor, in place.
+fn tmix(mut x: Tensor) -> Tensor {
+    let xor_shift = |x: &mut Tensor, by: i64| {
+        let shifted = x.bitwise_right_shift_tensor_scalar(by);
+        let _ = x.bitwise_xor_tensor_(&shifted);
+    };
+    xor_shift(&mut x, 16);
+    mul32(&mut x, 0x7feb_352d);
+    xor_shift(&mut x, 15);
+    mul32(&mut x, 0x846c_a68b);
+    xor_shift(&mut x, 16);
+    x
 }
 
-/// `x · c mod 2^32` for 32-bit words in int64, in 16-bit halves of `c` so no product passes 2^49.
-fn mul32(x: &Tensor, c: u32) -> Tensor {
-    let low = x * (c & 0xffff) as i64;
-    let high = (x * (c >> 16) as i64).bitwise_and(0xffffi64).bitwise_left_shift_tensor_scalar(16);
-    (low + high).bitwise_and(0xffff_ffffi64)
+/// `x ← x · c mod 2^32` for 32-bit words in int64, in 16-bit halves of `c` so that no
+/// product passes 2^49.
+fn mul32(x: &mut Tensor, c: u32) {
+    let mut high = x.g_mul_scalar((c >> 16) as i64);
+    let _ = high.bitwise_and_(0xffffi64);
+    let _ = high.bitwise_left_shift_tensor_scalar_(16);
+    let _ = x.g_mul_scalar_((c & 0xffff) as i64);
+    let _ = x.g_add_(&high);
+    let _ = x.bitwise_and_(0xffff_ffffi64);
 }
 
 /// A contiguous mask of `x`'s shape: 0 with probability `p`, else `1/(1−p)`.
@@ -321,15 +339,13 @@ mod tests {
     #[test]
     fn each_call_of_a_keyed_pass_draws_anew_and_the_pass_ends_cleanly() {
         let x = Tensor::ones([2, 4, 32], (Kind::Float, Device::Cpu));
-        let (first, second, other_batch) = with_example_keys(&[5, 6], || {
-            let first = dropout(&x, 0.5, true);
-            let second = dropout(&x, 0.5, true);
-            // A tensor whose first dimension is not the batch's takes an unkeyed mask.
-            let other_batch = dropout(&Tensor::ones([3, 4], (Kind::Float, Device::Cpu)), 0.5, true);
-            (first, second, other_batch)
-        });
+        let (first, second) = with_example_keys(&[5, 6], || (dropout(&x, 0.5, true), dropout(&x, 0.5, true)));
         assert!(!first.equal(&second), "the second call has its own masks");
-        assert_eq!(other_batch.size(), [3, 4]);
+        // A tensor whose first dimension is not the batch's cannot be keyed: said, not drawn
+        // unkeyed in silence.
+        let other_batch = std::panic::catch_unwind(|| with_example_keys(&[5, 6], || dropout(&Tensor::ones([3, 4], (Kind::Float, Device::Cpu)), 0.5, true)));
+        let message = other_batch.err().and_then(|e| e.downcast_ref::<String>().cloned()).expect("a panic with a message");
+        assert!(message.contains("cannot key a tensor of shape [3, 4]"), "{message}");
         let again = with_example_keys(&[6], || dropout(&x.narrow(0, 0, 1), 0.5, true));
         assert!(again.equal(&first.narrow(0, 1, 1)), "example 6's first mask again");
         assert!(!keyed(), "the pass's keys are gone after it");

@@ -116,7 +116,7 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
         t.ance_episodes = v;
     }
     let device = process_device(&args.device, rendezvous.as_ref())?;
-    let rendezvous = rendezvous.map(|r| with_backend(r, &device)).transpose()?;
+    let rendezvous = rendezvous.map(|r| with_backend(r, &args.device)).transpose()?;
     let spec = RunSpec {
         encoder: args.encoder.clone().or(recipe.model.encoder.clone()).context("no encoder: give --encoder or model.encoder")?,
         optim: args.optim.clone().or(recipe.train.optim.clone()).context("no optimizer: give --optim or train.optim")?,
@@ -140,12 +140,13 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
 }
 
 /// Whether a data-parallel run's CUDA tensors go over NCCL: `RAK_DIST_BACKEND` `gloo` or
-/// `nccl`, else NCCL when the run is on CUDA and this build has it (CPU tensors and barriers
-/// always go over Gloo).
+/// `nccl`, else NCCL when this build has it and `--device` is plain `cuda`, which gives each
+/// process its own GPU (`cuda:LOCAL_RANK`); `cuda:N` may put several on one GPU, which NCCL
+/// refuses, so it stays on Gloo. CPU tensors and barriers always go over Gloo.
 fn with_backend(mut r: Rendezvous, device: &str) -> Result<Rendezvous> {
     let cuda = device.starts_with("cuda");
     r.nccl = match std::env::var("RAK_DIST_BACKEND").ok().as_deref() {
-        None | Some("") => cuda && rak_core::dist::nccl_available(),
+        None | Some("") => device == "cuda" && rak_core::dist::nccl_available(),
         Some("gloo") => false,
         Some("nccl") if !rak_core::dist::nccl_available() => {
             bail!("RAK_DIST_BACKEND=nccl: this build has no NCCL (the CUDA and NCCL headers were not found when it was built)")
