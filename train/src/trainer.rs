@@ -279,6 +279,9 @@ pub struct Trainer<'a> {
     per_task_gradients: bool,
     /// Seconds spent in collectives (gathers and gradient sums) since the last log line.
     communication_s: f64,
+    /// The checkpoint this run resumed from: the encoder was loaded from it and reads files
+    /// from it when it saves (its tokenizer's), so `save_total_limit` leaves it.
+    resumed_from: Option<PathBuf>,
 }
 
 impl<'a> Trainer<'a> {
@@ -343,7 +346,7 @@ impl<'a> Trainer<'a> {
         let sampler = Sampler::new(config.sampler, &counts, config.batch_size * world, config.seed)?;
         let state = TrainerState { step: 0, sampler: sampler.state(), skipped_steps: 0, episode: 0, config: config.clone(), world_size: world };
         let per_task_gradients = optimizer.needs_task_gradients()?;
-        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, dist: group, per_task_gradients, communication_s: 0.0 })
+        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, dist: group, per_task_gradients, communication_s: 0.0, resumed_from: None })
     }
 
     /// Whether this process writes the run's files (the only one, or rank 0).
@@ -391,6 +394,7 @@ impl<'a> Trainer<'a> {
         self.optimizer.load_state(tensors).with_context(|| format!("{}: optimizer state", opt_path.display()))?;
         self.sampler.load_state(&state.sampler).with_context(|| format!("{}: sampler state", state_path.display()))?;
         self.state = state;
+        self.resumed_from = Some(checkpoint.to_path_buf());
         if self.writes() {
             truncate_log(&self.output_dir.join(LOG_FILE), self.state.step)?;
         }
@@ -782,7 +786,7 @@ impl<'a> Trainer<'a> {
             rak_core::fsutil::write_bytes(&tmp.join(STATE_FILE), serde_json::to_string_pretty(&self.state)?.as_bytes())
         })?;
         if let Some(limit) = self.config.save_total_limit {
-            remove_old_checkpoints(&self.output_dir, self.state.step, limit)?;
+            remove_old_checkpoints(&self.output_dir, self.state.step, limit, self.resumed_from.as_deref())?;
         }
         Ok(dir)
     }
@@ -882,12 +886,14 @@ fn remove_stale_checkpoint_temporaries(output_dir: &Path) {
 /// Removes all but the newest `keep` checkpoints of `output_dir` up to `step` (the one just
 /// written), the oldest first, so that a kill in between leaves the newest ones. Checkpoints
 /// after `step` (left by a run this one resumed before their step) are not counted or
-/// removed: the one just written is never the one to go.
-fn remove_old_checkpoints(output_dir: &Path, step: u64, keep: usize) -> Result<()> {
+/// removed: the one just written is never the one to go. Nor is `resumed_from`, whose files
+/// the encoder still reads.
+fn remove_old_checkpoints(output_dir: &Path, step: u64, keep: usize, resumed_from: Option<&Path>) -> Result<()> {
+    let same = |a: &Path, b: &Path| a.canonicalize().ok().is_some_and(|a| b.canonicalize().ok().is_some_and(|b| a == b));
     let mut steps: Vec<(u64, PathBuf)> = checkpoints(output_dir)
         .into_iter()
         .filter_map(|p| Some((p.file_name()?.to_str()?.strip_prefix("checkpoint-")?.parse().ok()?, p)))
-        .filter(|(s, _)| *s <= step)
+        .filter(|(s, p)| *s <= step && !resumed_from.is_some_and(|r| same(r, p)))
         .collect();
     steps.sort();
     for (_, dir) in steps.iter().take(steps.len().saturating_sub(keep.max(1))) {
@@ -961,13 +967,16 @@ mod checkpoint_tests {
             left.sort();
             left
         };
-        remove_old_checkpoints(&dir, 10, 2).unwrap();
+        remove_old_checkpoints(&dir, 10, 2, None).unwrap();
         assert_eq!(left(&dir), ["checkpoint-10", "checkpoint-9", "checkpoint-final-notes"]);
         // Resumed from step 2 beside stale checkpoints 9 and 10, a run writes step 3: the later
-        // ones neither count nor push step 3 out.
-        std::fs::create_dir_all(dir.join("checkpoint-3")).unwrap();
-        remove_old_checkpoints(&dir, 3, 1).unwrap();
-        assert_eq!(left(&dir), ["checkpoint-10", "checkpoint-3", "checkpoint-9", "checkpoint-final-notes"]);
+        // ones neither count nor push step 3 out; step 1 goes; step 2, which it resumed from
+        // (the encoder reads its tokenizer files there), stays.
+        for step in [1, 2, 3] {
+            std::fs::create_dir_all(dir.join(format!("checkpoint-{step}"))).unwrap();
+        }
+        remove_old_checkpoints(&dir, 3, 1, Some(&dir.join("checkpoint-2"))).unwrap();
+        assert_eq!(left(&dir), ["checkpoint-10", "checkpoint-2", "checkpoint-3", "checkpoint-9", "checkpoint-final-notes"]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
