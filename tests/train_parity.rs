@@ -533,6 +533,8 @@ fn whole_step_paths(
     let last = uneven.last_mut().unwrap();
     last.queries.truncate(1);
     last.passages.truncate(group);
+    last.query_keys.truncate(1);
+    last.passage_keys.truncate(group);
     let total: usize = uneven.iter().map(|g| g.queries.len()).sum();
     let weight = |task: &str| (uneven.len() * uneven.iter().find(|g| g.task == task).unwrap().queries.len()) as f64 / total as f64;
     let by_queries = TrainerConfig { task_loss_weight: rak_train::trainer::TaskLossWeight::Queries, ..config.clone() };
