@@ -892,7 +892,7 @@ fn remove_old_checkpoints(output_dir: &Path, step: u64, keep: usize, resumed_fro
     let same = |a: &Path, b: &Path| a.canonicalize().ok().is_some_and(|a| b.canonicalize().ok().is_some_and(|b| a == b));
     let mut steps: Vec<(u64, PathBuf)> = checkpoints(output_dir)
         .into_iter()
-        .filter_map(|p| Some((p.file_name()?.to_str()?.strip_prefix("checkpoint-")?.parse().ok()?, p)))
+        .filter_map(|p| Some((checkpoint_step(&p)?, p)))
         .filter(|(s, p)| *s <= step && !resumed_from.is_some_and(|r| same(r, p)))
         .collect();
     steps.sort();
@@ -902,26 +902,23 @@ fn remove_old_checkpoints(output_dir: &Path, step: u64, keep: usize, resumed_fro
     Ok(())
 }
 
+/// The step of a `checkpoint-N` folder.
+fn checkpoint_step(dir: &Path) -> Option<u64> {
+    dir.file_name()?.to_str()?.strip_prefix("checkpoint-")?.parse().ok()
+}
+
 /// Earlier runs' checkpoints in `output_dir` (`checkpoint-N` folders).
 pub fn checkpoints(output_dir: &Path) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(output_dir) else { return Vec::new() };
-    entries
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().strip_prefix("checkpoint-").is_some_and(|n| n.parse::<u64>().is_ok()))
-        .map(|e| e.path())
-        .collect()
+    entries.flatten().map(|e| e.path()).filter(|p| checkpoint_step(p).is_some()).collect()
 }
 
 /// The checkpoint with the highest step in `output_dir`, if any.
 pub fn latest_checkpoint(output_dir: &Path) -> Option<PathBuf> {
-    std::fs::read_dir(output_dir)
-        .ok()?
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let step: u64 = name.strip_prefix("checkpoint-")?.parse().ok()?;
-            e.path().join(STATE_FILE).exists().then_some((step, e.path()))
-        })
+    checkpoints(output_dir)
+        .into_iter()
+        .filter(|p| p.join(STATE_FILE).exists())
+        .filter_map(|p| Some((checkpoint_step(&p)?, p)))
         .max_by_key(|(s, _)| *s)
         .map(|(_, p)| p)
 }
