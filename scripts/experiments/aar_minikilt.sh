@@ -2,7 +2,7 @@
 # AAR on mini-KILT (issue 22; docs/RESULTS.md): retrievers adapted to a small black-box source
 # LM, judged by target LMs that never saw them.
 #
-#   scripts/experiments/aar_minikilt.sh                     # train the four retrievers, then judge them
+#   scripts/experiments/aar_minikilt.sh                     # train the three retrievers, then judge every row
 #   STAGE=train scripts/experiments/aar_minikilt.sh         # only train (STAGE=judge: only judge)
 #   QUERIES=400 TARGETS="qwen2.5-coder-1.5b" EVERY=8 ...    # sizes (defaults below)
 #

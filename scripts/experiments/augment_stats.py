@@ -3,6 +3,7 @@
 results files of scripts/experiments/augment_minikilt.sh (issue 21; docs/RESULTS.md).
 
     scripts/experiments/augment_stats.py OUT [data/minikilt]
+    scripts/experiments/augment_stats.py --pool OUT1 OUT2 ...   # BETWEEN pooled over targets
 
 Reads OUT/TASK-RETRIEVER.jsonl (one record per question, as `host augment` writes them) for
 TASK in mc, shortqa and every RETRIEVER found (`none` is closed book). For each run:
@@ -14,6 +15,11 @@ For short answers, the questions are also split by whether the passages the prom
 hold a gold alias (PopQA's rule, the one answers are judged by: an alias as written,
 lower-cased or capitalised, as a substring), with the same paired comparison on each part:
 what passages that hold the answer gain, and what passages that do not hold it cost.
+Then the retrievers against each other (BETWEEN below, where both ran), paired the same way.
+--pool adds each BETWEEN difference up over several targets' OUT folders (the mean over
+question x target pairs), resampling questions (all targets of a question together, since the
+targets answer the same questions and their errors go together); its McNemar p treats the
+pairs as independent and is only a guide.
 Standard library only.
 """
 import json
@@ -23,6 +29,10 @@ import sys
 from pathlib import Path
 
 RESAMPLES = 10_000
+# (run, against) pairs compared directly: AAR's question (LM-preferred against human
+# positives) and each trained retriever against the one it started from.
+BETWEEN = [("aar", "human"), ("aar", "minilm"), ("replug", "human"), ("replug", "minilm"),
+           ("human", "minilm"), ("trained", "minilm"), ("minilm", "bm25")]
 
 
 def read_jsonl(path):
@@ -105,9 +115,39 @@ def fmt(x):
     return f"{x:.3f}"
 
 
+def pool(outs):
+    """The BETWEEN pairs over every target in `outs` that ran both, question-clustered."""
+    for task in ["mc", "shortqa"]:
+        print(f"\n{task}, retrievers against each other, pooled over {', '.join(o.name for o in outs)}:\n")
+        print("| run | against | targets | pairs | difference [95%] | McNemar p, as if independent (against right only / run right only) |")
+        print("|---|---|---:|---:|---|---|")
+        for a, b in BETWEEN:
+            diffs = {}  # question id -> run minus against, one entry per target
+            used = 0
+            for out in outs:
+                fa, fb = out / f"{task}-{a}.jsonl", out / f"{task}-{b}.jsonl"
+                if not (fa.exists() and fb.exists()):
+                    continue
+                used += 1
+                run, base = correct_by_id(fa), correct_by_id(fb)
+                for i in run:
+                    if i in base:
+                        diffs.setdefault(i, []).append(run[i] - base[i])
+            if not diffs:
+                continue
+            clusters = list(diffs.values())
+            total = lambda cs: sum(map(sum, cs)) / sum(map(len, cs))
+            lo, hi = bootstrap(clusters, total)
+            flat = [d for c in clusters for d in c]
+            nb, nc = flat.count(-1), flat.count(1)
+            print(f"| {a} | {b} | {used} | {len(flat)} | {total(clusters):+.3f} [{lo:+.3f}, {hi:+.3f}] | {mcnemar_exact(nb, nc):.2g} ({nb} / {nc}) |")
+
+
 def main(argv):
     if not argv:
         raise SystemExit(__doc__)
+    if argv[0] == "--pool":
+        return pool([Path(a) for a in argv[1:]])
     out = Path(argv[0])
     data = Path(argv[1] if len(argv) > 1 else "data/minikilt")
     for task in ["mc", "shortqa"]:
@@ -131,6 +171,7 @@ def main(argv):
                 d, (dlo, dhi), p, b, c = paired(base, run, common)
                 row += f" {d:+.3f} [{dlo:+.3f}, {dhi:+.3f}] ({len(common)}) | {p:.2g} ({b} / {c}) |"
             print(row)
+        between(out, task, runs)
         if task != "shortqa":
             continue
         print("\nShort answers split by whether the shown passages hold a gold alias (same questions, closed book against passages):\n")
@@ -145,6 +186,21 @@ def main(argv):
                     continue
                 d, (dlo, dhi), p, _, _ = paired(base, run, ids)
                 print(f"| {r} | {part} | {len(ids)} | {fmt(mean([base[i] for i in ids]))} | {fmt(mean([run[i] for i in ids]))} | {d:+.3f} [{dlo:+.3f}, {dhi:+.3f}] | {p:.2g} |")
+
+
+def between(out, task, runs):
+    """The BETWEEN pairs that both ran, on the questions both answered."""
+    pairs = [(a, b) for a, b in BETWEEN if a in runs and b in runs]
+    if not pairs:
+        return
+    print(f"\n{task}, retrievers against each other (same questions):\n")
+    print("| run | against | questions | difference [95%] | McNemar p (against right only / run right only) |")
+    print("|---|---|---:|---|---|")
+    for a, b in pairs:
+        run, base = correct_by_id(out / f"{task}-{a}.jsonl"), correct_by_id(out / f"{task}-{b}.jsonl")
+        ids = sorted(i for i in run if i in base)
+        d, (dlo, dhi), p, nb, nc = paired(base, run, ids)
+        print(f"| {a} | {b} | {len(ids)} | {d:+.3f} [{dlo:+.3f}, {dhi:+.3f}] | {p:.2g} ({nb} / {nc}) |")
 
 
 if __name__ == "__main__":
