@@ -516,7 +516,7 @@ fn top_logprobs_respect_each_endpoints_limit() {
         }
         if endpoint == "completions" {
             let refused = log.iter().filter(|l| l.body["logprobs"] == 20).count();
-            assert!(refused >= 1 && refused <= 4, "the cap is learned from the first refusals: {refused} refused of {}", log.len());
+            assert!((1..=4).contains(&refused), "the cap is learned from the first refusals: {refused} refused of {}", log.len());
         }
         // Short answers on this endpoint too.
         let out_path = dir.path().join(format!("shortqa-{endpoint}.jsonl"));

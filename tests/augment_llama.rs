@@ -53,7 +53,7 @@ fn real_server_answers_multiple_choice_and_short_questions() {
     for r in &recs {
         assert_eq!(r["method"], "letter_logprobs", "{r}");
         let n = r["logprobs"].as_array().unwrap().len();
-        assert!(n >= 2 && n <= 13);
+        assert!((2..=13).contains(&n));
         assert!(r["logprobs"].as_array().unwrap().iter().all(|v| v.as_f64().unwrap() <= 0.0));
         assert!(r["passages"].as_array().unwrap().is_empty());
     }

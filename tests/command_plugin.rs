@@ -78,7 +78,7 @@ fn the_reader_service_equals_the_reader() {
     let via_services: Value = serde_json::from_str(stdout(&out).trim()).unwrap();
     let direct = Registry::discover(&[Source::Dir(release_dir())]).unwrap().reader("fid", &settings).unwrap().generate(request).unwrap();
     assert_eq!(via_services, direct);
-    assert_eq!(direct["outputs"][0]["ids"].as_array().unwrap().len() > 0, true);
+    assert!(!direct["outputs"][0]["ids"].as_array().unwrap().is_empty());
 }
 
 /// The connector service carries calls from several threads at once: 32 calls from 8 threads,

@@ -737,7 +737,7 @@ impl<'a> Trainer<'a> {
                 w.1 += 1;
             }
             let step = self.state.step;
-            if step % self.config.logging_steps.max(1) == 0 || step == self.config.max_steps {
+            if step.is_multiple_of(self.config.logging_steps.max(1)) || step == self.config.max_steps {
                 let loss: BTreeMap<&str, f64> = window.iter().map(|(n, (s, c))| (n.as_str(), s / *c as f64)).collect();
                 let per_step = started.elapsed().as_secs_f64() / (step - first) as f64;
                 let mut line = json!({
@@ -759,7 +759,7 @@ impl<'a> Trainer<'a> {
                 window.clear();
                 last_logged = step;
             }
-            if step % self.config.save_steps.max(1) == 0 && step < self.config.max_steps && writes {
+            if step.is_multiple_of(self.config.save_steps.max(1)) && step < self.config.max_steps && writes {
                 self.save_checkpoint()?;
             }
         }

@@ -169,7 +169,7 @@ pub fn log_sum_exp_rows(m: &[f32], tau: f32, out: &mut [f32]) {
     if n == 0 {
         return;
     }
-    assert!(m.len() % n == 0);
+    assert!(m.len().is_multiple_of(n));
     let rows = m.len() / n;
     let out = Shared(out.as_mut_ptr());
     // SAFETY: disjoint blocks of `out`; `m` is only read.
@@ -302,7 +302,7 @@ pub fn tsage_task(theta: &[f32], g: Option<&[f32]>, m: &mut [f32], t: usize, acc
     if n == 0 {
         return;
     }
-    assert!(m.len() % n == 0 && t < m.len() / n);
+    assert!(m.len().is_multiple_of(n) && t < m.len() / n);
     assert!(g.is_none_or(|g| g.len() == n) && acc.as_ref().is_none_or(|a| a.len() == n));
     let m = Shared(m.as_mut_ptr());
     let acc = acc.map(|a| Shared(a.as_mut_ptr()));

@@ -411,7 +411,7 @@ impl TSage {
                 // nothing else during the call.
                 let m = unsafe { kernels::f32_slice_mut(&self.momentum[name]) }.expect("momentum is made contiguous float32 in begin_step");
                 let acc = acc.map(|a| unsafe { kernels::f32_slice_mut(a) }.expect("made contiguous float32 here"));
-                kernels::tsage_task(elements(theta), g.map(|g| elements(g)), m, t as usize, acc, &fold, beta as f32, ((1.0 - beta) * scale) as f32, tau as f32);
+                kernels::tsage_task(elements(theta), g.map(elements), m, t as usize, acc, &fold, beta as f32, ((1.0 - beta) * scale) as f32, tau as f32);
             }
             return Ok(());
         }
@@ -449,7 +449,7 @@ impl TSage {
                     let has_n = step.weighted.contains_key(name.as_str());
                     if before.numel() == 0 {
                         if let Some(g_c) = &g_c {
-                            let _ = weighted_chunk(&mut step.weighted, name, n, theta.device(), start, len).copy_(g_c);
+                            weighted_chunk(&mut step.weighted, name, n, theta.device(), start, len).copy_(g_c);
                         }
                     } else if has_n || g_c.is_some() {
                         let d = &m_t / tau - log_sum_exp_rows(&m_c, &before, tau);
@@ -765,7 +765,7 @@ mod tests {
     fn a_zero_median_stays_finite() {
         for form in [Form::Exact, Form::Lean] {
             let mut opt = TSage::new(TSageConfig { form, ..Default::default() }).unwrap();
-            let p = vec![("w".to_string(), Tensor::from_slice(&values(5, 20)))];
+            let p = [("w".to_string(), Tensor::from_slice(&values(5, 20)))];
             let tasks = vec!["a".to_string(), "b".to_string()];
             for step in 0..4 {
                 let ctx = StepContext { step, total_steps: 4, warmup_steps: 1, lr: 0.01, tasks: tasks.clone(), ..Default::default() };

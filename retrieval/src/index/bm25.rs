@@ -50,7 +50,7 @@ impl Default for Bm25Params {
 
 impl Bm25Params {
     pub fn validate(&self) -> Result<()> {
-        if !(self.k1.is_finite() && self.k1 >= 0.0) || !(0.0..=1.0).contains(&self.b) {
+        if !self.k1.is_finite() || self.k1 < 0.0 || !(0.0..=1.0).contains(&self.b) {
             bail!("bm25: k1 must be >= 0 and b in [0, 1] (got k1 = {}, b = {})", self.k1, self.b);
         }
         Ok(())
