@@ -723,3 +723,33 @@ fn black_box_on_the_real_smollm2() {
     check_examples(&out, 3, 1, 20);
     assert!(out.join("model.safetensors").exists());
 }
+
+/// A black-box source with no server behind it: scoring stops once every worker's last query
+/// found none (each query's other passages are not asked after its first found no server),
+/// instead of failing every passage after its retries; the rerun against a server resumes
+/// the stage and asks what was not scored.
+#[test]
+fn a_source_that_is_gone_stops_scoring_and_the_rerun_resumes() {
+    let dir = TempDir::new("aar-gone");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let nowhere = format!("http://127.0.0.1:{port}");
+    let source = fake_source(&dir.path().join("cache"), "");
+    let recipe = setup(dir.path(), 100, 8, &source, "n = 4\nk = 1\nnegatives_depth = 30\nnegatives_sampled = 6\nnegatives_per_query = 2", TRAIN);
+    let out = dir.path().join("out");
+    let o = aar_cmd(&recipe, &out, "openai", &["--base-url", &nowhere]).output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("the source stopped answering"), "{}", stderr(&o));
+    let records = jsonl(&out.join("stages/score/scores.jsonl"));
+    // Three workers: three queries in a row found no server, and at most the two others in
+    // flight were finished.
+    assert!((3..=5).contains(&records.len()), "{} queries recorded", records.len());
+    for r in &records {
+        let errors = r["errors"].as_array().unwrap();
+        assert!(errors.len() == 4 && errors.iter().all(|e| e.as_str().unwrap().starts_with("unreachable:")), "{r}");
+    }
+    assert!(!out.join("stages/score.done.json").exists());
+    let server = FakeServer::start(Options::default());
+    let s = summary(&aar_cmd(&recipe, &out, "openai", &["--base-url", &server.url]).output().unwrap());
+    assert_eq!(s["stages"]["score"], "resumed", "{s}");
+    assert_eq!((s["scored"].as_u64(), s["failed"].as_u64()), (Some(32), Some(0)), "{s}");
+}

@@ -671,3 +671,57 @@ fn oversized_replies_fail_clearly() {
     }
     assert_eq!(server.log().iter().filter(|l| l.outcome == "huge").count(), 2, "not retried");
 }
+
+/// No server at the address: the connector says so (not "name the model"), after its
+/// retries, without asking anything.
+#[test]
+fn no_server_at_the_address_is_named() {
+    let dir = TempDir::new("augment-noserver");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let url = format!("http://127.0.0.1:{port}");
+    let out = augment(&recipe_full(dir.path(), &url, "", "", &minikilt().join("corpus.jsonl")), "shortqa", 3, &dir.path().join("r.jsonl"), &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains(&format!("no server answers at {url}")) && stderr(&out).contains("--base-url"), "{}", stderr(&out));
+}
+
+/// A server that goes away in the middle of a run: the run stops once every worker's last
+/// item found no server (it does not fail the rest one by one after their retries), keeps
+/// what was answered, and a rerun against the server restarted on another port asks only
+/// the rest.
+#[test]
+fn a_server_that_goes_away_stops_the_run_and_a_rerun_asks_the_rest() {
+    let dir = TempDir::new("augment-gone");
+    const N: usize = 60;
+    let server = FakeServer::start(Options { delay: Duration::from_millis(30), ..Options::default() });
+    let out_path = dir.path().join("results.jsonl");
+    let corpus = minikilt().join("corpus.jsonl");
+    let run = augment_command(&recipe_full(dir.path(), &server.url, "fake", "", &corpus), "shortqa", N, &out_path, &["--workers", "4"], KEY)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while server.log().iter().filter(|l| l.outcome == "ok").count() < 8 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no progress");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    server.shut_down();
+    let out = run.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("the target stopped answering") && stderr(&out).contains("a rerun asks only the rest"), "{}", stderr(&out));
+    let recs = records(&out_path);
+    let answered: HashSet<String> = recs.iter().filter(|r| r["error"].is_null()).map(|r| r["_id"].as_str().unwrap().to_string()).collect();
+    let unreachable = recs.iter().filter(|r| r["error"].as_str().is_some_and(|e| e.starts_with("unreachable:"))).count();
+    assert!(answered.len() >= 8, "{} answered", answered.len());
+    assert!((4..=8).contains(&unreachable), "stops after the workers' last items: {unreachable} found no server");
+    assert!(recs.len() < N, "asked every item after the server went away: {} records", recs.len());
+    // Back on another port: only what was not answered is asked.
+    let back = FakeServer::start(Options::default());
+    let out = augment(&recipe_full(dir.path(), &back.url, "fake", ", cache = false", &corpus), "shortqa", N, &out_path, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let asked: HashSet<String> = back.log().iter().map(|l| l.prompt.clone()).collect();
+    assert_eq!(back.log().len(), N - answered.len(), "asked again what was answered");
+    assert_eq!(asked.len(), N - answered.len());
+    let s: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!((s["items"].as_u64(), s["failed"].as_u64()), (Some(N as u64), Some(0)), "{s}");
+}

@@ -87,6 +87,9 @@ impl Default for Options {
 
 struct State {
     opts: Options,
+    /// Set by `shut_down`: the port is closed and open connections are dropped at their next
+    /// request, as when a server process dies.
+    stopped: AtomicBool,
     log: Mutex<Vec<Logged>>,
     asked: Mutex<HashMap<String, usize>>,
 }
@@ -94,19 +97,17 @@ struct State {
 pub struct FakeServer {
     pub url: String,
     state: Arc<State>,
-    stop: Arc<AtomicBool>,
 }
 
 impl FakeServer {
     pub fn start(opts: Options) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        let state = Arc::new(State { opts, log: Mutex::new(Vec::new()), asked: Mutex::new(HashMap::new()) });
-        let stop = Arc::new(AtomicBool::new(false));
-        let (st, sp) = (state.clone(), stop.clone());
+        let state = Arc::new(State { opts, stopped: AtomicBool::new(false), log: Mutex::new(Vec::new()), asked: Mutex::new(HashMap::new()) });
+        let st = state.clone();
         std::thread::spawn(move || {
             for conn in listener.incoming() {
-                if sp.load(Ordering::Relaxed) {
+                if st.stopped.load(Ordering::Relaxed) {
                     break;
                 }
                 let Ok(conn) = conn else { continue };
@@ -114,7 +115,15 @@ impl FakeServer {
                 std::thread::spawn(move || serve(conn, &st));
             }
         });
-        FakeServer { url, state, stop }
+        FakeServer { url, state }
+    }
+
+    /// Goes away as a killed server does: nothing listens on its port any more (a connection
+    /// is refused), and a connection a client keeps open is closed at its next request.
+    pub fn shut_down(&self) {
+        self.state.stopped.store(true, Ordering::Relaxed);
+        // Wake the accept loop so it sees the flag and drops the listener.
+        let _ = TcpStream::connect(self.url.trim_start_matches("http://"));
     }
 
     /// Every request but `GET /v1/models` (which the connector sends once at start, to learn
@@ -142,9 +151,7 @@ impl FakeServer {
 
 impl Drop for FakeServer {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        // Wake the accept loop so it sees the flag.
-        let _ = TcpStream::connect(self.url.trim_start_matches("http://"));
+        self.shut_down();
     }
 }
 
@@ -164,7 +171,7 @@ fn serve(conn: TcpStream, st: &State) {
     let mut out = conn;
     loop {
         let mut request_line = String::new();
-        if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
+        if reader.read_line(&mut request_line).unwrap_or(0) == 0 || st.stopped.load(Ordering::Relaxed) {
             return;
         }
         let mut words = request_line.split_whitespace();

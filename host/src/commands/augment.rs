@@ -6,7 +6,8 @@
 //! same output is refused while the first goes. The summary on stdout is JSON: `accuracy`
 //! counts failed items wrong (the headline), `accuracy_answered` leaves them out; the exit
 //! code is 0 when every item was answered and 3 when some failed (their error records say
-//! why; rerunning asks them again).
+//! why; rerunning asks them again). A target whose server goes away stops the run (exit 1)
+//! once every worker's last item found no server, the answers so far kept.
 
 use super::encode::{encoder_settings, ModelArgs};
 use crate::augment::config::{AugmentConfig, Task, TaskPrompts};
@@ -195,6 +196,10 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
             let conn: &dyn Connector = conn.as_ref();
             let next = AtomicUsize::new(0);
             let (tx, rx) = mpsc::channel::<Value>();
+            // Items that found no server, in a row: once every worker's last item did, the
+            // server is gone, and asking the rest would only fail each after its retries.
+            let mut unreachable: Vec<String> = Vec::new();
+            let gone_after = workers.min(pending.len()).max(1);
             std::thread::scope(|s| -> Result<()> {
                 for _ in 0..workers.min(pending.len()) {
                     let (tx, next, pending, prompts) = (tx.clone(), &next, &pending, &prompts);
@@ -209,14 +214,31 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
                 drop(tx);
                 for rec in rx {
                     let in_flight = conn.complete(json!({"op": "stats"})).ok().and_then(|s| s["in_flight"].as_u64());
+                    match rec["error"].as_str() {
+                        Some(e) if e.starts_with("unreachable:") => unreachable.push(e.to_string()),
+                        _ => unreachable.clear(),
+                    }
                     if let Err(e) = write(rec, in_flight) {
                         // Stop handing out work; the workers finish what they hold.
                         next.store(usize::MAX / 2, Ordering::Relaxed);
                         return Err(e);
                     }
+                    if unreachable.len() >= gone_after {
+                        next.store(usize::MAX / 2, Ordering::Relaxed);
+                    }
                 }
                 Ok(())
             })?;
+            if unreachable.len() >= gone_after {
+                bar.finish_and_clear();
+                out.sync()?;
+                bail!(
+                    "the target stopped answering: {} items in a row found no server ({}); every answer so far is kept in {}, and a rerun asks only the rest",
+                    unreachable.len(),
+                    unreachable[0],
+                    args.output.display()
+                );
+            }
             conn.complete(json!({"op": "stats"})).unwrap_or(Value::Null)
         }
         Target::Reader(mut reader) => {

@@ -139,6 +139,10 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
             let log = Mutex::new(&mut log);
             let fresh: Mutex<Vec<Value>> = Mutex::new(Vec::new());
             let next = AtomicUsize::new(0);
+            // Queries in a row whose source could not be reached: once every worker's last
+            // query found no server, it is gone, and the rest would only fail after retries.
+            let unreachable = AtomicUsize::new(0);
+            let gone_after = (*workers).min(pending.len()).max(1);
             let job = BlackBox { conn: &conn, prompt, continuation, n, passages: &passages, chars: cfg.aar.passage_chars };
             let started = std::time::Instant::now();
             std::thread::scope(|s| -> Result<()> {
@@ -159,6 +163,13 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
                                 }
                                 drop(pending_source);
                                 log.append(std::slice::from_ref(&record))?;
+                                if found_no_server(&record) {
+                                    if unreachable.fetch_add(1, Ordering::Relaxed) + 1 >= gone_after {
+                                        next.store(usize::MAX / 2, Ordering::Relaxed);
+                                    }
+                                } else {
+                                    unreachable.store(0, Ordering::Relaxed);
+                                }
                                 drop(log);
                                 fresh.lock().unwrap_or_else(|e| e.into_inner()).push(record);
                                 inc(&bar)?;
@@ -171,6 +182,13 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
                 }
                 Ok(())
             })?;
+            if unreachable.load(Ordering::Relaxed) >= gone_after {
+                bail!(
+                    "the source stopped answering: {} queries in a row found no server (the connector's `unreachable`); \
+                     what was scored is kept, and a rerun resumes the stage once the server is back",
+                    unreachable.load(Ordering::Relaxed)
+                );
+            }
             session.seconds = started.elapsed().as_secs_f64();
             let fresh = fresh.into_inner().unwrap_or_else(|e| e.into_inner());
             session.count(&fresh);
@@ -229,6 +247,12 @@ fn inc(bar: &HostProgress) -> Result<()> {
     bar.inc(1)
 }
 
+/// Whether every item of a record failed because no server could be reached.
+fn found_no_server(r: &Value) -> bool {
+    let errors = r["errors"].as_array().map(Vec::as_slice).unwrap_or_default();
+    !errors.is_empty() && errors.iter().all(|e| e.as_str().is_some_and(|e| e.starts_with("unreachable:")))
+}
+
 fn has_failures(r: &Value) -> bool {
     r["errors"].as_array().is_some_and(|e| e.iter().any(|x| !x.is_null()))
 }
@@ -276,6 +300,14 @@ impl BlackBox<'_> {
         let continuation = fill(self.continuation, &[("answer", answer.trim())]);
         let (mut scores, mut errors, mut methods) = (Vec::new(), Vec::new(), Vec::new());
         for id in ids {
+            // A passage that found no server: the query's others would too, each after its
+            // retries. They are recorded with the same error and asked again on a rerun.
+            if let Some(e) = errors.last().filter(|e: &&Value| e.as_str().is_some_and(|e| e.starts_with("unreachable:"))).cloned() {
+                scores.push(Value::Null);
+                errors.push(e);
+                methods.push(Value::Null);
+                continue;
+            }
             let p = &self.passages[id];
             let prompt = fill(self.prompt, &[("passage", char_prefix(&p.text, self.chars)), ("title", &p.title), ("question", &q.query)]);
             let reply = self.conn.complete(json!({"op": "continuation_logprob", "prompt": prompt, "continuation": continuation}));

@@ -45,6 +45,9 @@ pub enum ErrorKind {
     Rejected,
     /// Retryable failures that did not clear within the retry bounds.
     RetriesExhausted,
+    /// The same, the last try unable even to connect: no server listens at the base URL (or
+    /// none answers within `connect_timeout`). Callers stop asking rather than fail every item.
+    Unreachable,
     /// The server answered, but not in a shape this connector understands.
     BadReply,
 }
@@ -55,6 +58,7 @@ impl ErrorKind {
             ErrorKind::ContextLength => "context_length",
             ErrorKind::Rejected => "rejected",
             ErrorKind::RetriesExhausted => "retries_exhausted",
+            ErrorKind::Unreachable => "unreachable",
             ErrorKind::BadReply => "bad_reply",
         }
     }
@@ -246,7 +250,8 @@ pub struct HttpConfig {
 
 enum Attempt {
     Done(Value),
-    Retry { why: String, after: Option<Duration> },
+    /// `connect`: the try could not connect at all.
+    Retry { why: String, after: Option<Duration>, connect: bool },
     Fail(ApiError),
 }
 
@@ -369,13 +374,13 @@ impl Http {
                     count(&self.stats.failures);
                     return Err(self.scrubbed(e));
                 }
-                Attempt::Retry { why, after } => {
+                Attempt::Retry { why, after, connect } => {
                     let wait = after.unwrap_or_else(|| self.backoff(attempt));
                     let elapsed = start.elapsed();
                     if attempt >= self.retry.max_retries || elapsed.saturating_add(wait) > self.retry.budget {
                         count(&self.stats.failures);
                         return Err(self.scrubbed(ApiError::new(
-                            ErrorKind::RetriesExhausted,
+                            if connect { ErrorKind::Unreachable } else { ErrorKind::RetriesExhausted },
                             format!("{path}: gave up after {} attempts in {:.1} s; last: {why}", attempt + 1, elapsed.as_secs_f64()),
                         )));
                     }
@@ -452,7 +457,7 @@ impl Http {
         }
         let resp = match req.send() {
             Ok(r) => r,
-            Err(e) => return Attempt::Retry { why: describe(&e), after: None },
+            Err(e) => return Attempt::Retry { why: describe(&e), after: None, connect: e.is_connect() },
         };
         let status = resp.status();
         let after = retry_after(resp.headers());
@@ -468,7 +473,7 @@ impl Http {
         // Read to one byte past the cap: a body without a length is cut off there, not held whole.
         let mut bytes = Vec::new();
         if let Err(e) = std::io::Read::read_to_end(&mut std::io::Read::take(resp, self.max_body.saturating_add(1)), &mut bytes) {
-            return Attempt::Retry { why: format!("HTTP {status}, body lost: {}", describe_io(&e)), after: None };
+            return Attempt::Retry { why: format!("HTTP {status}, body lost: {}", describe_io(&e)), after: None, connect: false };
         }
         if bytes.len() as u64 > self.max_body {
             return too_big("larger".into());
@@ -489,12 +494,12 @@ impl Http {
                     format!("{path}: HTTP {status} with a body that quotes the API key; it is neither used nor cached"),
                 )),
                 Ok(v) => Attempt::Done(v),
-                Err(e) => Attempt::Retry { why: format!("HTTP {status} with a body that is not JSON ({e}): {}", self.quote(&text, 200)), after },
+                Err(e) => Attempt::Retry { why: format!("HTTP {status} with a body that is not JSON ({e}): {}", self.quote(&text, 200)), after, connect: false },
             };
         }
         let code = status.as_u16();
         if code == 429 || code == 408 || status.is_server_error() {
-            return Attempt::Retry { why: format!("HTTP {status}: {}", self.quote(&text, 200)), after };
+            return Attempt::Retry { why: format!("HTTP {status}: {}", self.quote(&text, 200)), after, connect: false };
         }
         let v = serde_json::from_str::<Value>(&text).unwrap_or(Value::Null);
         Attempt::Fail(classify(code, &v, &self.scrub(text.into_owned())))

@@ -24,8 +24,10 @@
 //!   model sent with requests (`model_from`: `setting`, or `server` when `model` is empty).
 //!
 //! Failures of one request come back as `{"error": {"kind", "message", ...}}`, never as a
-//! failed call, so one bad item never fails a batch. The API key is read from the environment
-//! variable `api_key_env` names and is never returned, logged or cached.
+//! failed call, so one bad item never fails a batch (`kind`: `context_length`, `rejected`,
+//! `retries_exhausted`, `unreachable` when no try could even connect, `bad_reply`). The API
+//! key is read from the environment variable `api_key_env` names and is never returned,
+//! logged or cached.
 
 mod http;
 mod logprobs;
@@ -231,9 +233,15 @@ impl PluginInfo for OpenAi {
         let (model, model_from) = if s.model.trim().is_empty() {
             match (&one_served, &listed) {
                 (Some(one), _) => (one.clone(), "server"),
+                (None, Err(e)) if e.kind == ErrorKind::Unreachable => bail!(
+                    "no server answers at {} (GET /v1/models: {}); start it (scripts/llama-server.sh start prints its URL) or correct base_url (--base-url)",
+                    http.base,
+                    e.message
+                ),
                 (None, Err(e)) => bail!(
-                    "model is empty and the server at {} does not say which model it serves (GET /v1/models: {e}); name the model in `model` (or --model)",
-                    http.base
+                    "model is empty and the server at {} does not say which model it serves (GET /v1/models: {}); name the model in `model` (or --model)",
+                    http.base,
+                    e.message
                 ),
                 (None, Ok(ids)) if ids.is_empty() => bail!("model is empty and GET {}/v1/models lists no model; name the model in `model` (or --model)", http.base),
                 (None, Ok(ids)) => bail!(
@@ -267,8 +275,8 @@ impl PluginInfo for OpenAi {
 
 /// The models the server lists at `GET /v1/models` (llama.cpp its GGUF file or alias, vLLM
 /// its served model names, OpenAI every model the key may use).
-fn served_models(http: &Http) -> Result<Vec<String>, String> {
-    let reply = http.get("/v1/models").map_err(|e| e.message)?;
+fn served_models(http: &Http) -> Result<Vec<String>, ApiError> {
+    let reply = http.get("/v1/models")?;
     Ok(reply["data"].as_array().map(|a| a.iter().filter_map(|m| m["id"].as_str()).filter(|id| !id.is_empty()).map(str::to_string).collect()).unwrap_or_default())
 }
 
