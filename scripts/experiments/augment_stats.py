@@ -199,6 +199,8 @@ def between(out, task, runs):
     for a, b in pairs:
         run, base = correct_by_id(out / f"{task}-{a}.jsonl"), correct_by_id(out / f"{task}-{b}.jsonl")
         ids = sorted(i for i in run if i in base)
+        if not ids:
+            continue
         d, (dlo, dhi), p, nb, nc = paired(base, run, ids)
         print(f"| {a} | {b} | {len(ids)} | {d:+.3f} [{dlo:+.3f}, {dhi:+.3f}] | {p:.2g} ({nb} / {nc}) |")
 

@@ -200,6 +200,9 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
             // server is gone, and asking the rest would only fail each after its retries.
             let mut unreachable: Vec<String> = Vec::new();
             let gone_after = workers.min(pending.len()).max(1);
+            // Latched when it trips (how many in a row, the first error): an item still in
+            // flight that then succeeds (a cached reply) must not undo the stop.
+            let mut gone: Option<(usize, String)> = None;
             std::thread::scope(|s| -> Result<()> {
                 for _ in 0..workers.min(pending.len()) {
                     let (tx, next, pending, prompts) = (tx.clone(), &next, &pending, &prompts);
@@ -223,19 +226,18 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
                         next.store(usize::MAX / 2, Ordering::Relaxed);
                         return Err(e);
                     }
-                    if unreachable.len() >= gone_after {
+                    if gone.is_none() && unreachable.len() >= gone_after {
+                        gone = Some((unreachable.len(), unreachable[0].clone()));
                         next.store(usize::MAX / 2, Ordering::Relaxed);
                     }
                 }
                 Ok(())
             })?;
-            if unreachable.len() >= gone_after {
+            if let Some((count, first)) = gone {
                 bar.finish_and_clear();
                 out.sync()?;
                 bail!(
-                    "the target stopped answering: {} items in a row found no server ({}); every answer so far is kept in {}, and a rerun asks only the rest",
-                    unreachable.len(),
-                    unreachable[0],
+                    "the target stopped answering: {count} items in a row found no server ({first}); every answer so far is kept in {}, and a rerun asks only the rest",
                     args.output.display()
                 );
             }

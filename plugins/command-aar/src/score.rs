@@ -26,7 +26,7 @@ use rak_core::plugin::{Connector, Host, HostProgress, Reader};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 /// One query's scores, aligned with its top N passages.
@@ -143,6 +143,9 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
             // query found no server, it is gone, and the rest would only fail after retries.
             let unreachable = AtomicUsize::new(0);
             let gone_after = (*workers).min(pending.len()).max(1);
+            // Latched when it trips: a query still in flight that then scores must not undo
+            // the stop (the stage would otherwise end on queries never asked).
+            let gone = AtomicBool::new(false);
             let job = BlackBox { conn: &conn, prompt, continuation, n, passages: &passages, chars: cfg.aar.passage_chars };
             let started = std::time::Instant::now();
             std::thread::scope(|s| -> Result<()> {
@@ -165,6 +168,7 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
                                 log.append(std::slice::from_ref(&record))?;
                                 if found_no_server(&record) {
                                     if unreachable.fetch_add(1, Ordering::Relaxed) + 1 >= gone_after {
+                                        gone.store(true, Ordering::Relaxed);
                                         next.store(usize::MAX / 2, Ordering::Relaxed);
                                     }
                                 } else {
@@ -182,11 +186,10 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
                 }
                 Ok(())
             })?;
-            if unreachable.load(Ordering::Relaxed) >= gone_after {
+            if gone.load(Ordering::Relaxed) {
                 bail!(
-                    "the source stopped answering: {} queries in a row found no server (the connector's `unreachable`); \
-                     what was scored is kept, and a rerun resumes the stage once the server is back",
-                    unreachable.load(Ordering::Relaxed)
+                    "the source stopped answering: {gone_after} queries in a row found no server (the connector's `unreachable`); \
+                     what was scored is kept, and a rerun resumes the stage once the server is back"
                 );
             }
             session.seconds = started.elapsed().as_secs_f64();
@@ -302,9 +305,9 @@ impl BlackBox<'_> {
         for id in ids {
             // A passage that found no server: the query's others would too, each after its
             // retries. They are recorded with the same error and asked again on a rerun.
-            if let Some(e) = errors.last().filter(|e: &&Value| e.as_str().is_some_and(|e| e.starts_with("unreachable:"))).cloned() {
+            if errors.last().is_some_and(|e: &Value| e.as_str().is_some_and(|e| e.starts_with("unreachable:"))) {
                 scores.push(Value::Null);
-                errors.push(e);
+                errors.push(json!("unreachable: not asked, an earlier passage of the query found no server"));
                 methods.push(Value::Null);
                 continue;
             }

@@ -25,7 +25,7 @@
 //!
 //! Failures of one request come back as `{"error": {"kind", "message", ...}}`, never as a
 //! failed call, so one bad item never fails a batch (`kind`: `context_length`, `rejected`,
-//! `retries_exhausted`, `unreachable` when no try could even connect, `bad_reply`). The API
+//! `retries_exhausted`, `unreachable` when the last try could not even connect, `bad_reply`). The API
 //! key is read from the environment variable `api_key_env` names and is never returned,
 //! logged or cached.
 
@@ -234,7 +234,7 @@ impl PluginInfo for OpenAi {
             match (&one_served, &listed) {
                 (Some(one), _) => (one.clone(), "server"),
                 (None, Err(e)) if e.kind == ErrorKind::Unreachable => bail!(
-                    "no server answers at {} (GET /v1/models: {}); start it (scripts/llama-server.sh start prints its URL) or correct base_url (--base-url)",
+                    "cannot connect to {} (GET /v1/models: {}); is the server running? (scripts/llama-server.sh start prints its URL), or correct base_url (--base-url)",
                     http.base,
                     e.message
                 ),
