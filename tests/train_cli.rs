@@ -167,6 +167,9 @@ fn bad_training_inputs_are_clear_errors() {
     fails(&run(&mut train_cmd(&lm, &out, &[])), &["lm_supervised", "aar-train"]);
     std::fs::write(&lm, std::fs::read_to_string(&recipe).unwrap().replace("[train]\n", "[train]\nlm_temperature = 0.1\n")).unwrap();
     fails(&run(&mut train_cmd(&lm, &out, &["--max-steps", "1"])), &["lm_temperature", "recipe's loss is \"nce\""]);
+    // NCE's mask of positive copies with a loss that has its own rule.
+    std::fs::write(&lm, std::fs::read_to_string(&recipe).unwrap().replace("[train]\n", "[train]\nmask_positive_copies = true\nloss = \"multi_positive\"\n")).unwrap();
+    fails(&run(&mut train_cmd(&lm, &out, &["--max-steps", "1"])), &["mask_positive_copies", "\"multi_positive\""]);
 
     // An empty passage text named by the training data.
     let corpus = dir.path().join("corpus.jsonl");

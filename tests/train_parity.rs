@@ -297,6 +297,7 @@ fn check(name: &str) {
         task_loss_weight: Default::default(),
         loss: Default::default(),
         lm_temperature: None,
+        mask_positive_copies: false,
     };
     // The sampler needs examples (with negatives, as hard_negatives > 0); train_step does not
     // read them: it takes the groups as given.
@@ -589,6 +590,52 @@ fn whole_step_paths(
         c.see_diff(format!("{name} step-scope loss/{task} ({loss:.6} against {want:.6})"), (loss - want).abs(), 0.0);
         first += p.size()[0];
     }
+    // `mask_positive_copies`: the first task's second query is given its first query's positive,
+    // and (with hard negatives) the last task's first query that passage as its hard negative.
+    // Each query's loss then leaves the other copies of its positive out of its candidates, in
+    // its task's scope and in the step's; unmasked, they count as its negatives.
+    let mut copied = groups.to_vec();
+    let shared = copied[0].passages[0].clone();
+    copied[0].passages[group as usize] = shared.clone();
+    if group > 1 {
+        copied.last_mut().unwrap().passages[1] = shared;
+    }
+    let embedded: Vec<(Tensor, Tensor)> = copied.iter().map(|g| embed(g, &mut encoder)).collect();
+    let step_texts: Vec<&str> = copied.iter().flat_map(|g| g.passages.iter().map(String::as_str)).collect();
+    let all = Tensor::cat(&embedded.iter().map(|(_, p)| p).collect::<Vec<_>>(), 0).to_kind(Kind::Double);
+    // The largest gap between the masked and the unmasked formula: the test must see one.
+    let mut largest_gap = 0f64;
+    for scope in [rak_train::trainer::InBatchNegatives::Task, rak_train::trainer::InBatchNegatives::Step] {
+        let masked = TrainerConfig { mask_positive_copies: true, in_batch_negatives: scope, ..config.clone() };
+        let rec = recorded_step(reg, plugin, settings, &copied, masked, tasks.to_vec(), out, false);
+        let plain = recorded_step(reg, plugin, settings, &copied, TrainerConfig { in_batch_negatives: scope, ..config.clone() }, tasks.to_vec(), out, false);
+        let mut first = 0;
+        for (((g, (q, p)), (task, loss, _)), (_, unmasked, _)) in copied.iter().zip(&embedded).zip(&rec).zip(&plain) {
+            let step = scope == rak_train::trainer::InBatchNegatives::Step;
+            let (cands, texts, at) = if step { (all.shallow_clone(), step_texts.clone(), first) } else { (p.to_kind(Kind::Double), g.passages.iter().map(String::as_str).collect::<Vec<_>>(), 0) };
+            let scores = q.to_kind(Kind::Double).matmul(&cands.tr()) * config.score_scale;
+            let b = q.size()[0];
+            // Mean over queries of −log softmax at the positive, over the rows `keep` allows.
+            let nce = |keep: &dyn Fn(i64, i64) -> bool| {
+                (0..b)
+                    .map(|i| {
+                        let t = at + i * group;
+                        let row: Vec<f64> = (0..texts.len() as i64).filter(|&j| keep(t, j)).map(|j| scores.double_value(&[i, j])).collect();
+                        let top = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        top + row.iter().map(|x| (x - top).exp()).sum::<f64>().ln() - scores.double_value(&[i, t])
+                    })
+                    .sum::<f64>()
+                    / b as f64
+            };
+            let want = nce(&|t, j| j == t || texts[j as usize] != texts[t as usize]);
+            let want_plain = nce(&|_, _| true);
+            largest_gap = largest_gap.max(want_plain - want);
+            c.see_diff(format!("{name} masked copies, {scope:?} scope, loss/{task} ({loss:.6} against {want:.6})"), (loss - want).abs(), 1e-9);
+            c.see_diff(format!("{name} copies not masked, {scope:?} scope, loss/{task} ({unmasked:.6} against {want_plain:.6})"), (unmasked - want_plain).abs(), 1e-9);
+            first += p.size()[0];
+        }
+    }
+    assert!(largest_gap > 1e-4, "{name}: the copies never changed the loss (largest gap {largest_gap:e}): the test shows nothing");
     c
 }
 

@@ -13,8 +13,10 @@ use tch::{Kind, Tensor};
 /// candidate for every query; the loss is the mean cross-entropy with the query's positive as
 /// target, over the scores `scale · <q, p>` (1: REFERENCE §1's raw dot product; unit-length
 /// embeddings need a larger one, as sentence-transformers' 20, or cosines in [-1, 1] keep the
-/// softmax nearly flat).
-pub fn nce_loss(q: &Tensor, p: &Tensor, group: usize, scale: f64) -> Result<Tensor> {
+/// softmax nearly flat). `copies[i]` (empty, or one list per query) are rows left out of query
+/// `i`'s candidates: other copies of its positive (see [`copies_of_positives`]), which would
+/// otherwise be its negatives.
+pub fn nce_loss(q: &Tensor, p: &Tensor, group: usize, scale: f64, copies: &[Vec<i64>]) -> Result<Tensor> {
     let (b, d) = q.size2()?;
     let (rows, pd) = p.size2()?;
     if group == 0 || rows != b * group as i64 || pd != d {
@@ -23,13 +25,36 @@ pub fn nce_loss(q: &Tensor, p: &Tensor, group: usize, scale: f64) -> Result<Tens
     let scores = q.matmul(&p.tr());
     let scores = if scale == 1.0 { scores } else { scores * scale };
     let targets = Tensor::arange(b, (Kind::Int64, q.device())) * group as i64;
-    Ok(scores.to_kind(Kind::Float).cross_entropy_for_logits(&targets))
+    Ok(without(scores.to_kind(Kind::Float), copies)?.cross_entropy_for_logits(&targets))
+}
+
+/// `scores` (`[B, N]`) with each row `i`'s `copies[i]` set to −∞ (no copies: as it is).
+fn without(scores: Tensor, copies: &[Vec<i64>]) -> Result<Tensor> {
+    if copies.iter().all(Vec::is_empty) {
+        return Ok(scores);
+    }
+    let (b, n) = scores.size2()?;
+    if copies.len() != b as usize {
+        bail!("{} lists of copies for {b} queries", copies.len());
+    }
+    let mut mask = vec![false; (b * n) as usize];
+    for (i, rows) in copies.iter().enumerate() {
+        for &j in rows {
+            if j < 0 || j >= n {
+                bail!("copy row {j} is outside the batch of {n} passages");
+            }
+            mask[i * n as usize + j as usize] = true;
+        }
+    }
+    let mask = Tensor::from_slice(&mask).view([b, n]).to_device(scores.device());
+    Ok(scores.masked_fill(&mask, f64::NEG_INFINITY))
 }
 
 /// NCE of queries `q` (`[B, d]`) against any candidate set `candidates` (`[N, d]`), query
 /// `i`'s positive at row `first + i·group`: the loss with in-batch negatives from the whole
-/// step (every task's passages) rather than the query's own task. Single process.
-pub fn nce_loss_against(q: &Tensor, candidates: &Tensor, first: i64, group: usize, scale: f64) -> Result<Tensor> {
+/// step (every task's passages) rather than the query's own task; `copies` as in [`nce_loss`],
+/// rows of `candidates`. Single process.
+pub fn nce_loss_against(q: &Tensor, candidates: &Tensor, first: i64, group: usize, scale: f64, copies: &[Vec<i64>]) -> Result<Tensor> {
     let (b, d) = q.size2()?;
     let (n, cd) = candidates.size2()?;
     if group == 0 || cd != d || first < 0 || first + b * group as i64 > n {
@@ -38,7 +63,7 @@ pub fn nce_loss_against(q: &Tensor, candidates: &Tensor, first: i64, group: usiz
     let scores = q.matmul(&candidates.tr());
     let scores = if scale == 1.0 { scores } else { scores * scale };
     let targets = Tensor::arange(b, (Kind::Int64, q.device())) * group as i64 + first;
-    Ok(scores.to_kind(Kind::Float).cross_entropy_for_logits(&targets))
+    Ok(without(scores.to_kind(Kind::Float), copies)?.cross_entropy_for_logits(&targets))
 }
 
 /// AAR's multi-positive loss (REFERENCE §6): for each (query, positive) pair, cross-entropy of
@@ -147,7 +172,7 @@ mod tests {
         let q = t(&[1.0, 0.0, 0.5, 0.5], 2);
         let p = t(&[1.0, 0.1, 0.0, 1.0, 0.3, 0.3, 0.2, 0.9], 4);
         for scale in [1.0, 20.0] {
-        let loss = nce_loss(&q, &p, 2, scale).unwrap().double_value(&[]);
+        let loss = nce_loss(&q, &p, 2, scale, &[]).unwrap().double_value(&[]);
         let s = |a: [f64; 2], b: [f64; 2]| scale * (a[0] * b[0] + a[1] * b[1]);
         let qs = [[1.0, 0.0], [0.5, 0.5]];
         let ps = [[1.0, 0.1], [0.0, 1.0], [0.3, 0.3], [0.2, 0.9]];
@@ -160,7 +185,7 @@ mod tests {
         want /= 2.0;
         assert!((loss - want).abs() < 1e-5, "scale {scale}: {loss} vs {want}");
         }
-        assert!(nce_loss(&q, &p, 3, 1.0).is_err());
+        assert!(nce_loss(&q, &p, 3, 1.0, &[]).is_err());
     }
 
     /// Against `nce_loss` on a candidate block, and against the formula with candidates before
@@ -169,15 +194,43 @@ mod tests {
     fn nce_against_a_larger_candidate_set() {
         let q = t(&[1.0, 0.0, 0.5, 0.5], 2);
         let own = t(&[1.0, 0.1, 0.0, 1.0, 0.3, 0.3, 0.2, 0.9], 4);
-        let same = nce_loss_against(&q, &own, 0, 2, 20.0).unwrap().double_value(&[]);
-        assert!((same - nce_loss(&q, &own, 2, 20.0).unwrap().double_value(&[])).abs() < 1e-6);
+        let same = nce_loss_against(&q, &own, 0, 2, 20.0, &[]).unwrap().double_value(&[]);
+        assert!((same - nce_loss(&q, &own, 2, 20.0, &[]).unwrap().double_value(&[])).abs() < 1e-6);
         let other = t(&[0.9, 0.0, -1.0, 0.5], 2);
         let all = Tensor::cat(&[&other, &own], 0);
-        let loss = nce_loss_against(&q, &all, 2, 2, 1.0).unwrap().double_value(&[]);
+        let loss = nce_loss_against(&q, &all, 2, 2, 1.0, &[]).unwrap().double_value(&[]);
         let s = all.matmul(&q.tr()).tr().to_kind(Kind::Double);
         let want = (0..2).map(|i| s.get(i).logsumexp([0i64].as_slice(), false).double_value(&[]) - s.double_value(&[i, 2 + 2 * i])).sum::<f64>() / 2.0;
         assert!((loss - want).abs() < 1e-6, "{loss} vs {want}");
-        assert!(nce_loss_against(&q, &all, 3, 2, 1.0).is_err(), "the groups run past the candidates");
+        assert!(nce_loss_against(&q, &all, 3, 2, 1.0, &[]).is_err(), "the groups run past the candidates");
+    }
+
+    /// Two queries on one passage: each one's positive is the other's in-batch negative. Masked,
+    /// each query's loss is the loss over its candidates without that copy (checked against the
+    /// formula, and against the batch with the copy's row dropped); unmasked, the copy scores as
+    /// high as the positive, so the loss stays above ln 2 however well the model does.
+    #[test]
+    fn nce_leaves_copies_of_the_positive_out_of_the_negatives() {
+        let q = t(&[1.0, 0.0, 0.8, 0.6], 2);
+        // Query 0: positive "a" (row 0), hard negative "x" (row 1); query 1: positive "a" again
+        // (row 2), hard negative "y" (row 3).
+        let p = t(&[1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.6, -0.8], 4);
+        let texts = ["a", "x", "a", "y"];
+        let copies = copies_of_positives(&texts, &[vec![0], vec![2]]);
+        assert_eq!(copies, vec![vec![2], vec![0]]);
+        for scale in [1.0, 20.0] {
+            let masked = nce_loss(&q, &p, 2, scale, &copies).unwrap().double_value(&[]);
+            let s = p.matmul(&q.tr()).tr().to_kind(Kind::Double) * scale;
+            let lse = |i: i64, rows: &[i64]| rows.iter().map(|&j| s.double_value(&[i, j]).exp()).sum::<f64>().ln();
+            let want = ((lse(0, &[0, 1, 3]) - s.double_value(&[0, 0])) + (lse(1, &[1, 2, 3]) - s.double_value(&[1, 2]))) / 2.0;
+            assert!((masked - want).abs() < 1e-5, "scale {scale}: {masked} vs {want}");
+            let against = nce_loss_against(&q, &p, 0, 2, scale, &copies).unwrap().double_value(&[]);
+            assert!((against - masked).abs() < 1e-6);
+        }
+        let unmasked = nce_loss(&q, &p, 2, 100.0, &[]).unwrap().double_value(&[]);
+        assert!(unmasked > 2f64.ln() - 1e-6 && nce_loss(&q, &p, 2, 100.0, &copies).unwrap().double_value(&[]) < 0.01, "{unmasked}");
+        assert!(nce_loss(&q, &p, 2, 1.0, &[vec![4], vec![]]).is_err(), "a copy outside the batch");
+        assert!(nce_loss(&q, &p, 2, 1.0, &[vec![2]]).is_err(), "one list for two queries");
     }
 
     #[test]

@@ -110,6 +110,10 @@ pub struct TrainSection {
     /// string. Answers that are labels (FEVER's SUPPORTS) are matched as words too: on
     /// mini-KILT 1 of fever's 392 top BM25 negatives held one.
     pub exclude_answer_negatives: bool,
+    /// NCE: a copy of a query's positive elsewhere in the batch (another query on the same
+    /// passage, or another's hard negative that is it) is left out of its candidates instead
+    /// of counting as a negative (the multi-positive loss always does this).
+    pub mask_positive_copies: bool,
     /// `nce` (one positive per query), `multi_positive` (AAR's: every positive of a query) or
     /// `lm_supervised` (REPLUG's KL toward a language model's scores of each query's passages;
     /// only for examples that carry them, as `host aar-train` gives).
@@ -152,6 +156,7 @@ impl Default for TrainSection {
             task_loss_weight: TaskLossWeight::Equal,
             exclude_gold_pages: false,
             exclude_answer_negatives: false,
+            mask_positive_copies: false,
             loss: LossKind::Nce,
             lm_temperature: None,
         }

@@ -119,7 +119,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         (LossKind::LmSupervised, None) => Some(0.1),
         (_, given) => given,
     };
-    check_loss_settings(t.loss, t.hard_negatives, lm_temperature)?;
+    check_loss_settings(t.loss, t.hard_negatives, lm_temperature, t.mask_positive_copies)?;
     let out = &spec.output_dir;
     let episodes = t.ance_episodes;
     let mut group = spec.rendezvous.as_ref().map(ProcessGroup::join).transpose()?;
@@ -215,6 +215,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         task_loss_weight: t.task_loss_weight,
         loss: t.loss,
         lm_temperature,
+        mask_positive_copies: t.mask_positive_copies,
     };
     let names: Vec<String> = tasks.iter().map(|t| format!("{} ({} queries)", t.name, t.examples.len())).collect();
     let episodes_text = if episodes > 0 { format!(", then {episodes} ANCE episodes of {episode_steps} steps") } else { String::new() };

@@ -127,6 +127,12 @@ pub struct TrainerConfig {
     /// before it existed still resume).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lm_temperature: Option<f64>,
+    /// NCE: a copy of a query's positive elsewhere in the batch (another query's positive on
+    /// the same passage, or another's hard negative that is it) is left out of its candidates
+    /// rather than counted a negative. Written only when set, so that runs made before it
+    /// existed still resume.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mask_positive_copies: bool,
 }
 
 fn one() -> f64 {
@@ -134,9 +140,15 @@ fn one() -> f64 {
 }
 
 /// The settings that go with (or only with) a loss: `lm_supervised` takes no hard negatives
-/// and a positive `lm_temperature`, which no other loss takes. `host train` checks them before
-/// any work; the trainer again for whoever builds one directly.
-pub fn check_loss_settings(loss: LossKind, hard_negatives: usize, lm_temperature: Option<f64>) -> Result<()> {
+/// and a positive `lm_temperature`, which no other loss takes; `mask_positive_copies` is NCE's.
+/// `host train` checks them before any work; the trainer again for whoever builds one directly.
+pub fn check_loss_settings(loss: LossKind, hard_negatives: usize, lm_temperature: Option<f64>, mask_positive_copies: bool) -> Result<()> {
+    if mask_positive_copies && loss != LossKind::Nce {
+        bail!(
+            "mask_positive_copies is the nce loss's setting (multi_positive always leaves copies of a query's positives out; lm_supervised has no in-batch negatives); this recipe's loss is {}",
+            serde_json::to_string(&loss)?
+        );
+    }
     if loss != LossKind::LmSupervised {
         if lm_temperature.is_some() {
             bail!("lm_temperature is the lm_supervised loss's setting; this recipe's loss is {}", serde_json::to_string(&loss)?);
@@ -316,7 +328,7 @@ impl<'a> Trainer<'a> {
         if config.batch_size == 0 || config.max_steps == 0 {
             bail!("the batch size and the number of steps must be positive");
         }
-        check_loss_settings(config.loss, config.hard_negatives, config.lm_temperature)?;
+        check_loss_settings(config.loss, config.hard_negatives, config.lm_temperature, config.mask_positive_copies)?;
         if config.loss == LossKind::LmSupervised {
             for t in &tasks {
                 for e in &t.examples {
@@ -520,9 +532,20 @@ impl<'a> Trainer<'a> {
     /// order), which tell copies of a query's positives apart from its negatives.
     fn task_loss(&self, g: &TaskGroup, q: &Tensor, own: &Tensor, step: Option<(&Tensor, i64)>, step_texts: &[&str]) -> Result<Tensor> {
         let (n, scale) = (1 + self.config.hard_negatives, self.config.score_scale);
+        // NCE's positives are each query's first passage; their copies, if they are masked.
+        let copies = |texts: &[&str], first: i64| -> Vec<Vec<i64>> {
+            if !self.config.mask_positive_copies {
+                return Vec::new();
+            }
+            let positives: Vec<Vec<i64>> = (0..g.queries.len() as i64).map(|i| vec![first + i * n as i64]).collect();
+            copies_of_positives(texts, &positives)
+        };
         match (&g.targets, step) {
-            (Targets::OnePositive, None) => nce_loss(q, own, n, scale),
-            (Targets::OnePositive, Some((all, first))) => nce_loss_against(q, all, first, n, scale),
+            (Targets::OnePositive, None) => {
+                let texts: Vec<&str> = g.passages.iter().map(String::as_str).collect();
+                nce_loss(q, own, n, scale, &copies(&texts, 0))
+            }
+            (Targets::OnePositive, Some((all, first))) => nce_loss_against(q, all, first, n, scale, &copies(step_texts, first)),
             (Targets::Positives(rows), None) => {
                 let texts: Vec<&str> = g.passages.iter().map(String::as_str).collect();
                 multi_positive_loss(q, own, rows, &copies_of_positives(&texts, rows), scale)

@@ -154,7 +154,7 @@ fn gradient_sensitivities(registry: &Registry, recipe: &Recipe, dir: &Path, args
             let passages: Vec<&str> = batch.iter().map(|&i| texts[&task.examples[i].positives[0]].as_str()).collect();
             let q = encoder.encode(&queries, Role::Query, task_names.then_some(task.name.as_str()), true)?;
             let p = encoder.encode(&passages, Role::Passage, None, true)?;
-            let loss = nce_loss(&q, &p, 1, recipe.train.score_scale)?;
+            let loss = nce_loss(&q, &p, 1, recipe.train.score_scale, &[])?;
             loss.backward();
             let grads: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.grad())).collect();
             acc.add(&task.name, &params, &grads)?;
