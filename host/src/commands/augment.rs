@@ -198,7 +198,7 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
             let (tx, rx) = mpsc::channel::<Value>();
             // Items that found no server, in a row: once every worker's last item did, the
             // server is gone, and asking the rest would only fail each after its retries.
-            let mut unreachable: Vec<String> = Vec::new();
+            let mut in_a_row: (usize, String) = (0, String::new());
             let gone_after = workers.min(pending.len()).max(1);
             // Latched when it trips (how many in a row, the first error): an item still in
             // flight that then succeeds (a cached reply) must not undo the stop.
@@ -218,16 +218,21 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
                 for rec in rx {
                     let in_flight = conn.complete(json!({"op": "stats"})).ok().and_then(|s| s["in_flight"].as_u64());
                     match rec["error"].as_str() {
-                        Some(e) if e.starts_with("unreachable:") => unreachable.push(e.to_string()),
-                        _ => unreachable.clear(),
+                        Some(e) if e.starts_with("unreachable:") => {
+                            if in_a_row.0 == 0 {
+                                in_a_row.1 = e.to_string();
+                            }
+                            in_a_row.0 += 1;
+                        }
+                        _ => in_a_row.0 = 0,
                     }
                     if let Err(e) = write(rec, in_flight) {
                         // Stop handing out work; the workers finish what they hold.
                         next.store(usize::MAX / 2, Ordering::Relaxed);
                         return Err(e);
                     }
-                    if gone.is_none() && unreachable.len() >= gone_after {
-                        gone = Some((unreachable.len(), unreachable[0].clone()));
+                    if gone.is_none() && in_a_row.0 >= gone_after {
+                        gone = Some(in_a_row.clone());
                         next.store(usize::MAX / 2, Ordering::Relaxed);
                     }
                 }

@@ -141,7 +141,7 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
             let next = AtomicUsize::new(0);
             // Queries in a row whose source could not be reached: once every worker's last
             // query found no server, it is gone, and the rest would only fail after retries.
-            let unreachable = AtomicUsize::new(0);
+            let in_a_row = AtomicUsize::new(0);
             let gone_after = (*workers).min(pending.len()).max(1);
             // Latched when it trips: a query still in flight that then scores must not undo
             // the stop (the stage would otherwise end on queries never asked).
@@ -167,12 +167,12 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
                                 drop(pending_source);
                                 log.append(std::slice::from_ref(&record))?;
                                 if found_no_server(&record) {
-                                    if unreachable.fetch_add(1, Ordering::Relaxed) + 1 >= gone_after {
+                                    if in_a_row.fetch_add(1, Ordering::Relaxed) + 1 >= gone_after {
                                         gone.store(true, Ordering::Relaxed);
                                         next.store(usize::MAX / 2, Ordering::Relaxed);
                                     }
                                 } else {
-                                    unreachable.store(0, Ordering::Relaxed);
+                                    in_a_row.store(0, Ordering::Relaxed);
                                 }
                                 drop(log);
                                 fresh.lock().unwrap_or_else(|e| e.into_inner()).push(record);
@@ -253,7 +253,12 @@ fn inc(bar: &HostProgress) -> Result<()> {
 /// Whether every item of a record failed because no server could be reached.
 fn found_no_server(r: &Value) -> bool {
     let errors = r["errors"].as_array().map(Vec::as_slice).unwrap_or_default();
-    !errors.is_empty() && errors.iter().all(|e| e.as_str().is_some_and(|e| e.starts_with("unreachable:")))
+    !errors.is_empty() && errors.iter().all(unreachable)
+}
+
+/// An item's error says the connector found no server (its kind `unreachable`).
+fn unreachable(error: &Value) -> bool {
+    error.as_str().is_some_and(|e| e.starts_with("unreachable:"))
 }
 
 fn has_failures(r: &Value) -> bool {
@@ -305,7 +310,7 @@ impl BlackBox<'_> {
         for id in ids {
             // A passage that found no server: the query's others would too, each after its
             // retries. They are recorded with the same error and asked again on a rerun.
-            if errors.last().is_some_and(|e: &Value| e.as_str().is_some_and(|e| e.starts_with("unreachable:"))) {
+            if errors.last().is_some_and(unreachable) {
                 scores.push(Value::Null);
                 errors.push(json!("unreachable: not asked, an earlier passage of the query found no server"));
                 methods.push(Value::Null);
