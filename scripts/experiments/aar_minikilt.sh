@@ -2,9 +2,13 @@
 # AAR on mini-KILT (issue 22; docs/RESULTS.md): retrievers adapted to a small black-box source
 # LM, judged by target LMs that never saw them.
 #
-#   scripts/experiments/aar_minikilt.sh                     # train the three retrievers, then judge every row
-#   STAGE=train scripts/experiments/aar_minikilt.sh         # only train (STAGE=judge: only judge)
-#   QUERIES=400 TARGETS="qwen2.5-coder-1.5b" EVERY=8 ...    # sizes (defaults below)
+#   scripts/experiments/aar_minikilt.sh                     # train the three retrievers, evaluate their retrieval, judge every row
+#   STAGE=train scripts/experiments/aar_minikilt.sh         # only train (STAGE=eval: only retrieval; STAGE=judge: only judge)
+#   QUERIES=400 TARGETS="qwen2.5-coder-1.5b" EVERY=8 ...    # sizes (defaults below); EVERY= (empty) judges every question
+#   RUNS=runs/aar-authors AUGMENT_OUT=runs/augment-authors TASKS=shortqa RETRIEVERS=minilm EVERY= ...
+#       # a second set of retrievers beside the first (their indexes and judgements apart), judged
+#       # on every short-answer question, against zero-shot MiniLM only (JUDGED="aar human":
+#       # which trained retrievers are judged)
 #
 # Training (the same squad training queries, negatives, seed and steps for each; the recipe is
 # configs/aar/minikilt-smollm2.toml, the source SmolLM2-135M-Instruct behind llama-server):
@@ -17,9 +21,15 @@
 # docs/TARGETS.md says (chat.toml for the instruction-tuned Qwen models, openai.toml for
 # gemma-3-270m, a base model). TRAINED=DIR adds a `host train` model to the comparison.
 #
+# Retrieval (STAGE=eval): each retriever (and zero-shot MiniLM, and TRAINED) encodes the corpus,
+# searches squad and wikidata dev (exact inner product, top 100) and is evaluated per query;
+# scripts/experiments/aar_retrieval_table.py prints the table with 95% intervals and paired
+# differences (RUNS/eval/table.md).
+#
 # Everything resumes: aar-train's stages, the source's cached replies, the indexes and the
-# results files. Outputs: runs/aar/{aar,human,replug}/ (models, analysis.json, summary.json)
-# and runs/augment/TARGET/ (tables; the same files augment_minikilt.sh writes).
+# results files. Outputs: RUNS/{aar,human,replug}/ (models, analysis.json, summary.json),
+# RUNS/eval/ (runs, metrics, table.md) and AUGMENT_OUT/TARGET/ (tables; the same files
+# augment_minikilt.sh writes; the indexes in AUGMENT_OUT/indexes, shared with RUNS/eval).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 H=${HOST:-target/release/host}
@@ -27,8 +37,10 @@ M=.cache/models/all-MiniLM-L6-v2
 QUERIES=${QUERIES:-200}
 RUNS=${RUNS:-runs/aar}
 TARGETS=${TARGETS:-qwen2.5-coder-0.5b gemma3-270m smollm2 qwen2.5-coder-1.5b}
-EVERY=${EVERY:-8}
+EVERY=${EVERY-8}
 STAGE=${STAGE:-all}
+AUGMENT_OUT=${AUGMENT_OUT:-runs/augment}
+INDEXES=$AUGMENT_OUT/indexes
 mkdir -p "$RUNS"
 
 if [[ $STAGE == all || $STAGE == train ]]; then
@@ -50,8 +62,38 @@ if [[ $STAGE == all || $STAGE == train ]]; then
     trap - EXIT
 fi
 
+if [[ $STAGE == all || $STAGE == eval ]]; then
+    D=data/minikilt
+    ev=$RUNS/eval
+    mkdir -p "$ev" "$INDEXES"
+    systems="minilm=$M aar=$RUNS/aar human=$RUNS/human replug=$RUNS/replug${TRAINED:+ trained=$TRAINED}"
+    for spec in $systems; do
+        name=${spec%%=*} dir=${spec#*=}
+        echo "== retrieval: $name $(date -u +%H:%M:%S)"
+        # The same corpus embeddings and index the judging uses (host encode refuses a model
+        # changed in place, so a retrained model needs a new AUGMENT_OUT).
+        $H encode --encoder dpr --model "$dir" --input $D/corpus.jsonl --output "$INDEXES/$name-corpus"
+        if [[ ! -f $INDEXES/$name-flat/index.json || $INDEXES/$name-corpus/encode.json -nt $INDEXES/$name-flat/index.json ]]; then
+            $H index build --kind flat --embeddings "$INDEXES/$name-corpus" --output "$INDEXES/$name-flat" >/dev/null
+        fi
+        args=()
+        for task in squad wikidata; do
+            q=$D/tasks/$task/queries.dev.jsonl
+            trec=$ev/$name.$task.dev.trec
+            # A model trained on task names (TRAINED) encodes each task's queries as that task's.
+            [[ -f $trec && $trec -nt $INDEXES/$name-flat/index.json ]] || \
+                $H search --index "$INDEXES/$name-flat" --encoder dpr --model "$dir" --queries "$q" --task "$task" --k 100 --output "$trec"
+            args+=(--run "$trec" --qrels "$D/tasks/$task/qrels.dev.tsv" --queries "$q" --task "$task")
+        done
+        $H eval --corpus $D/corpus.jsonl "${args[@]}" --per-query --output "$ev/$name.metrics.json" >/dev/null
+    done
+    .venv/bin/python scripts/experiments/aar_retrieval_table.py "$ev" | tee "$ev/table.md"
+fi
+
 if [[ $STAGE == all || $STAGE == judge ]]; then
-    models="aar=$RUNS/aar human=$RUNS/human replug=$RUNS/replug"
+    # JUDGED: which of the trained retrievers are judged (RETRIEVERS: which built-in ones).
+    models=""
+    for name in ${JUDGED:-aar human replug}; do models+=" $name=$RUNS/$name"; done
     for target in $TARGETS; do
         case $target in
             gemma3-270m) config=configs/augment/openai.toml ;;
@@ -59,6 +101,6 @@ if [[ $STAGE == all || $STAGE == judge ]]; then
         esac
         echo "== judge: $target $(date -u +%H:%M:%S)"
         TARGET=$target CONFIG=$config EVERY=$EVERY MODELS="$models" \
-            scripts/experiments/augment_minikilt.sh
+            OUT=$AUGMENT_OUT/$target INDEXES=$INDEXES scripts/experiments/augment_minikilt.sh
     done
 fi
