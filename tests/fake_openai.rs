@@ -75,8 +75,28 @@ pub struct Options {
     /// What `GET /v1/models` lists; `None`: 404, as a server without the route.
     pub models: Option<Vec<String>>,
     /// The log-probability of a token forced on `/completion`, from the prompt it follows;
-    /// by default -0.5 whatever the prompt.
+    /// by default -0.5 whatever the prompt ([`distinct_logprob`] gives each prompt its own).
     pub forced_logprob: Option<Box<dyn Fn(&str) -> f64 + Send + Sync>>,
+}
+
+/// A forced token's log-probability that differs by the prompt it follows (FNV-1a of it, spread
+/// over [-2.0, -0.1)): a continuation scored after each of several passages gets a different
+/// log-likelihood after each, so a test can tell which passages an LM prefers (with the
+/// default's one value for every prompt, any choice among them is "the best scored").
+pub fn distinct_logprob(prompt: &str) -> f64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in prompt.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    -0.1 - 1.9 * ((h >> 11) as f64 / (1u64 << 53) as f64)
+}
+
+impl Options {
+    /// The default server, but with [`distinct_logprob`] for forced tokens.
+    pub fn distinct_scores() -> Self {
+        Options { forced_logprob: Some(Box::new(distinct_logprob)), ..Options::default() }
+    }
 }
 
 impl Default for Options {
