@@ -13,7 +13,7 @@ fn free_port() -> u16 {
 }
 
 fn rendezvous(port: u16, rank: usize, timeout: Duration) -> Rendezvous {
-    Rendezvous { host: "127.0.0.1".into(), port, rank, world: 2, store_is_client: false, bind: "127.0.0.1".into(), prefix: "test".into(), timeout, nccl: false }
+    Rendezvous { host: "127.0.0.1".into(), port, listen_fd: None, rank, world: 2, store_is_client: false, bind: "127.0.0.1".into(), prefix: "test".into(), timeout, nccl: false }
 }
 
 /// Rank 1: this binary again, running only `test` with the child's variables set.
@@ -183,4 +183,35 @@ fn an_nccl_group_is_built_in_and_leaves_cpu_tensors_to_gloo() {
     }
     assert!(rak_core::dist::nccl_available(), "this build has no NCCL: scripts/install.sh brings CUDA's headers, then rebuild");
     on_two_ranks("an_nccl_group_is_built_in_and_leaves_cpu_tensors_to_gloo", nccl_group);
+}
+
+/// A phase rank 0 runs alone (`after_lead`) may outlast the collective timeout: the others wait
+/// for it however long it takes (a barrier gave up at the timeout), yet fail within seconds
+/// when rank 0 dies (its process serves the store they ask). Here rank 0 is the child.
+#[test]
+fn a_wait_for_rank_0_outlasts_the_timeout_and_ends_when_rank_0_dies() {
+    assert!(AVAILABLE, "this build has no c10d shim");
+    const NAME: &str = "a_wait_for_rank_0_outlasts_the_timeout_and_ends_when_rank_0_dies";
+    // Long enough for the rendezvous of two processes starting on a busy machine.
+    let timeout = Duration::from_secs(8);
+    if let Some(port) = as_child(NAME) {
+        let mut g = ProcessGroup::join(&rendezvous(port, 0, timeout)).unwrap();
+        // Work alone for more than twice the timeout, then die in the next phase.
+        std::thread::sleep(timeout * 5 / 2);
+        g.after_lead("work", &mut |_| {}).unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        std::process::abort();
+    }
+    let port = free_port();
+    let mut child = spawn_rank_1(NAME, port);
+    let mut g = ProcessGroup::join(&rendezvous(port, 1, timeout)).unwrap();
+    let start = Instant::now();
+    g.after_lead("work", &mut |_| {}).unwrap();
+    assert!(start.elapsed() >= timeout * 2, "rank 0 was done after {:?}", start.elapsed());
+    let start = Instant::now();
+    let err = g.after_lead("die", &mut |_| {}).unwrap_err().to_string();
+    assert!(start.elapsed() < Duration::from_secs(15), "took {:?} to notice", start.elapsed());
+    assert!(err.contains("rank 1 of 2: rank 0 is gone") && err.contains("waiting for it to die"), "{err}");
+    eprintln!("{err}");
+    assert!(!child.wait().unwrap().success());
 }

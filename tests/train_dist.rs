@@ -272,3 +272,129 @@ fn a_killed_process_stops_the_run_and_the_world_size_is_kept() {
         .unwrap();
     assert!(!o.status.success() && stderr(&o).contains("run over 2 processes and this one has 1"), "{}", stderr(&o));
 }
+
+/// The LISTEN sockets of process `pid` (from /proc/net/tcp and tcp6): their local addresses,
+/// as the kernel writes them in hex.
+fn listening(pid: i32) -> Vec<String> {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.flatten().filter_map(|e| std::fs::read_link(e.path()).ok()).filter_map(|l| l.to_string_lossy().strip_prefix("socket:[").and_then(|s| s.strip_suffix(']')).map(str::to_string)).collect())
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        for line in std::fs::read_to_string(table).unwrap_or_default().lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() > 9 && f[3] == "0A" && inodes.contains(f[9]) {
+                out.push(f[1].to_string());
+            }
+        }
+    }
+    out
+}
+
+/// Whether a local address of /proc/net/tcp{,6} (`HEXADDR:HEXPORT`) is a loopback one:
+/// 127.x.x.x (its last byte first), ::1, or ::ffff:127.x.x.x.
+fn loopback(addr: &str) -> bool {
+    let ip = addr.split(':').next().unwrap();
+    match ip.len() {
+        8 => ip.ends_with("7F"),
+        32 => ip == "00000000000000000000000001000000" || (ip.starts_with("0000000000000000FFFF0000") && ip.ends_with("7F")),
+        _ => false,
+    }
+}
+
+/// Rank 0 mines the BM25 negatives alone for longer than the collective timeout
+/// (`RAK_DIST_TIMEOUT_S`; each block of queries mined is followed by a pause,
+/// `RAK_TEST_SLOW_MINING_MS`, since mining tiny data takes no time): the other process waits
+/// for it without that bound, and the run trains. Before, it waited in a barrier and failed
+/// at the timeout, every time. The mining is saved a block of queries at a time: a run killed
+/// after the first block mines only the second. While the run goes, no socket of its
+/// processes listens beyond loopback (libtorch's store listened on every interface).
+#[test]
+fn rank_0_mines_alone_past_the_collective_timeout_and_a_rerun_resumes_the_mining() {
+    let dir = TempDir::new("train-dist-slow-mining");
+    let recipe = small_task_data(dir.path(), 24, &TRAIN.replace("max_steps = 4", "max_steps = 1").replace("save_steps = 1", "save_steps = 100"));
+    let model = minilm_without_dropout(dir.path());
+    let out = dir.path().join("out");
+    let command = || {
+        let mut c = Command::new(host_bin());
+        c.args(["train", "--model", p(&model), "--config", p(&recipe), "--output-dir", p(&out), "--optim", "adamw", "--per-device-train-batch-size", "4", "--nproc", "2"])
+            .env_remove("RAK_PLUGIN_PATH")
+            .env_remove("WORLD_SIZE")
+            .env("RAK_DIST_TIMEOUT_S", "10")
+            .env("RAK_TEST_SLOW_MINING_MS", "15000");
+        c
+    };
+    // The first run is killed once the first block (of two: one task each) is saved.
+    let mut run = command().stdout(std::process::Stdio::null()).stderr(std::fs::File::create(dir.path().join("first.txt")).unwrap()).spawn().unwrap();
+    let first_block = out.join("negatives-episode-0.parts/0-0.json");
+    let started = std::time::Instant::now();
+    while !first_block.exists() {
+        assert!(started.elapsed().as_secs() < 300 && run.try_wait().unwrap().is_none(), "no block of negatives saved: {}", std::fs::read_to_string(dir.path().join("first.txt")).unwrap());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let ranks: Vec<i32> = (0..2).flat_map(|r| children_with_rank(run.id(), r)).collect();
+    assert_eq!(ranks.len(), 2, "two processes under the launcher");
+    let mut sockets: Vec<String> = ranks.iter().chain([&(run.id() as i32)]).flat_map(|&pid| listening(pid)).collect();
+    sockets.sort();
+    eprintln!("listening: {sockets:?}");
+    assert!(!sockets.is_empty(), "no listening socket found (the store's, at least)");
+    assert!(sockets.iter().all(|a| loopback(a)), "a socket of the run listens beyond loopback: {sockets:?}");
+    run.kill().unwrap();
+    run.wait().unwrap();
+    // Its processes die with it (before the rerun writes the same folder).
+    let gone = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')));
+    while !ranks.iter().all(|&pid| gone(pid)) {
+        assert!(started.elapsed().as_secs() < 360, "the processes outlived their launcher");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(!out.join("negatives-episode-0.json").exists());
+    // The rerun mines the second block alone: rank 1 waits 15 s, past the 10 s timeout.
+    let o = command().output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("bm25 negatives: 1 of 2 blocks of queries were mined by an earlier run"), "{}", stderr(&o));
+    assert!(out.join("negatives-episode-0.json").exists() && !out.join("negatives-episode-0.parts").exists(), "the blocks are removed once the negatives are saved whole");
+    // The same negatives as one process mining them all at once.
+    let one = dir.path().join("one");
+    train(&recipe, &model, &one, &["--optim", "adamw", "--max-steps", "1"]);
+    let negatives = |out: &Path| -> Value { serde_json::from_str::<Value>(&std::fs::read_to_string(out.join("negatives-episode-0.json")).unwrap()).unwrap()["negatives"].clone() };
+    assert_eq!(negatives(&out), negatives(&one));
+}
+
+/// An ANCE episode interrupted while its processes encode the corpus, resumed by another
+/// number of processes: refused up front with the number of processes it was started over,
+/// not with an error about the corpus parts the shards left in the episode's folder.
+#[test]
+fn an_ance_episode_resumed_by_another_number_of_processes_is_refused_up_front() {
+    let dir = TempDir::new("train-dist-ance-world");
+    let recipe_text = TRAIN.replace("max_steps = 4", "max_steps = 2") + "\nance_episodes = 1\nance_depth = 10";
+    let recipe = small_task_data(dir.path(), 24, &recipe_text);
+    let model = minilm_without_dropout(dir.path());
+    let out = dir.path().join("out");
+    let mut run = Command::new(host_bin())
+        .args(["train", "--model", p(&model), "--config", p(&recipe), "--output-dir", p(&out)])
+        .args(["--optim", "adamw", "--per-device-train-batch-size", "4", "--nproc", "2"])
+        .env_remove("RAK_PLUGIN_PATH")
+        .env_remove("WORLD_SIZE")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let encoding = out.join("episode-1/ance/corpus/parts/manifest.json");
+    while !encoding.exists() {
+        assert!(started.elapsed().as_secs() < 300 && run.try_wait().unwrap().is_none(), "episode 1 never started encoding the corpus");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // The launcher's processes die with it.
+    run.kill().unwrap();
+    run.wait().unwrap();
+    assert!(!out.join("negatives-episode-1.json").exists(), "the kill came after the mining");
+    let o = Command::new(host_bin())
+        .args(["train", "--model", p(&model), "--config", p(&recipe), "--output-dir", p(&out)])
+        .args(["--optim", "adamw", "--per-device-train-batch-size", "8", "--resume-from-checkpoint", "latest"])
+        .env_remove("RAK_PLUGIN_PATH")
+        .env_remove("WORLD_SIZE")
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "resumed over another number of processes");
+    assert!(stderr(&o).contains("was started over 2 processes and this one has 1"), "{}", stderr(&o));
+}

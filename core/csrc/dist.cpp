@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <stdexcept>
+#include <string>
 #include <memory>
 #include <vector>
 
@@ -27,6 +28,8 @@ using rak::guarded;
 
 struct Group {
   c10::intrusive_ptr<c10d::Store> store;
+  // The group's own keys (under its prefix), for the waits of rank-0-only phases.
+  c10::intrusive_ptr<c10d::Store> scoped;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
   // Null unless the group was joined with NCCL.
   c10::intrusive_ptr<c10d::Backend> nccl;
@@ -51,15 +54,17 @@ std::vector<at::Tensor> tensors(void** ts, int n) {
 
 extern "C" {
 
-// Joins a group of `world` processes: rank 0's TCPStore listens on host:port unless
-// `store_is_client` (torchrun's agent already serves the store), the others connect; then a
+// Joins a group of `world` processes: rank 0's TCPStore serves on `listen_fd`, a socket the
+// caller bound to host:port and listens on (TCPStore alone binds every interface, `::` or
+// 0.0.0.0, whatever `host` says), unless `store_is_client` (torchrun's agent already serves
+// the store); the others connect. The server owns `listen_fd` from here on. Then a
 // Gloo process group over the store under `prefix`. Its sockets bind to `bind`: "" this
 // machine's hostname's address (Gloo's default), "iface:NAME" that interface, else that host
 // or address. `timeout_ms` bounds the rendezvous and every collective (a rank that dies makes
 // the others fail within it). With `nccl`, an NCCL group over the same store carries CUDA
 // tensors' collectives (an error in a build without NCCL). Returns the group, or null with the
 // message in `err`.
-void* rak_dist_init(const char* host, int port, int rank, int world, int store_is_client, const char* prefix,
+void* rak_dist_init(const char* host, int port, int listen_fd, int rank, int world, int store_is_client, const char* prefix,
                     const char* bind, long timeout_ms, int nccl, char* err, size_t len) {
   return guarded(err, len, static_cast<void*>(nullptr), [&]() -> void* {
     auto timeout = std::chrono::milliseconds(timeout_ms);
@@ -69,6 +74,10 @@ void* rak_dist_init(const char* host, int port, int rank, int world, int store_i
     opts.numWorkers = world;
     opts.waitWorkers = false;
     opts.timeout = timeout;
+    if (opts.isServer) {
+      if (listen_fd < 0) throw std::runtime_error("rank 0 serves the store but was given no listening socket");
+      opts.masterListenFd = listen_fd;
+    }
     auto store = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
     auto scoped = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), store);
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
@@ -92,7 +101,7 @@ void* rak_dist_init(const char* host, int port, int rank, int world, int store_i
       throw std::runtime_error("this build has no NCCL (the CUDA and NCCL headers were not found when it was built)");
 #endif
     }
-    return new Group{store, pg, nccl_pg};
+    return new Group{store, scoped, pg, nccl_pg};
   });
 }
 
@@ -146,6 +155,21 @@ int rak_dist_broadcast(void* g, void* t, int root, char* err, size_t len) {
     group(g)->on(v[0]).broadcast(v, opts)->wait();
     return 1;
   });
+}
+
+// Sets `key` of the group's store to `value`.
+int rak_dist_store_set(void* g, const char* key, const char* value, char* err, size_t len) {
+  return guarded(err, len, 0, [&] {
+    std::string v(value);
+    group(g)->scoped->set(std::string(key), std::vector<uint8_t>(v.begin(), v.end()));
+    return 1;
+  });
+}
+
+// Whether `key` is set in the group's store, at once (1 or 0); -1 with the message in `err`
+// when the store cannot be asked (its server, rank 0's process, is gone).
+int rak_dist_store_check(void* g, const char* key, char* err, size_t len) {
+  return guarded(err, len, -1, [&] { return group(g)->scoped->check({std::string(key)}) ? 1 : 0; });
 }
 
 int rak_dist_barrier(void* g, char* err, size_t len) {

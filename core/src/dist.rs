@@ -6,16 +6,22 @@
 //! Collectives carry no autograd: a caller that gathers embeddings for the loss puts its own
 //! slice, with its graph, back in place of the gathered copy.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use std::time::Duration;
 use tch::Tensor;
 
 /// Where and how a process joins its group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rendezvous {
-    /// The store's host (rank 0's address) and port.
+    /// The store's host (rank 0's address) and port. Rank 0's store listens on this address
+    /// only (libtorch's own TCPStore would listen on every interface).
     pub host: String,
     pub port: u16,
+    /// A socket already bound to the store's address and listening, for rank 0's store to
+    /// serve on (`RAK_DIST_LISTEN_FD`: `host train --nproc` binds port 0 itself and hands the
+    /// socket to rank 0, so no other program can take the port between its choice and its
+    /// use). The first `join` takes it over. `None`: rank 0 binds `host:port` itself.
+    pub listen_fd: Option<i32>,
     pub rank: usize,
     pub world: usize,
     /// The store is already served (torchrun's agent store): every rank connects as a client.
@@ -38,7 +44,8 @@ impl Rendezvous {
     /// `MASTER_ADDR` (default 127.0.0.1), `MASTER_PORT`, and `TORCHELASTIC_USE_AGENT_STORE`
     /// (`True`: the agent serves the store), `GLOO_SOCKET_IFNAME` (the interface to bind; with
     /// none, loopback when `MASTER_ADDR` is a loopback address, else Gloo's default) and
-    /// `TORCHELASTIC_RESTART_COUNT`. `None` when `WORLD_SIZE` is unset.
+    /// `TORCHELASTIC_RESTART_COUNT`, and `RAK_DIST_LISTEN_FD` (rank 0: the store's listening
+    /// socket, from `host train --nproc`). `None` when `WORLD_SIZE` is unset.
     pub fn from_env(timeout: Duration) -> Result<Option<Self>> {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         let Some(world) = var("WORLD_SIZE") else { return Ok(None) };
@@ -49,6 +56,10 @@ impl Rendezvous {
         let Some(port) = var("MASTER_PORT") else { bail!("WORLD_SIZE is set but MASTER_PORT is not: the rendezvous needs rank 0's port") };
         let port: u16 = port.parse().map_err(|_| anyhow::anyhow!("MASTER_PORT={port:?} is not a port number"))?;
         let host = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+        let listen_fd = match var("RAK_DIST_LISTEN_FD") {
+            Some(v) => Some(v.parse::<i32>().ok().filter(|fd| *fd >= 0).ok_or_else(|| anyhow::anyhow!("RAK_DIST_LISTEN_FD={v:?} is not a file descriptor"))?),
+            None => None,
+        };
         let bind = match var("GLOO_SOCKET_IFNAME") {
             Some(iface) => format!("iface:{iface}"),
             None if host.starts_with("127.") || host == "localhost" => "127.0.0.1".into(),
@@ -57,6 +68,7 @@ impl Rendezvous {
         let r = Rendezvous {
             host,
             port,
+            listen_fd,
             rank,
             world,
             store_is_client: var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true")),
@@ -75,6 +87,32 @@ impl Rendezvous {
         }
         Ok(())
     }
+
+    /// Whether this process serves the store (rank 0, unless a launcher's agent does).
+    pub fn serves_store(&self) -> bool {
+        self.rank == 0 && !self.store_is_client
+    }
+}
+
+/// The socket rank 0's store serves on: the one handed over (checked to be a listening TCP
+/// socket), else a new one bound to `host:port` (every address `host` resolves to is tried).
+/// The caller owns the returned descriptor.
+#[cfg_attr(not(rak_c10d), allow(dead_code))]
+fn store_socket(r: &Rendezvous) -> Result<i32> {
+    use std::os::fd::IntoRawFd;
+    if let Some(fd) = r.listen_fd {
+        let mut listening: libc::c_int = 0;
+        let mut size = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: reads one int option of a descriptor into a buffer of its size.
+        let ok = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ACCEPTCONN, (&mut listening as *mut libc::c_int).cast(), &mut size) } == 0;
+        if !ok || listening == 0 {
+            bail!("RAK_DIST_LISTEN_FD={fd} is not a listening socket of this process");
+        }
+        return Ok(fd);
+    }
+    let listener = std::net::TcpListener::bind((r.host.as_str(), r.port))
+        .with_context(|| format!("rank 0 cannot listen on MASTER_ADDR {}, MASTER_PORT {} for the rendezvous (MASTER_ADDR must be an address of this machine)", r.host, r.port))?;
+    Ok(listener.into_raw_fd())
 }
 
 /// A joined process group. Dropping it leaves the group.
@@ -83,6 +121,9 @@ pub struct ProcessGroup {
     handle: *mut std::ffi::c_void,
     rank: usize,
     world: usize,
+    /// How many rank-0-only phases the group has been through: their keys in the store are
+    /// numbered, so no phase ever finds an earlier one's mark.
+    lead_phases: u64,
 }
 
 // SAFETY: c10d process groups are used from one thread at a time here (`&mut self` for every
@@ -123,6 +164,12 @@ mod imp {
         pub fn barrier(&mut self) -> Result<()> {
             bail!("{MISSING}")
         }
+        pub(super) fn store_set(&mut self, _key: &str, _value: &str) -> Result<()> {
+            bail!("{MISSING}")
+        }
+        pub(super) fn store_check(&mut self, _key: &str) -> Result<bool> {
+            bail!("{MISSING}")
+        }
     }
 
     pub const AVAILABLE: bool = false;
@@ -141,6 +188,7 @@ mod imp {
         fn rak_dist_init(
             host: *const c_char,
             port: i32,
+            listen_fd: i32,
             rank: i32,
             world: i32,
             store_is_client: i32,
@@ -157,6 +205,8 @@ mod imp {
         fn rak_dist_allgather(g: *mut c_void, input: *mut c_void, outputs: *mut *mut c_void, world: i32, err: *mut c_char, len: usize) -> i32;
         fn rak_dist_broadcast(g: *mut c_void, t: *mut c_void, root: i32, err: *mut c_char, len: usize) -> i32;
         fn rak_dist_barrier(g: *mut c_void, err: *mut c_char, len: usize) -> i32;
+        fn rak_dist_store_set(g: *mut c_void, key: *const c_char, value: *const c_char, err: *mut c_char, len: usize) -> i32;
+        fn rak_dist_store_check(g: *mut c_void, key: *const c_char, err: *mut c_char, len: usize) -> i32;
     }
 
     use crate::autograd::message;
@@ -184,11 +234,14 @@ mod imp {
             let bind = CString::new(r.bind.as_str())?;
             let mut err = [0 as c_char; 1024];
             let timeout_ms = r.timeout.as_millis().min(c_long::MAX as u128) as c_long;
-            // SAFETY: the strings and the error buffer outlive the call.
+            let listen_fd = if r.serves_store() { store_socket(r)? } else { -1 };
+            // SAFETY: the strings and the error buffer outlive the call; the store's server
+            // owns `listen_fd` from here on.
             let handle = unsafe {
                 rak_dist_init(
                     host.as_ptr(),
                     r.port as i32,
+                    listen_fd,
                     r.rank as i32,
                     r.world as i32,
                     r.store_is_client as i32,
@@ -201,9 +254,12 @@ mod imp {
                 )
             };
             if handle.is_null() {
+                // `listen_fd` is not closed: whether the store's server took it over before
+                // failing is unknown, and closing it twice could close another file. A process
+                // that cannot join leaves anyway.
                 bail!("rank {} of {}: cannot join the group at {}:{}: {}", r.rank, r.world, r.host, r.port, message(&err));
             }
-            Ok(ProcessGroup { handle, rank: r.rank, world: r.world })
+            Ok(ProcessGroup { handle, rank: r.rank, world: r.world, lead_phases: 0 })
         }
 
         /// Sums the tensors in place over every rank (same shapes and kinds on every rank;
@@ -255,6 +311,23 @@ mod imp {
             // SAFETY: the group is live.
             self.collective("barrier", |err, len| unsafe { rak_dist_barrier(self.handle, err, len) })
         }
+
+        pub(super) fn store_set(&mut self, key: &str, value: &str) -> Result<()> {
+            let (key, value) = (CString::new(key)?, CString::new(value)?);
+            // SAFETY: the strings outlive the call.
+            self.collective("setting a key of the store", |err, len| unsafe { rak_dist_store_set(self.handle, key.as_ptr(), value.as_ptr(), err, len) })
+        }
+
+        pub(super) fn store_check(&mut self, key: &str) -> Result<bool> {
+            let key = CString::new(key)?;
+            let mut err = [0 as c_char; 1024];
+            // SAFETY: the string and the error buffer outlive the call.
+            match unsafe { rak_dist_store_check(self.handle, key.as_ptr(), err.as_mut_ptr(), err.len()) } {
+                1 => Ok(true),
+                0 => Ok(false),
+                _ => bail!("{}", message(&err)),
+            }
+        }
     }
 
     impl Drop for ProcessGroup {
@@ -282,7 +355,48 @@ pub use imp::nccl_available;
 /// collective per bucket instead of one per tensor, without a copy of every gradient at once.
 const BUCKET_BYTES: i64 = 25 << 20;
 
+/// How often a rank waiting for rank 0 asks the store whether it is done, and how often it
+/// reports that it still waits.
+const LEAD_POLL: Duration = Duration::from_millis(200);
+const LEAD_NOTICE: Duration = Duration::from_secs(60);
+
 impl ProcessGroup {
+    /// The end of a phase that rank 0 runs alone (mining negatives, writing a model) while the
+    /// others wait, however long it takes: a barrier would give up after the collective
+    /// timeout, which bounds how long a rank waits for a peer that should be at the same
+    /// point, not for work of unknown length. Rank 0 calls it when done; the others call it
+    /// where they wait, and ask the store whether rank 0 is done every 200 ms, calling
+    /// `notice` with the time waited once a minute. A rank 0 that dies takes the store's
+    /// server with it (unless a launcher's agent serves the store, as torchrun's does; that
+    /// agent then stops the group), so the others fail at their next question instead of
+    /// waiting forever. Every rank must call it for the same phases in the same order (like
+    /// any collective); `what` names the phase in errors and in the store's key. It ends with
+    /// a barrier, so rank 0 does not go on (and, at the end of a run, take the store away)
+    /// before the others have seen that it is done.
+    pub fn after_lead(&mut self, what: &str, notice: &mut dyn FnMut(Duration)) -> Result<()> {
+        self.lead_phases += 1;
+        let key = format!("lead/{}/{what}", self.lead_phases);
+        if self.rank == 0 {
+            self.store_set(&key, "done")?;
+        } else {
+            let start = std::time::Instant::now();
+            let mut noticed = Duration::ZERO;
+            loop {
+                match self.store_check(&key) {
+                    Ok(true) => break,
+                    Ok(false) => {}
+                    Err(e) => bail!("rank {} of {}: rank 0 is gone (its store does not answer) while waiting for it to {what}: {e}", self.rank, self.world),
+                }
+                if start.elapsed() >= noticed + LEAD_NOTICE {
+                    noticed += LEAD_NOTICE;
+                    notice(start.elapsed());
+                }
+                std::thread::sleep(LEAD_POLL);
+            }
+        }
+        self.barrier().with_context(|| format!("after rank 0 finished to {what}"))
+    }
+
     /// Every rank's rows of `local` (`[rows, d]`; the row counts may differ between ranks,
     /// and a rank with none may pass `[0, 0]`), stacked in rank order, with this rank's slice
     /// being `local` itself, its autograd graph kept (the others' arrive detached); and where
@@ -369,6 +483,66 @@ impl ProcessGroup {
 mod tests {
     use super::*;
 
+    /// The local addresses (hex, as the kernel writes them) of this process's LISTEN sockets.
+    #[cfg(rak_c10d)]
+    fn listening() -> Vec<String> {
+        let inodes: std::collections::HashSet<String> = std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read_link(e.path()).ok())
+            .filter_map(|l| l.to_string_lossy().strip_prefix("socket:[").and_then(|s| s.strip_suffix(']')).map(str::to_string))
+            .collect();
+        let mut out = Vec::new();
+        for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+            for line in std::fs::read_to_string(table).unwrap_or_default().lines().skip(1) {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                if f.len() > 9 && f[3] == "0A" && inodes.contains(f[9]) {
+                    out.push(f[1].to_string());
+                }
+            }
+        }
+        out
+    }
+
+    /// Rank 0's store listens on the rendezvous address only: libtorch's own TCPStore binds
+    /// `::` (every interface) whatever the host, which exposed the unauthenticated store to the
+    /// network for the whole run. Both ways in: a socket rank 0 binds itself, and one handed
+    /// over (`listen_fd`, as `host train --nproc` does); and the wait for a rank-0-only phase.
+    #[cfg(rak_c10d)]
+    #[test]
+    fn the_store_listens_on_the_rendezvous_address_only() {
+        let loopback = |a: &String| {
+            let ip = a.split(':').next().unwrap();
+            (ip.len() == 8 && ip.ends_with("7F")) || ip == "00000000000000000000000001000000"
+        };
+        for handed in [false, true] {
+            let listener = handed.then(|| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
+            let port = listener.as_ref().map_or(0, |l| l.local_addr().unwrap().port());
+            let listen_fd = listener.map(|l| std::os::fd::IntoRawFd::into_raw_fd(l));
+            let r = Rendezvous {
+                host: "127.0.0.1".into(),
+                port,
+                listen_fd,
+                rank: 0,
+                world: 1,
+                store_is_client: false,
+                bind: "127.0.0.1".into(),
+                prefix: format!("test-{handed}"),
+                timeout: Duration::from_secs(30),
+                nccl: false,
+            };
+            let mut g = ProcessGroup::join(&r).unwrap();
+            let sockets = listening();
+            assert!(!sockets.is_empty(), "the store listens nowhere");
+            assert!(sockets.iter().all(loopback), "handed over {handed}: a socket listens beyond loopback: {sockets:?}");
+            g.after_lead("test", &mut |_| {}).unwrap();
+        }
+        // A descriptor that is no listening socket is refused, naming the variable.
+        let r = Rendezvous { host: "127.0.0.1".into(), port: 0, listen_fd: Some(0), rank: 0, world: 1, store_is_client: false, bind: "127.0.0.1".into(), prefix: "x".into(), timeout: Duration::from_secs(5), nccl: false };
+        let err = ProcessGroup::join(&r).err().expect("joined on stdin").to_string();
+        assert!(err.contains("RAK_DIST_LISTEN_FD=0 is not a listening socket"), "{err}");
+    }
+
     #[test]
     fn launch_variables_are_read_and_checked() {
         // One test touches these variables (tests run in threads of one process).
@@ -381,11 +555,17 @@ mod tests {
             }
         };
         let t = Duration::from_secs(5);
-        set(&[("WORLD_SIZE", None), ("RANK", None), ("MASTER_ADDR", None), ("MASTER_PORT", None), ("TORCHELASTIC_USE_AGENT_STORE", None), ("GLOO_SOCKET_IFNAME", None), ("TORCHELASTIC_RESTART_COUNT", None)]);
+        set(&[("WORLD_SIZE", None), ("RANK", None), ("MASTER_ADDR", None), ("MASTER_PORT", None), ("TORCHELASTIC_USE_AGENT_STORE", None), ("GLOO_SOCKET_IFNAME", None), ("TORCHELASTIC_RESTART_COUNT", None), ("RAK_DIST_LISTEN_FD", None)]);
         assert_eq!(Rendezvous::from_env(t).unwrap(), None);
         set(&[("WORLD_SIZE", Some("2")), ("RANK", Some("1")), ("MASTER_PORT", Some("29500"))]);
         let r = Rendezvous::from_env(t).unwrap().unwrap();
         assert_eq!((r.host.as_str(), r.port, r.rank, r.world, r.store_is_client, r.bind.as_str(), r.prefix.as_str()), ("127.0.0.1", 29500, 1, 2, false, "127.0.0.1", "rak/0"));
+        assert_eq!(r.listen_fd, None);
+        set(&[("RAK_DIST_LISTEN_FD", Some("5"))]);
+        assert_eq!(Rendezvous::from_env(t).unwrap().unwrap().listen_fd, Some(5));
+        set(&[("RAK_DIST_LISTEN_FD", Some("-1"))]);
+        assert!(Rendezvous::from_env(t).unwrap_err().to_string().contains("RAK_DIST_LISTEN_FD=\"-1\" is not a file descriptor"));
+        set(&[("RAK_DIST_LISTEN_FD", None)]);
         set(&[("TORCHELASTIC_USE_AGENT_STORE", Some("True")), ("MASTER_ADDR", Some("10.0.0.2")), ("TORCHELASTIC_RESTART_COUNT", Some("3"))]);
         let r = Rendezvous::from_env(t).unwrap().unwrap();
         assert!(r.store_is_client && r.host == "10.0.0.2" && r.bind.is_empty() && r.prefix == "rak/3", "{r:?}");
@@ -397,6 +577,6 @@ mod tests {
         assert!(Rendezvous::from_env(t).unwrap_err().to_string().contains("RANK is not"));
         set(&[("RANK", Some("0")), ("MASTER_PORT", Some("x"))]);
         assert!(Rendezvous::from_env(t).unwrap_err().to_string().contains("MASTER_PORT=\"x\""));
-        set(&[("WORLD_SIZE", None), ("RANK", None), ("MASTER_ADDR", None), ("MASTER_PORT", None), ("TORCHELASTIC_USE_AGENT_STORE", None), ("GLOO_SOCKET_IFNAME", None), ("TORCHELASTIC_RESTART_COUNT", None)]);
+        set(&[("WORLD_SIZE", None), ("RANK", None), ("MASTER_ADDR", None), ("MASTER_PORT", None), ("TORCHELASTIC_USE_AGENT_STORE", None), ("GLOO_SOCKET_IFNAME", None), ("TORCHELASTIC_RESTART_COUNT", None), ("RAK_DIST_LISTEN_FD", None)]);
     }
 }

@@ -1,9 +1,10 @@
 //! Hard negatives: BM25's top passages for each query minus its gold ones (the warm-up of
 //! DPR, MT-DPR and TACO), then ANCE's: the current model's own top passages minus gold,
 //! retrieved from the whole corpus re-encoded with it. Saved per episode so a restarted run
-//! reuses them.
+//! reuses them, and while they are mined, per block of queries ([`Parts`]), so a run killed
+//! while mining resumes where it was.
 
-use crate::data::TaskData;
+use crate::data::{Example, TaskData};
 use anyhow::{Context, Result};
 use rak_core::abi::Role;
 use rak_core::plugin::Encoder;
@@ -16,23 +17,107 @@ use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::path::Path;
 
-/// For each example, the top `depth` BM25 passages that are not gold, best first; queries are
-/// searched on every core.
-pub fn bm25_negatives(index: &Bm25Index, tasks: &mut [TaskData], depth: usize, progress: &dyn Progress) -> Result<()> {
-    use rayon::prelude::*;
+/// Queries of one task per saved block of a mining pass: the most a killed run mines again.
+pub const PART_QUERIES: usize = 1024;
+
+/// Where a mining pass keeps its progress: each block of [`PART_QUERIES`] queries of a task,
+/// once mined, is saved atomically as `dir/TASK-BLOCK.json` with `key` (everything the mined
+/// lists depend on) and the block's query ids; a rerun with the same key takes the blocks it
+/// finds instead of mining them again. The caller removes `dir` once the whole pass is saved.
+pub struct Parts<'a> {
+    pub dir: &'a Path,
+    pub key: &'a str,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Part {
+    key: String,
+    task: String,
+    queries: Vec<String>,
+    negatives: Vec<Vec<String>>,
+}
+
+impl Parts<'_> {
+    fn path(&self, task: usize, block: usize) -> std::path::PathBuf {
+        self.dir.join(format!("{task}-{block}.json"))
+    }
+
+    /// The saved block, if it was mined under this key for exactly these queries (a part of
+    /// another format, a torn write or other queries is mined again).
+    fn load(&self, task: usize, block: usize, name: &str, examples: &[Example]) -> Option<Vec<Vec<String>>> {
+        let part: Part = serde_json::from_slice(&std::fs::read(self.path(task, block)).ok()?).ok()?;
+        let same = part.key == self.key
+            && part.task == name
+            && part.queries.len() == examples.len()
+            && part.negatives.len() == examples.len()
+            && part.queries.iter().zip(examples).all(|(q, e)| *q == e.query_id);
+        same.then_some(part.negatives)
+    }
+
+    fn save(&self, task: usize, block: usize, name: &str, examples: &[Example]) -> Result<()> {
+        let part = Part {
+            key: self.key.to_string(),
+            task: name.to_string(),
+            queries: examples.iter().map(|e| e.query_id.clone()).collect(),
+            negatives: examples.iter().map(|e| e.negatives.clone()).collect(),
+        };
+        rak_core::fsutil::write_atomically(&self.path(task, block), |tmp| {
+            let mut f = std::io::BufWriter::new(std::fs::File::create(tmp)?);
+            serde_json::to_writer(&mut f, &part)?;
+            f.flush()?;
+            Ok(())
+        })
+    }
+}
+
+/// Runs `mine` (task name, examples: fills their negatives) over every task's examples a block
+/// of [`PART_QUERIES`] at a time, saving each block in `parts` as it is done and taking the
+/// blocks a killed run saved instead of mining them again.
+fn mine_in_parts(parts: &Parts, tasks: &mut [TaskData], what: &str, progress: &dyn Progress, mut mine: impl FnMut(&str, &mut [Example]) -> Result<()>) -> Result<()> {
+    std::fs::create_dir_all(parts.dir).with_context(|| format!("{}: cannot create", parts.dir.display()))?;
+    // Tests only: a pause after each block mined, so that a test on tiny data can outlast the
+    // collective timeout, or kill a run between two blocks.
+    let pause = std::env::var("RAK_TEST_SLOW_MINING_MS").ok().and_then(|v| v.parse().ok()).map(std::time::Duration::from_millis);
     let total: usize = tasks.iter().map(|t| t.examples.len()).sum();
-    progress.start("bm25 negatives", total as u64);
-    for task in tasks.iter_mut() {
-        task.examples.par_iter_mut().try_for_each(|ex| -> Result<()> {
+    let blocks: usize = tasks.iter().map(|t| t.examples.len().div_ceil(PART_QUERIES)).sum();
+    let mut resumed = 0;
+    progress.start(what, total as u64);
+    for (ti, task) in tasks.iter_mut().enumerate() {
+        for (bi, block) in task.examples.chunks_mut(PART_QUERIES).enumerate() {
+            if let Some(negatives) = parts.load(ti, bi, &task.name, block) {
+                for (e, n) in block.iter_mut().zip(negatives) {
+                    e.negatives = n;
+                }
+                resumed += 1;
+            } else {
+                mine(&task.name, block)?;
+                parts.save(ti, bi, &task.name, block)?;
+                if let Some(pause) = pause {
+                    std::thread::sleep(pause);
+                }
+            }
+            progress.inc(block.len() as u64);
+        }
+    }
+    progress.finish();
+    if resumed > 0 {
+        progress.log(&format!("{what}: {resumed} of {blocks} blocks of queries were mined by an earlier run ({}); mined the rest", parts.dir.display()));
+    }
+    Ok(())
+}
+
+/// For each example, the top `depth` BM25 passages that are not gold, best first; queries are
+/// searched on every core, a block at a time, each saved in `parts`.
+pub fn bm25_negatives(index: &Bm25Index, tasks: &mut [TaskData], depth: usize, parts: &Parts, progress: &dyn Progress) -> Result<()> {
+    use rayon::prelude::*;
+    mine_in_parts(parts, tasks, "bm25 negatives", progress, |_, block| {
+        block.par_iter_mut().try_for_each(|ex| -> Result<()> {
             let gold: HashSet<&str> = ex.positives.iter().map(String::as_str).collect();
             let hits = index.search(&ex.query, depth + gold.len())?;
             ex.negatives = hits.into_iter().map(|(id, _)| id).filter(|id| !gold.contains(id.as_str())).take(depth).collect();
-            progress.inc(1);
             Ok(())
-        })?;
-    }
-    progress.finish();
-    Ok(())
+        })
+    })
 }
 
 /// ANCE, first half: encode shard `shard` of `shards` of the corpus with `encoder` into
@@ -55,7 +140,9 @@ pub fn ance_encode_corpus(encoder: &mut dyn Encoder, identity: serde_json::Value
 /// ANCE, second half, once the whole corpus is encoded: for each example, the top `depth`
 /// passages of `encoder` that are not gold, best first, from `work/corpus/` indexed in
 /// `work/index/`, exactly, or in the Milvus collection `milvus` names. Queries are encoded
-/// with their task's name when `task_names` is on, as in training.
+/// with their task's name when `task_names` is on, as in training; a block at a time, each
+/// saved in `parts`.
+#[allow(clippy::too_many_arguments)]
 pub fn ance_negatives(
     encoder: &mut dyn Encoder,
     work: &Path,
@@ -63,6 +150,7 @@ pub fn ance_negatives(
     depth: usize,
     task_names: bool,
     milvus: Option<MilvusParams>,
+    parts: &Parts,
     progress: &dyn Progress,
 ) -> Result<()> {
     let embeddings = work.join("corpus");
@@ -75,23 +163,19 @@ pub fn ance_negatives(
         build_index(&spec, &index_dir, progress)?;
     }
     let index = index::open(&index_dir)?;
-    let total: usize = tasks.iter().map(|t| t.examples.len()).sum();
-    progress.start("ance negatives", total as u64);
-    for task in tasks.iter_mut() {
-        let texts: Vec<&str> = task.examples.iter().map(|e| e.query.as_str()).collect();
-        let name = task_names.then_some(task.name.as_str());
+    mine_in_parts(parts, tasks, "ance negatives", progress, |task, block| {
+        let texts: Vec<&str> = block.iter().map(|e| e.query.as_str()).collect();
+        let name = task_names.then_some(task);
         let (vectors, dim) = encode_texts(encoder, &texts, Role::Query, name, DEFAULT_BATCH_SIZE, &rak_retrieval::pipeline::Quiet)?;
-        let most_gold = task.examples.iter().map(|e| e.positives.len()).max().unwrap_or(0);
+        let most_gold = block.iter().map(|e| e.positives.len()).max().unwrap_or(0);
         drop(texts);
         let hits = search_vectors(&index, &vectors, dim, depth + most_gold)?;
-        for (ex, hits) in task.examples.iter_mut().zip(hits) {
+        for (ex, hits) in block.iter_mut().zip(hits) {
             let gold: HashSet<&str> = ex.positives.iter().map(String::as_str).collect();
             ex.negatives = hits.into_iter().map(|(id, _)| id).filter(|id| !gold.contains(id.as_str())).take(depth).collect();
         }
-        progress.inc(task.examples.len() as u64);
-    }
-    progress.finish();
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Give each example its retriever found no negative for (every hit was gold, or the query
@@ -278,7 +362,6 @@ pub fn load(path: &Path, tasks: &mut [TaskData], depth: usize, source: &str) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::Example;
 
     fn ex(id: &str, gold: &[&str], negs: &[&str]) -> Example {
         Example {
@@ -310,6 +393,69 @@ mod tests {
         assert_eq!(drop_answer_holders(&mut tasks, &texts, 2), 1);
         assert_eq!(tasks[0].examples[0].negatives, vec!["n2".to_string(), "n4".to_string()]);
         assert_eq!(tasks[0].examples[1].negatives, vec!["n1".to_string(), "n2".to_string()]);
+    }
+
+    /// A mining pass killed after its first block resumes there: the blocks saved are taken,
+    /// not mined again, and a block saved under another key or for other queries is mined.
+    #[test]
+    fn mining_resumes_from_the_blocks_saved() {
+        let dir = std::env::temp_dir().join(format!("rak-parts-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let make = || {
+            vec![
+                TaskData { name: "a".into(), examples: (0..PART_QUERIES + 1).map(|i| ex(&format!("a{i}"), &["p"], &[])).collect() },
+                TaskData { name: "b".into(), examples: vec![ex("b0", &["p"], &[])] },
+            ]
+        };
+        let parts = Parts { dir: &dir, key: "k1" };
+        let quiet = &rak_retrieval::pipeline::Quiet;
+        let mark = |task: &str, block: &mut [Example]| {
+            for e in block.iter_mut() {
+                e.negatives = vec![format!("{task}-{}", e.query_id)];
+            }
+        };
+        // Killed in the second block.
+        let mut tasks = make();
+        let mut calls = 0;
+        let err = mine_in_parts(&parts, &mut tasks, "test", quiet, |task, block| {
+            calls += 1;
+            if calls == 2 {
+                anyhow::bail!("killed");
+            }
+            mark(task, block);
+            Ok(())
+        });
+        assert!(err.is_err());
+        let mut tasks = make();
+        let mut mined = Vec::new();
+        mine_in_parts(&parts, &mut tasks, "test", quiet, |task, block| {
+            mined.push((task.to_string(), block.len()));
+            mark(task, block);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(mined, vec![("a".to_string(), 1), ("b".to_string(), 1)], "the first block was mined again");
+        assert!(tasks.iter().flat_map(|t| &t.examples).all(|e| e.negatives == vec![format!("{}-{}", &e.query_id[..1], e.query_id)]));
+        // Another key, or other queries in a block: mined again.
+        let mut again = Vec::new();
+        mine_in_parts(&Parts { dir: &dir, key: "k2" }, &mut make(), "test", quiet, |task, block| {
+            again.push(task.to_string());
+            mark(task, block);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(again.len(), 3);
+        let mut other = make();
+        other[1].examples[0].query_id = "b1".into();
+        let mut again = Vec::new();
+        mine_in_parts(&Parts { dir: &dir, key: "k2" }, &mut other, "test", quiet, |task, block| {
+            again.push(task.to_string());
+            mark(task, block);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(again, vec!["b".to_string()]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! Layout of `OUT`: without ANCE, checkpoints (`checkpoint-STEP/`), `trainer_log.jsonl` and the
 //! final model in `OUT` itself; with ANCE episodes, one folder per stage (`OUT/episode-E/`,
 //! marked `stage_done` when finished) and the last stage's model copied to `OUT`. Beside them:
-//! `negatives-episode-E.json` (each stage's mined negatives), `bm25-index/` (when the recipe
+//! `negatives-episode-E.json` (each stage's mined negatives; while they are mined,
+//! `negatives-episode-E.parts/` holds them a block of queries at a time), `bm25-index/` (when the recipe
 //! names none) and `run.json` (the episode count and the recipe a resume must match).
 
 use crate::data::{corpus_ids, corpus_pages, corpus_texts, load_task, passage_texts, task_sources, LoadReport, TaskData};
@@ -127,7 +128,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     // then read what it wrote (the negatives' cache is keyed on everything they depend on).
     let lead = group.as_ref().is_none_or(|g| g.rank() == 0);
     if !lead {
-        group.as_mut().context("no process group")?.barrier().context("waiting for rank 0 to prepare the run")?;
+        group.as_mut().context("no process group")?.after_lead(PREPARE, &mut still_waiting(PREPARE))?;
     }
     std::fs::create_dir_all(out).with_context(|| format!("{}: cannot create", out.display()))?;
     let layout = RunLayout { out: out.clone(), episodes };
@@ -181,7 +182,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     }
     if lead {
         if let Some(g) = group.as_mut() {
-            g.barrier().context("waiting for the other processes")?;
+            g.after_lead(PREPARE, &mut still_waiting(PREPARE))?;
         }
     }
     let kind = sampler_kind(t)?;
@@ -287,7 +288,8 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         if episodes > 0 {
             // The next stage's miner loads the model rank 0 has just written.
             if let Some(g) = group.as_mut() {
-                g.barrier().context("waiting for rank 0 to save the stage's model")?;
+                let what = "save the stage's model";
+                g.after_lead(what, &mut still_waiting(what))?;
             }
         }
         model = stage.clone();
@@ -406,6 +408,10 @@ fn bm25_negatives(spec: &RunSpec, layout: &RunLayout, corpus_sha256: &str, tasks
     let key = negatives_key(spec, 0, corpus_sha256, tasks, json!({"bm25": {"k1": bm25.k1, "b": bm25.b}}));
     if negatives::load(&saved, tasks, t.negative_depth, &key)? {
         progress.log(&format!("train: BM25 negatives from {} (made from the same corpus, examples and settings)", saved.display()));
+        // A run killed between saving the negatives and removing their blocks.
+        if mines {
+            remove_parts(&layout.negatives_parts(0))?;
+        }
         return Ok(());
     }
     if !mines {
@@ -417,11 +423,33 @@ fn bm25_negatives(spec: &RunSpec, layout: &RunLayout, corpus_sha256: &str, tasks
     };
     let mut index = Bm25Index::open(&index_dir)?;
     index.set_params(bm25)?;
-    negatives::bm25_negatives(&index, tasks, mining_depth(t, t.negative_depth), progress)?;
+    let depth = mining_depth(t, t.negative_depth);
+    let parts_dir = layout.negatives_parts(0);
+    let parts_key = format!("{key} mined to depth {depth}");
+    negatives::bm25_negatives(&index, tasks, depth, &negatives::Parts { dir: &parts_dir, key: &parts_key }, progress)?;
     exclude_gold_pages(spec, tasks, "BM25", progress)?;
     exclude_answer_holders(spec, tasks, t.negative_depth, "BM25", progress)?;
     report_filled(negatives::fill_empty(tasks, t.hard_negatives, fill_seed(t.seed, 0)), "BM25", progress);
-    negatives::save(&saved, tasks, t.negative_depth, &key)
+    negatives::save(&saved, tasks, t.negative_depth, &key)?;
+    remove_parts(&parts_dir)
+}
+
+/// What rank 0 does alone before training while the others wait: the output folder, the data
+/// and the BM25 negatives.
+const PREPARE: &str = "prepare the run";
+
+/// What a process that waits for rank 0 to do `what` says once a minute (to stderr: the
+/// progress of ranks other than 0 is not shown).
+fn still_waiting(what: &str) -> impl FnMut(std::time::Duration) + '_ {
+    move |waited| eprintln!("train: still waiting for rank 0 to {what} ({} min)", waited.as_secs() / 60)
+}
+
+/// A mining pass's saved blocks, once its negatives are saved whole.
+fn remove_parts(dir: &Path) -> Result<()> {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e).with_context(|| format!("{}: cannot remove", dir.display())),
+        _ => Ok(()),
+    }
 }
 
 /// The run's own BM25 index of the corpus, rebuilt when the corpus it was built from (its
@@ -443,7 +471,8 @@ fn cached_bm25_index(dir: &Path, corpus: &Path, corpus_sha256: &str, params: Bm2
 
 /// Stage `episode`'s negatives (ANCE): the previous stage's model over the whole corpus. In a
 /// data-parallel run every process encodes its shard of the corpus; rank 0 then indexes it and
-/// mines while the others wait, and they read what it saved.
+/// mines while the others wait (however long it takes: [`ProcessGroup::after_lead`]), and they
+/// read what it saved.
 #[allow(clippy::too_many_arguments)]
 fn ance_negatives(
     spec: &RunSpec,
@@ -475,6 +504,7 @@ fn ance_negatives(
         // A run killed between saving the negatives and removing the work folder.
         if rank == 0 {
             let _ = std::fs::remove_dir_all(&work);
+            remove_parts(&layout.negatives_parts(episode))?;
         }
         return Ok(());
     }
@@ -486,14 +516,18 @@ fn ance_negatives(
     }
     if rank == 0 {
         let depth = mining_depth(t, t.ance_depth);
-        negatives::ance_negatives(miner.as_mut(), &work, tasks, depth, t.task_names, t.ance_index.milvus(), progress)?;
+        let parts_key = format!("{key} mined to depth {depth}");
+        let parts_dir = layout.negatives_parts(episode);
+        let parts = negatives::Parts { dir: &parts_dir, key: &parts_key };
+        negatives::ance_negatives(miner.as_mut(), &work, tasks, depth, t.task_names, t.ance_index.milvus(), &parts, progress)?;
         exclude_gold_pages(spec, tasks, "the model", progress)?;
         exclude_answer_holders(spec, tasks, t.ance_depth, "the model", progress)?;
         report_filled(negatives::fill_empty(tasks, t.hard_negatives, fill_seed(t.seed, episode)), "the model", progress);
         negatives::save(&saved, tasks, t.ance_depth, &key)?;
     }
     if let Some(g) = group {
-        g.barrier().context("waiting for rank 0 to mine the negatives")?;
+        let what = "mine the ANCE negatives";
+        g.after_lead(what, &mut still_waiting(what))?;
     }
     if rank != 0 {
         if !negatives::load(&saved, tasks, t.ance_depth, &key)? {
@@ -502,7 +536,8 @@ fn ance_negatives(
         return Ok(());
     }
     // The corpus embeddings and index are as large as the corpus; the negatives are kept.
-    std::fs::remove_dir_all(&work).with_context(|| format!("{}: cannot remove", work.display()))
+    std::fs::remove_dir_all(&work).with_context(|| format!("{}: cannot remove", work.display()))?;
+    remove_parts(&layout.negatives_parts(episode))
 }
 
 /// With `exclude_gold_pages`, drop the mined negatives that lie on a gold page.
@@ -590,6 +625,12 @@ impl RunLayout {
 
     fn negatives_file(&self, episode: u32) -> PathBuf {
         self.out.join(format!("negatives-episode-{episode}.json"))
+    }
+
+    /// Where the negatives of `episode` are saved a block of queries at a time while they are
+    /// mined (`negatives::Parts`), so a rerun resumes the mining; removed once they are saved.
+    fn negatives_parts(&self, episode: u32) -> PathBuf {
+        self.out.join(format!("negatives-episode-{episode}.parts"))
     }
 
     /// `episode-E` folders present, by episode.

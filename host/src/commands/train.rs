@@ -73,9 +73,10 @@ pub struct TrainArgs {
     pub nproc: usize,
 }
 
-/// How long a process waits for the others (the rendezvous, rank 0 mining negatives, every
-/// collective) before it gives up; a process that dies is noticed at once. RAK_DIST_TIMEOUT_S
-/// changes it.
+/// How long a process waits for the others (the rendezvous, every collective) before it gives
+/// up; a process that dies is noticed at once. Not what the others wait for rank 0 to do alone
+/// (mining negatives, saving a stage's model): that has no bound but rank 0's life
+/// (`ProcessGroup::after_lead`). RAK_DIST_TIMEOUT_S changes it.
 fn dist_timeout() -> Result<Duration> {
     match std::env::var("RAK_DIST_TIMEOUT_S") {
         Ok(v) => Ok(Duration::from_secs(v.parse().map_err(|_| anyhow::anyhow!("RAK_DIST_TIMEOUT_S={v:?} is not a number of seconds"))?)),
@@ -181,7 +182,13 @@ impl Progress for Silent {
 /// the launch variables; waits for them all. Rank 0's summary is the command's; when a
 /// process fails, the others are stopped and the error names it.
 fn launch(n: usize) -> Result<Value> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).context("no free port for the rendezvous")?.port();
+    // The store's socket is bound here, to loopback only, and handed to rank 0
+    // (RAK_DIST_LISTEN_FD), whose store serves on it: libtorch's store would listen on every
+    // interface, and on a port probed free here and bound later, which another program may
+    // take in between.
+    let store = std::net::TcpListener::bind("127.0.0.1:0").context("cannot listen on 127.0.0.1 for the rendezvous")?;
+    let port = store.local_addr().context("the rendezvous socket's port")?.port();
+    let store_fd = std::os::fd::AsRawFd::as_raw_fd(&store);
     // The same arguments without --nproc (as `--nproc N` or `--nproc=N`).
     let mut args: Vec<std::ffi::OsString> = Vec::new();
     let mut given = std::env::args_os().skip(1);
@@ -204,12 +211,21 @@ fn launch(n: usize) -> Result<Value> {
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env_remove("TORCHELASTIC_USE_AGENT_STORE")
+            .env_remove("RAK_DIST_LISTEN_FD")
             .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() });
+        if rank == 0 {
+            child.env("RAK_DIST_LISTEN_FD", store_fd.to_string());
+        }
         // SAFETY: only an async-signal-safe call between fork and exec: the process dies with
         // this one, so a launcher that is killed leaves no process training on.
         let child = unsafe {
-            child.pre_exec(|| {
+            child.pre_exec(move || {
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // Rank 0 keeps the store's socket across exec (it is close-on-exec here, so
+                // no other process gets it).
+                if rank == 0 && libc::fcntl(store_fd, libc::F_SETFD, 0) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
@@ -224,6 +240,8 @@ fn launch(n: usize) -> Result<Value> {
             }
         }
     }
+    // Rank 0 has its own copy: once it exits, the port refuses connections.
+    drop(store);
     // Rank 0's summary, read while it runs (a full pipe would stall it).
     let mut out = children[0].stdout.take().context("rank 0's output")?;
     let reader = std::thread::spawn(move || {
