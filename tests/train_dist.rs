@@ -229,9 +229,10 @@ fn children_with_rank(parent: u32, rank: usize) -> Vec<i32> {
     out
 }
 
-/// A process killed mid-run stops the run: `--nproc` stops the other process and fails with
-/// an error that names the dead one, soon, not at a timeout; a resume over another number of
-/// processes is refused.
+/// A process killed mid-run stops the run: `--nproc` fails with an error that names the dead
+/// one (not another that died because it did), soon, not at a timeout; a resume over another
+/// number of processes is refused. (Stopping the others, SIGTERM then SIGKILL, is
+/// `commands::train`'s unit test.)
 #[test]
 fn a_killed_process_stops_the_run_and_the_world_size_is_kept() {
     let dir = TempDir::new("train-dist-kill");
@@ -256,11 +257,20 @@ fn a_killed_process_stops_the_run_and_the_world_size_is_kept() {
     assert_eq!(rank_0.len(), 1, "one process of rank 0 under the launcher");
     let killed_at = std::time::Instant::now();
     assert!(Command::new("kill").args(["-9", &victims[0].to_string()]).status().unwrap().success());
+    // Rank 0 dies too as soon as rank 1 is dead (before the launcher has reaped it, when the
+    // launcher is slow to look): the error must still name rank 1, which failed first. A
+    // launcher that polled its processes in rank order found both dead and named rank 0.
+    let dead = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')));
+    while !dead(victims[0]) {
+        assert!(killed_at.elapsed().as_secs() < 60, "rank 1 outlived SIGKILL");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let _ = Command::new("kill").args(["-9", &rank_0[0].to_string()]).status();
     let status = run.wait().unwrap();
     let err = std::fs::read_to_string(dir.path().join("stderr.txt")).unwrap();
     assert!(!status.success(), "the run went on without rank 1");
     assert!(killed_at.elapsed().as_secs() < 60, "the run took {:?} to stop", killed_at.elapsed());
-    assert!(err.contains("of 2 failed"), "{err}");
+    assert!(err.contains("process 1 of 2 failed"), "the launcher named another process than the one that failed first:\n{err}");
     eprintln!("{err}");
     assert!(!Path::new(&format!("/proc/{}", rank_0[0])).exists(), "rank 0 is still running");
     // The checkpoints say two processes: one cannot resume them.
@@ -270,7 +280,7 @@ fn a_killed_process_stops_the_run_and_the_world_size_is_kept() {
         .env_remove("WORLD_SIZE")
         .output()
         .unwrap();
-    assert!(!o.status.success() && stderr(&o).contains("run over 2 processes and this one has 1"), "{}", stderr(&o));
+    assert!(!o.status.success() && stderr(&o).contains("started over 2 processes and this one has 1"), "{}", stderr(&o));
 }
 
 /// The LISTEN sockets of process `pid` (from /proc/net/tcp and tcp6): their local addresses,

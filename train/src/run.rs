@@ -123,6 +123,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     check_loss_settings(t.loss, t.hard_negatives, lm_temperature, t.mask_positive_copies)?;
     let out = &spec.output_dir;
     let episodes = t.ance_episodes;
+    let world = spec.rendezvous.as_ref().map_or(1, |r| r.world);
     let mut group = spec.rendezvous.as_ref().map(ProcessGroup::join).transpose()?;
     // Rank 0 prepares the output folder and mines the negatives while the others wait; they
     // then read what it wrote (the negatives' cache is keyed on everything they depend on).
@@ -162,6 +163,14 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
                     bail!("{} was started with {earlier} ANCE episodes, this run asks for {episodes}; resume with --ance-episodes {earlier}", out.display());
                 }
             }
+            // Checked here, before any stage: an ANCE stage resumed by another number of
+            // processes would first meet the corpus parts its shards left, and fail over
+            // that internal folder instead of saying why.
+            if let Some(earlier) = layout.recorded_world()? {
+                if earlier != world && layout.has_earlier_run() {
+                    bail!("{} was started over {earlier} processes and this one has {world}: resume with the same number of processes (--nproc {earlier})", out.display());
+                }
+            }
             layout.check_recipe(&identity)?;
             // Resuming inside a stage makes everything after it stale.
             if let Some((stage, _)) = &resume_at {
@@ -170,7 +179,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         }
     }
     if lead {
-        layout.record(&identity)?;
+        layout.record(&identity, world)?;
     }
 
     let mut tasks = match &spec.examples {
@@ -188,7 +197,6 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     let kind = sampler_kind(t)?;
     let counts: Vec<usize> = tasks.iter().map(|t| t.examples.len()).collect();
     // A data-parallel step takes the batch of every process.
-    let world = spec.rendezvous.as_ref().map_or(1, |r| r.world);
     let steps_per_epoch = Sampler::new(kind, &counts, t.per_device_train_batch_size * world, t.seed)?.steps_per_epoch() as u64;
     let max_steps = t.max_steps.unwrap_or(((t.num_train_epochs * steps_per_epoch as f64).ceil() as u64).max(1));
     let episode_steps = match t.ance_num_train_epochs {
@@ -704,8 +712,18 @@ impl RunLayout {
         }
     }
 
-    fn record(&self, recipe: &Value) -> Result<()> {
-        rak_core::fsutil::write_bytes(&self.out.join(RUN_FILE), json!({"ance_episodes": self.episodes, "recipe": recipe}).to_string().as_bytes())
+    /// The number of processes the run was started over (`None` in a `run.json` from before
+    /// it was recorded, or without one).
+    fn recorded_world(&self) -> Result<Option<usize>> {
+        let path = self.out.join(RUN_FILE);
+        let Ok(text) = std::fs::read_to_string(&path) else { return Ok(None) };
+        let v: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+        Ok(v["world_size"].as_u64().map(|n| n as usize))
+    }
+
+    fn record(&self, recipe: &Value, world: usize) -> Result<()> {
+        let run = json!({"ance_episodes": self.episodes, "world_size": world, "recipe": recipe});
+        rak_core::fsutil::write_bytes(&self.out.join(RUN_FILE), run.to_string().as_bytes())
     }
 
     /// Refuse to resume a run recorded with another recipe (a `run.json` from before recipes

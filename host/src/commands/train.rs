@@ -180,7 +180,8 @@ impl Progress for Silent {
 
 /// `--nproc N`: this command line again in N processes on 127.0.0.1, each with its rank in
 /// the launch variables; waits for them all. Rank 0's summary is the command's; when a
-/// process fails, the others are stopped and the error names it.
+/// process fails, the error names it (the first to fail, not the others that failed because
+/// it did) and the others are stopped ([`stop`]).
 fn launch(n: usize) -> Result<Value> {
     // The store's socket is bound here, to loopback only, and handed to rank 0
     // (RAK_DIST_LISTEN_FD), whose store serves on it: libtorch's store would listen on every
@@ -200,7 +201,13 @@ fn launch(n: usize) -> Result<Value> {
         }
     }
     let exe = std::env::current_exe().context("cannot find this program to start its copies")?;
-    let mut children: Vec<Child> = Vec::with_capacity(n);
+    // One thread per process waits on it and reports its exit here, so the exits arrive in
+    // the order they happened: polling the processes in rank order named whichever came first
+    // in that order among those found dead together, often a rank that only failed because
+    // another had died.
+    let (exits, exited) = std::sync::mpsc::channel();
+    let mut running: Vec<Option<u32>> = Vec::with_capacity(n);
+    let mut rank_0_output = None;
     for rank in 0..n {
         let mut child = Command::new(&exe);
         child
@@ -217,7 +224,8 @@ fn launch(n: usize) -> Result<Value> {
             child.env("RAK_DIST_LISTEN_FD", store_fd.to_string());
         }
         // SAFETY: only an async-signal-safe call between fork and exec: the process dies with
-        // this one, so a launcher that is killed leaves no process training on.
+        // this thread (the launcher's main thread, which outlives every wait), so a launcher
+        // that is killed leaves no process training on.
         let child = unsafe {
             child.pre_exec(move || {
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
@@ -232,56 +240,101 @@ fn launch(n: usize) -> Result<Value> {
             })
         }
         .spawn();
-        match child {
-            Ok(c) => children.push(c),
+        let mut child: Child = match child {
+            Ok(c) => c,
             Err(e) => {
-                stop(&mut children);
+                let _ = stop(&mut running, &exited, STOP_GRACE);
                 bail!("cannot start process {rank} of {n}: {e}");
             }
+        };
+        if rank == 0 {
+            rank_0_output = child.stdout.take();
         }
+        running.push(Some(child.id()));
+        let exits = exits.clone();
+        std::thread::spawn(move || {
+            let status = child.wait();
+            let _ = exits.send((rank, status));
+        });
     }
+    drop(exits);
     // Rank 0 has its own copy: once it exits, the port refuses connections.
     drop(store);
     // Rank 0's summary, read while it runs (a full pipe would stall it).
-    let mut out = children[0].stdout.take().context("rank 0's output")?;
+    let mut out = rank_0_output.context("rank 0's output")?;
     let reader = std::thread::spawn(move || {
         let mut text = String::new();
         std::io::Read::read_to_string(&mut out, &mut text).map(|_| text)
     });
-    let mut done = vec![false; n];
-    while done.iter().any(|d| !d) {
-        for rank in 0..n {
-            if done[rank] {
-                continue;
+    while running.iter().any(Option::is_some) {
+        let (rank, status) = exited.recv().context("lost track of the processes")?;
+        running[rank] = None;
+        match status {
+            Ok(s) if s.success() => {}
+            Ok(s) => {
+                let _ = stop(&mut running, &exited, STOP_GRACE);
+                bail!("process {rank} of {n} failed ({s}); the other processes were stopped");
             }
-            let polled = children[rank].try_wait();
-            let status = match polled {
-                Ok(s) => s,
-                Err(e) => {
-                    stop(&mut children);
-                    bail!("process {rank} of {n}: {e}; the other processes were stopped");
-                }
-            };
-            if let Some(status) = status {
-                done[rank] = true;
-                if !status.success() {
-                    stop(&mut children);
-                    bail!("process {rank} of {n} failed ({status}); the other processes were stopped");
-                }
+            Err(e) => {
+                let _ = stop(&mut running, &exited, STOP_GRACE);
+                bail!("process {rank} of {n}: {e}; the other processes were stopped");
             }
         }
-        std::thread::sleep(Duration::from_millis(100));
     }
     let text = reader.join().map_err(|_| anyhow::anyhow!("reading rank 0's output failed"))?.context("rank 0's output")?;
     serde_json::from_str(&text).with_context(|| format!("rank 0's summary is not JSON: {text:?}"))
 }
 
-fn stop(children: &mut [Child]) {
-    for c in children.iter_mut() {
-        let _ = c.kill();
-        let _ = c.wait();
+/// How long the other processes of a failed run get to exit after SIGTERM before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// Stop the processes still `running` (by id; `None` once their exit was reported on
+/// `exited`): SIGTERM, then SIGKILL to those that have not exited within `grace`, so that a
+/// process can still end cleanly (release its GPU, close its files) but none can hold the
+/// launcher up. Returns when every one has exited. An id is signalled only before its exit
+/// was reported: until its waiting thread reaps it, the id cannot be reused. Returns the exits
+/// it saw, by rank.
+fn stop(running: &mut [Option<u32>], exited: &Exits, grace: Duration) -> Vec<(usize, std::io::Result<std::process::ExitStatus>)> {
+    let mut seen = Vec::new();
+    let signal = |running: &[Option<u32>], sig: libc::c_int| {
+        for pid in running.iter().flatten() {
+            // SAFETY: a signal to a child of this process that has not been reaped.
+            unsafe { libc::kill(*pid as libc::pid_t, sig) };
+        }
+    };
+    // Exits already reported are taken first, so that none of their ids is signalled.
+    while let Ok((rank, status)) = exited.try_recv() {
+        running[rank] = None;
+        seen.push((rank, status));
     }
+    signal(running, libc::SIGTERM);
+    let deadline = std::time::Instant::now() + grace;
+    while running.iter().any(Option::is_some) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match exited.recv_timeout(left) {
+            Ok((rank, status)) => {
+                running[rank] = None;
+                seen.push((rank, status));
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => break,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return seen,
+        }
+    }
+    signal(running, libc::SIGKILL);
+    while running.iter().any(Option::is_some) {
+        match exited.recv() {
+            Ok((rank, status)) => {
+                running[rank] = None;
+                seen.push((rank, status));
+            }
+            Err(_) => break,
+        }
+    }
+    seen
 }
+
+/// Where each process's waiting thread reports its exit: (rank, status).
+type Exits = std::sync::mpsc::Receiver<(usize, std::io::Result<std::process::ExitStatus>)>;
 
 impl Plugins for Registry {
     fn encoder(&self, name: &str, settings: &Value) -> Result<Box<dyn Encoder>> {
@@ -289,5 +342,49 @@ impl Plugins for Registry {
     }
     fn optimizer(&self, name: &str, settings: &Value) -> Result<Box<dyn Optimizer>> {
         Registry::optimizer(self, name, settings)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    /// Processes watched as `launch` watches its ranks.
+    fn watched(scripts: &[&str]) -> (Vec<Option<u32>>, Exits) {
+        let (exits, exited) = std::sync::mpsc::channel();
+        let mut running = Vec::new();
+        for (rank, script) in scripts.iter().enumerate() {
+            let mut child = Command::new("sh").args(["-c", script]).spawn().unwrap();
+            running.push(Some(child.id()));
+            let exits = exits.clone();
+            std::thread::spawn(move || {
+                let _ = exits.send((rank, child.wait()));
+            });
+        }
+        (running, exited)
+    }
+
+    /// The others of a failed run get SIGTERM and a grace period; one that ignores it is
+    /// killed once the grace period is over.
+    #[test]
+    fn stop_sends_sigterm_then_sigkill_after_the_grace_period() {
+        // An ignored signal stays ignored across exec: the second sleep ignores SIGTERM.
+        let (mut running, exited) = watched(&["exec sleep 30", "trap '' TERM; exec sleep 30"]);
+        std::thread::sleep(Duration::from_millis(300));
+        let started = std::time::Instant::now();
+        let mut seen = stop(&mut running, &exited, Duration::from_secs(1));
+        let took = started.elapsed();
+        seen.sort_by_key(|(rank, _)| *rank);
+        let signals: Vec<Option<i32>> = seen.iter().map(|(_, s)| s.as_ref().unwrap().signal()).collect();
+        assert_eq!(signals, [Some(libc::SIGTERM), Some(libc::SIGKILL)], "{seen:?}");
+        assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(10), "stopped in {took:?}");
+        assert!(running.iter().all(Option::is_none));
+        // Without a process that ignores SIGTERM, no wait for the grace period.
+        let (mut running, exited) = watched(&["exec sleep 30"]);
+        std::thread::sleep(Duration::from_millis(100));
+        let started = std::time::Instant::now();
+        stop(&mut running, &exited, Duration::from_secs(20));
+        assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
     }
 }
