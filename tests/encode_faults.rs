@@ -535,3 +535,37 @@ fn a_libtorch_error_in_a_plugin_is_reported_in_a_few_lines() {
     assert!(!err.contains("frame #"), "{err}");
     assert!(run(true).contains("frame #"), "--debug keeps the backtrace");
 }
+
+/// An `--output` that holds someone else's files is refused before anything is written into
+/// it (the join would have written `ids.txt` over the user's), and joining an output of its
+/// own removes only the parts it wrote from `parts/`, not a file put there (issue 32).
+#[test]
+fn a_foreign_output_is_refused_and_only_encode_s_parts_are_removed() {
+    let dir = TempDir::new("encode-foreign");
+    let corpus = small_corpus(dir.path(), 12, 40, 8);
+    let names = |d: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        v.sort();
+        v
+    };
+    let foreign = dir.path().join("mine");
+    std::fs::create_dir_all(&foreign).unwrap();
+    std::fs::write(foreign.join("ids.txt"), "my ids\n").unwrap();
+    let o = encode_cmd(&minilm_dir(), &corpus, &foreign, &[]).output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains(p(&foreign)) && err.contains("holds files that host encode did not write (ids.txt)"), "{err}");
+    assert_eq!(std::fs::read_to_string(foreign.join("ids.txt")).unwrap(), "my ids\n");
+    assert_eq!(names(&foreign), ["ids.txt"], "nothing written into the refused folder");
+
+    // Its own output: shard 0 of 2 writes its parts, a file is put into parts/, shard 1 joins.
+    let out = dir.path().join("ours");
+    run_ok(encode_cmd(&minilm_dir(), &corpus, &out, &["--part-size", "4", "--shard-id", "0", "--shard-num", "2"]));
+    std::fs::write(out.join("parts/notes.txt"), "mine").unwrap();
+    run_ok(encode_cmd(&minilm_dir(), &corpus, &out, &["--part-size", "4", "--shard-id", "1", "--shard-num", "2"]));
+    assert!(out.join("encode.json").exists());
+    assert_eq!(names(&out.join("parts")), ["notes.txt"], "encode removed a file it did not write, or left its own");
+    // Rerunning over its own finished output is fine, and still leaves the file.
+    run_ok(encode_cmd(&minilm_dir(), &corpus, &out, &["--part-size", "4"]));
+    assert_eq!(std::fs::read_to_string(out.join("parts/notes.txt")).unwrap(), "mine");
+}

@@ -590,3 +590,56 @@ fn every_encoder_trains_with_every_optimizer_in_float32_and_bf16() {
         }
     }
 }
+
+/// The output folder is the run's own (issue 32): one that holds files of someone else's (here
+/// a parent folder of other runs) is refused, with or without --overwrite-output-dir, and so
+/// are the starting model's folder, a folder inside it and one that holds it; starting over
+/// removes only what the run wrote, and a file put into one of its checkpoints is a refusal
+/// that names it, not a file removed.
+#[test]
+fn the_output_folder_is_the_run_s_own_and_overwrite_removes_only_what_it_wrote() {
+    let dir = TempDir::new("train-own-output");
+    let recipe = small_task_data(dir.path(), 12, TRAIN);
+    let cmd = |model: &Path, out: &Path, extra: &[&str]| {
+        let mut c = Command::new(host_bin());
+        c.args(["train", "--model", p(model), "--config", p(&recipe), "--output-dir", p(out), "--max-steps", "2"]).args(extra).env_remove("RAK_PLUGIN_PATH");
+        c
+    };
+    // A parent of other runs.
+    let runs = dir.path().join("runs");
+    std::fs::create_dir_all(runs.join("other-run")).unwrap();
+    std::fs::write(runs.join("other-run/run.json"), "{}").unwrap();
+    std::fs::write(runs.join("notes.txt"), "mine").unwrap();
+    for extra in [&[][..], &["--overwrite-output-dir"][..]] {
+        fails(&run(&mut cmd(&minilm_dir(), &runs, extra)), &[p(&runs), "holds files that no run of host train wrote", "notes.txt", "other-run"]);
+    }
+    let mut left: Vec<String> = std::fs::read_dir(&runs).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    left.sort();
+    assert_eq!(left, ["notes.txt", "other-run"], "the refused folder was written to");
+
+    // The starting model's folder, one inside it, one that holds it.
+    let holder = dir.path().join("holder");
+    let model = holder.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for e in std::fs::read_dir(minilm_dir()).unwrap().flatten() {
+        std::os::unix::fs::symlink(e.path(), model.join(e.file_name())).unwrap();
+    }
+    fails(&run(&mut cmd(&model, &model, &["--overwrite-output-dir"])), &["is the starting model's folder"]);
+    fails(&run(&mut cmd(&model, &model.join("out"), &[])), &["lies inside the starting model's folder"]);
+    fails(&run(&mut cmd(&model, &holder, &["--overwrite-output-dir"])), &["lies inside the output folder"]);
+    assert!(!model.join("out").exists() && !model.join("run.json").exists() && !holder.join("run.json").exists());
+
+    // A run of its own: a file beside it is kept; one put into its checkpoint stops the
+    // overwrite (naming it) instead of going with the checkpoint.
+    let out = dir.path().join("out");
+    let o = run(&mut cmd(&minilm_dir(), &out, &[]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::write(out.join("notes.txt"), "mine").unwrap();
+    std::fs::write(out.join("checkpoint-2/my-eval.json"), "{}").unwrap();
+    fails(&run(&mut cmd(&minilm_dir(), &out, &["--overwrite-output-dir"])), &["checkpoint-2", "my-eval.json", "did not write"]);
+    assert!(out.join("checkpoint-2/my-eval.json").exists());
+    std::fs::remove_file(out.join("checkpoint-2/my-eval.json")).unwrap();
+    let o = run(&mut cmd(&minilm_dir(), &out, &["--overwrite-output-dir"]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
+}

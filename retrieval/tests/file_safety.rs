@@ -316,3 +316,59 @@ fn fsync_of_files_and_directories_runs() {
     let names: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert!(names.iter().all(|n| !n.starts_with('.') && n != "f.bin"), "{names:?}");
 }
+
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+/// An index is never built over a folder of someone else's, and replacing or removing one
+/// removes only what the build wrote: a file put into it is a refusal that names it, and the
+/// old index stays whole (issue 32).
+#[test]
+fn index_builds_replace_only_what_they_wrote() {
+    let dir = tmpdir("idxforeign");
+    let (n, d) = (40, 8);
+    let emb = dir.join("emb");
+    npy::write_f32(&emb.join("embeddings.npy"), &vectors(n, d, 3), d).unwrap();
+    npy::write_ids(&emb.join("ids.txt"), &ids(n)).unwrap();
+    let flat = || IndexSpec::Flat { embeddings: emb.clone() };
+
+    // A folder of the user's: refused, untouched.
+    let mine = dir.join("mine");
+    std::fs::create_dir_all(mine.join("sub")).unwrap();
+    std::fs::write(mine.join("notes.txt"), "mine").unwrap();
+    let e = err(build_index(&flat(), &mine, &Quiet));
+    assert!(e.contains(&mine.display().to_string()) && e.contains("not replaced"), "{e}");
+    assert_eq!(names(&mine), ["notes.txt", "sub"]);
+    assert_eq!(names(&dir), ["emb", "mine"], "no temporary folder left beside it");
+
+    // An index of ours is replaced; one with a file put into it (even in a subfolder) is not.
+    let idx = dir.join("idx");
+    build_index(&flat(), &idx, &Quiet).unwrap();
+    build_index(&flat(), &idx, &Quiet).unwrap();
+    std::fs::write(idx.join("notes.txt"), "mine").unwrap();
+    let e = err(build_index(&flat(), &idx, &Quiet));
+    assert!(e.contains("notes.txt") && e.contains("did not write"), "{e}");
+    let e = err(index::remove_written(&idx));
+    assert!(e.contains("notes.txt"), "{e}");
+    assert!(idx.join("notes.txt").exists() && FlatIndex::load(&idx).is_ok(), "the old index and the file are kept");
+    std::fs::remove_file(idx.join("notes.txt")).unwrap();
+    index::remove_written(&idx).unwrap();
+    assert!(!idx.exists());
+
+    // BM25: opening and searching the index (tantivy's reader takes its lock files) leaves it
+    // replaceable.
+    let corpus = dir.join("corpus.jsonl");
+    std::fs::write(&corpus, "{\"_id\": \"a\", \"text\": \"x y\"}\n{\"_id\": \"b\", \"text\": \"y z\"}\n").unwrap();
+    let bm25 = || IndexSpec::Bm25 { corpus: corpus.clone(), params: Default::default() };
+    let out = dir.join("bm25");
+    build_index(&bm25(), &out, &Quiet).unwrap();
+    let opened = index::open(&out).unwrap();
+    drop(opened);
+    build_index(&bm25(), &out, &Quiet).unwrap();
+    std::fs::create_dir_all(out.join("extra")).unwrap();
+    let e = err(build_index(&bm25(), &out, &Quiet));
+    assert!(e.contains("extra"), "{e}");
+}

@@ -130,6 +130,8 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     let lead = group.as_ref().is_none_or(|g| g.rank() == 0);
     if !lead {
         group.as_mut().context("no process group")?.after_lead(PREPARE, &mut still_waiting(PREPARE))?;
+    } else {
+        check_output_dir(out, &spec.model)?;
     }
     std::fs::create_dir_all(out).with_context(|| format!("{}: cannot create", out.display()))?;
     let layout = RunLayout { out: out.clone(), episodes };
@@ -469,7 +471,9 @@ fn cached_bm25_index(dir: &Path, corpus: &Path, corpus_sha256: &str, params: Bm2
     if !usable {
         if dir.exists() {
             progress.log(&format!("train: rebuilding {} (made from another corpus or by an older version)", dir.display()));
-            std::fs::remove_dir_all(dir).with_context(|| format!("{}: cannot remove", dir.display()))?;
+            // Written into the index folder after it was built, so not in its list of files.
+            let _ = std::fs::remove_file(&source);
+            rak_retrieval::index::remove_written(dir)?;
         }
         build_index(&IndexSpec::Bm25 { corpus: corpus.to_path_buf(), params }, dir, progress)?;
         rak_core::fsutil::write_bytes(&source, corpus_sha256.as_bytes())?;
@@ -662,7 +666,8 @@ impl RunLayout {
     /// on any stage and is keyed on all it does depend on: the BM25 index (on the corpus) and
     /// episode 0's BM25 negatives (on the corpus, examples and settings).
     fn clear_from(&self, from: u32) -> Result<()> {
-        let remove_dir = |d: &Path| std::fs::remove_dir_all(d).with_context(|| format!("{}: cannot remove", d.display()));
+        // Only a checkpoint that holds nothing but what the trainer wrote into it.
+        let remove_dir = rak_retrieval::index::remove_written;
         if from == 0 {
             for ckpt in checkpoints(&self.out) {
                 remove_dir(&ckpt)?;
@@ -749,6 +754,68 @@ impl RunLayout {
             );
         }
         Ok(())
+    }
+}
+
+/// Refuse an output folder where the run would write over, or start over by removing, what it
+/// did not write: the starting model's folder, a folder inside it or one that holds it, and a
+/// folder that holds files but is no run of `host train`'s (no `run.json`, no checkpoints of an
+/// earlier version's run), such as a parent folder of other runs. A new or empty folder is
+/// fine, as are the temporary files a killed run of ours left.
+fn check_output_dir(out: &Path, model: &Path) -> Result<()> {
+    let (o, m) = (resolved(out), resolved(model));
+    if o == m {
+        bail!("the output folder {} is the starting model's folder (--model): training would write over the model it starts from; choose another output folder", out.display());
+    }
+    if o.starts_with(&m) {
+        bail!("the output folder {} lies inside the starting model's folder {} (--model): choose an output folder outside it", out.display(), model.display());
+    }
+    if m.starts_with(&o) {
+        bail!("the starting model {} (--model) lies inside the output folder {}: starting over there would remove or overwrite it; choose another output folder", model.display(), out.display());
+    }
+    let entries = match std::fs::read_dir(out) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("{}: cannot list the output folder", out.display())),
+    };
+    let layout = RunLayout { out: out.to_path_buf(), episodes: 0 };
+    if out.join(RUN_FILE).exists() || layout.has_earlier_run() {
+        return Ok(());
+    }
+    // `.NAME.tmp-PID`: what a killed atomic write of ours leaves.
+    let leftover = |n: &str| n.starts_with('.') && n.rsplit_once(".tmp-").is_some_and(|(_, pid)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()));
+    let foreign: Vec<String> = entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| !leftover(n)).collect();
+    if !foreign.is_empty() {
+        let mut shown: Vec<&str> = foreign.iter().take(5).map(String::as_str).collect();
+        if foreign.len() > shown.len() {
+            shown.push("...");
+        }
+        bail!(
+            "the output folder {} holds files that no run of host train wrote ({}; it has no {RUN_FILE}): a run writes its checkpoints and model there and starting over removes them, so it takes only an empty or new folder, or a run's own folder; choose another output folder",
+            out.display(),
+            shown.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// `path` made absolute with its links resolved, as far as it exists (the rest appended), so
+/// that two spellings of one folder compare equal even before it is made.
+fn resolved(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut missing = Vec::new();
+    let mut at = absolute.as_path();
+    loop {
+        if let Ok(real) = std::fs::canonicalize(at) {
+            return missing.iter().rev().fold(real, |p: PathBuf, c| p.join(c));
+        }
+        match (at.parent(), at.file_name()) {
+            (Some(parent), Some(name)) => {
+                missing.push(name.to_os_string());
+                at = parent;
+            }
+            _ => return absolute,
+        }
     }
 }
 

@@ -4,7 +4,9 @@
 //!
 //! Every index lives in a directory holding `index.json` ([`IndexMeta`]) beside its own files;
 //! [`open`] reads any of them. Directories are built under a temporary name and renamed into
-//! place ([`write_dir_atomically`]), so a killed `host index` never leaves one that looks whole.
+//! place ([`write_dir_atomically`]), so a killed `host index` never leaves one that looks whole;
+//! each lists what it wrote (`.written.json`), and an existing directory is replaced only if it
+//! holds nothing else.
 
 mod bm25;
 mod flat;
@@ -131,12 +133,16 @@ impl Index {
 }
 
 /// Build a directory under a temporary sibling name, then rename it to `dir`. An existing `dir`
-/// is replaced only after the new one is complete. Every file in the new directory is fsynced
-/// before the rename and the parent directory after it (see `rak_core::fsutil`). Then the
-/// leftovers of killed runs that wrote `dir` before (`.NAME.tmp-PID`, `.NAME.old-PID` of
+/// is replaced only after the new one is complete, and only if it is one this function wrote
+/// and holds nothing else ([`check_replaceable`]): a directory of the user's, or files the user
+/// put into an index or checkpoint, are never removed. Every file in the new directory is
+/// fsynced before the rename and the parent directory after it (see `rak_core::fsutil`). Then
+/// the leftovers of killed runs that wrote `dir` before (`.NAME.tmp-PID`, `.NAME.old-PID` of
 /// processes that are gone) are removed.
 pub fn write_dir_atomically(dir: &Path, build: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     use rak_core::fsutil;
+    // Before the build, which may take hours, and again before the old directory is moved.
+    check_replaceable(dir)?;
     let tmp = fsutil::temp_path(dir);
     let parent = match dir.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
@@ -148,11 +154,15 @@ pub fn write_dir_atomically(dir: &Path, build: impl FnOnce(&Path) -> Result<()>)
         std::fs::remove_dir_all(&tmp).with_context(|| format!("{}: cannot remove stale temporary directory", tmp.display()))?;
     }
     std::fs::create_dir(&tmp).with_context(|| format!("{}: cannot create directory", tmp.display()))?;
-    if let Err(e) = build(&tmp).and_then(|()| sync_tree(&tmp)) {
+    if let Err(e) = build(&tmp).and_then(|()| record_written(&tmp)).and_then(|()| sync_tree(&tmp)) {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
     let old: Option<PathBuf> = if dir.exists() {
+        if let Err(e) = check_replaceable(dir) {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
         let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let old = dir.with_file_name(format!(".{name}.old-{}", std::process::id()));
         std::fs::rename(dir, &old).with_context(|| format!("{}: cannot move the old index aside", dir.display()))?;
@@ -176,6 +186,92 @@ pub fn write_dir_atomically(dir: &Path, build: impl FnOnce(&Path) -> Result<()>)
     // index until the new one is in place.
     fsutil::remove_stale_temps(dir);
     Ok(())
+}
+
+/// In every directory [`write_dir_atomically`] writes: the paths (relative, `/`-separated) of
+/// the files and folders its build wrote. What is not listed there was put in by someone else,
+/// and the directory is then neither replaced nor removed ([`remove_written`]).
+pub const WRITTEN_FILE: &str = ".written.json";
+
+/// List what the build wrote under `tmp` into `tmp/.written.json`.
+fn record_written(tmp: &Path) -> Result<()> {
+    let mut entries = Vec::new();
+    list_tree(tmp, "", &mut entries)?;
+    entries.sort();
+    rak_core::fsutil::write_bytes(&tmp.join(WRITTEN_FILE), serde_json::to_string_pretty(&serde_json::json!({"written": entries}))?.as_bytes())
+}
+
+/// Every file and folder under `dir`, relative to it; a folder is listed before what it holds.
+fn list_tree(dir: &Path, rel: &str, out: &mut Vec<String>) -> Result<()> {
+    for entry in std::fs::read_dir(dir).with_context(|| format!("{}: cannot list", dir.display()))? {
+        let entry = entry.with_context(|| format!("{}: cannot list", dir.display()))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let path = if rel.is_empty() { name } else { format!("{rel}/{name}") };
+        // symlink_metadata: a link is an entry of its own, never followed.
+        let is_dir = entry.path().symlink_metadata().map(|m| m.is_dir()).unwrap_or(false);
+        out.push(path.clone());
+        if is_dir {
+            list_tree(&entry.path(), &path, out)?;
+        }
+    }
+    Ok(())
+}
+
+/// Names the toolkit's own libraries create in a directory after it was written, which are not
+/// in its list: tantivy's lock files (a reader takes `.tantivy-meta.lock`) and the list itself.
+fn written_later(rel: &str) -> bool {
+    let name = rel.rsplit('/').next().unwrap_or(rel);
+    rel == WRITTEN_FILE || (name.starts_with(".tantivy-") && name.ends_with(".lock"))
+}
+
+/// Check that `dir` may be replaced or removed: it does not exist, is empty, or holds only what
+/// [`write_dir_atomically`] recorded writing there. Otherwise an error that names `dir` and
+/// says what in it is not the toolkit's.
+pub fn check_replaceable(dir: &Path) -> Result<()> {
+    let meta = match std::fs::symlink_metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("{}: cannot read", dir.display())),
+    };
+    if !meta.is_dir() {
+        bail!("{} exists and is not a directory: it is not replaced; choose another output or remove it yourself", dir.display());
+    }
+    let mut present = Vec::new();
+    list_tree(dir, "", &mut present)?;
+    if present.is_empty() {
+        return Ok(());
+    }
+    let list = dir.join(WRITTEN_FILE);
+    let Ok(text) = std::fs::read_to_string(&list) else {
+        bail!(
+            "{} holds files and no record of what the toolkit wrote there ({WRITTEN_FILE}: it is not an index or checkpoint this toolkit wrote, or an older version wrote it): it is not replaced or removed; choose another output or remove it yourself",
+            dir.display()
+        );
+    };
+    let recorded: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", list.display()))?;
+    let written: std::collections::HashSet<&str> = recorded["written"].as_array().into_iter().flatten().filter_map(|v| v.as_str()).collect();
+    let foreign: Vec<&String> = present.iter().filter(|p| !written.contains(p.as_str()) && !written_later(p)).collect();
+    if !foreign.is_empty() {
+        let shown: Vec<&str> = foreign.iter().take(5).map(|p| p.as_str()).collect();
+        bail!(
+            "{} holds {} entries the toolkit did not write there ({}{}): it is not replaced or removed; move them away or choose another output",
+            dir.display(),
+            foreign.len(),
+            shown.join(", "),
+            if foreign.len() > shown.len() { ", ..." } else { "" }
+        );
+    }
+    Ok(())
+}
+
+/// Remove a directory [`write_dir_atomically`] wrote, after [`check_replaceable`]: one that
+/// holds anything else is refused, not removed.
+pub fn remove_written(dir: &Path) -> Result<()> {
+    check_replaceable(dir)?;
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e).with_context(|| format!("{}: cannot remove", dir.display())),
+        _ => Ok(()),
+    }
 }
 
 /// fsync every file under `dir`, then the directories themselves. Files written through

@@ -146,9 +146,13 @@ pub fn encode_file(job: &EncodeJob, encoder: EncoderSource<'_>, progress: &dyn P
     let manifest_path = parts_dir(&job.output).join("manifest.json");
     // `encode.json` is written last: its presence (with this run's settings) means done.
     let done_path = job.output.join("encode.json");
+    // Before the lock file is made in it, and again under the lock (where another process's
+    // manifest is whole).
+    check_output_is_ours(&job.output)?;
     std::fs::create_dir_all(&job.output).with_context(|| format!("{}: cannot create", job.output.display()))?;
     {
         let _lock = lock_output(&job.output, progress)?;
+        check_output_is_ours(&job.output)?;
         if let Some(rows) = finished(job, &manifest, lines)? {
             progress.log(&format!("encode: {} is already complete", final_npy.display()));
             return Ok(EncodeOutcome::AlreadyComplete { rows });
@@ -250,7 +254,7 @@ pub fn encode_file(job: &EncodeJob, encoder: EncoderSource<'_>, progress: &dyn P
     }
     join_parts(&job.output, num_parts)?;
     rak_core::fsutil::write_bytes(&done_path, serde_json::to_string_pretty(&manifest)?.as_bytes())?;
-    let _ = std::fs::remove_dir_all(parts_dir(&job.output));
+    remove_parts(&job.output);
     progress.log(&format!("encode: {lines} embeddings in {}", final_npy.display()));
     Ok(EncodeOutcome::Complete { rows: lines })
 }
@@ -267,8 +271,59 @@ fn finished(job: &EncodeJob, manifest: &Value, lines: usize) -> Result<Option<us
         );
     }
     // Nobody writes parts once encode.json exists (writers re-check it under their claim).
-    let _ = std::fs::remove_dir_all(parts_dir(&job.output));
+    remove_parts(&job.output);
     Ok(Some(lines))
+}
+
+/// Refuse an output folder that holds files but nothing that says `encode` made it
+/// (`encode.json`, or `parts/manifest.json` of a run in progress): the join would write
+/// `embeddings.npy` and `ids.txt` over files of the same names, and files of someone else's
+/// would end up beside ours. Its own lock file, and a `parts/` left empty (or holding only a
+/// temporary file) by a run killed before it wrote the manifest, do not count.
+fn check_output_is_ours(out: &Path) -> Result<()> {
+    let entries = match std::fs::read_dir(out) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("{}: cannot list", out.display())),
+    };
+    if out.join("encode.json").exists() || parts_dir(out).join("manifest.json").exists() {
+        return Ok(());
+    }
+    let only_temporaries = |dir: &Path| std::fs::read_dir(dir).is_ok_and(|d| d.flatten().all(|e| e.file_name().to_string_lossy().starts_with('.')));
+    let foreign: Vec<String> = entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n != ".encode.lock" && !(n == "parts" && only_temporaries(&parts_dir(out))))
+        .collect();
+    if !foreign.is_empty() {
+        let mut shown: Vec<&str> = foreign.iter().take(5).map(String::as_str).collect();
+        if foreign.len() > shown.len() {
+            shown.push("...");
+        }
+        bail!(
+            "{}: holds files that host encode did not write ({}); it writes embeddings.npy, ids.txt and parts/ there, so it takes only an empty or new directory, or one of its own outputs: choose another output directory",
+            out.display(),
+            shown.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Remove `parts/` once joined: only the files a run writes there (parts, their ids and
+/// locks, the manifest, and their temporary files), then the folder if that emptied it.
+fn remove_parts(out: &Path) {
+    let dir = parts_dir(out);
+    let Ok(entries) = std::fs::read_dir(&dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let bare = name.trim_start_matches('.');
+        let ours = bare.starts_with("part-") || bare.starts_with("manifest.json");
+        if ours && e.file_type().is_ok_and(|t| t.is_file()) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    // Fails, and keeps the folder, when something else is left in it.
+    let _ = std::fs::remove_dir(&dir);
 }
 
 /// Open (creating) `path` for locking.
