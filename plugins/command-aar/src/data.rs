@@ -52,25 +52,37 @@ pub fn read_queries(path: &Path) -> Result<Vec<Query>> {
     Ok(out)
 }
 
-/// Relevant passages (grade >= 1) per query, in file order, from a BEIR qrels TSV.
+/// Relevant passages (grade >= 1) per query, in file order, from a BEIR qrels TSV, read as
+/// `rak-retrieval`'s reader reads it (which a plugin must not link): three tab-separated
+/// columns, integer grades, a header only as the first line, and a (query, passage) pair
+/// judged twice refused, naming its line, rather than deduplicated.
 pub fn read_qrels(path: &Path) -> Result<HashMap<String, Vec<String>>> {
     let file = std::fs::File::open(path).with_context(|| format!("{}: cannot read", path.display()))?;
     let mut out: HashMap<String, Vec<String>> = HashMap::new();
-    for (n, line) in BufReader::new(file).lines().enumerate() {
-        let line = line.with_context(|| format!("{}:{}: cannot read", path.display(), n + 1))?;
-        let cols: Vec<&str> = line.split('\t').map(str::trim).collect();
-        if line.trim().is_empty() || (n == 0 && cols.first() == Some(&"query-id")) {
+    let mut judged: HashSet<(String, String)> = HashSet::new();
+    for (i, line) in BufReader::new(file).lines().enumerate() {
+        let n = i + 1;
+        let line = line.with_context(|| format!("{}:{n}: cannot read", path.display()))?;
+        if line.trim().is_empty() {
             continue;
         }
-        if cols.len() < 3 {
-            bail!("{}:{}: expected query-id, corpus-id and score separated by tabs", path.display(), n + 1);
+        let cols: Vec<&str> = line.split('\t').collect();
+        if cols.len() != 3 {
+            bail!("{}:{n}: expected 3 tab-separated columns (query-id, corpus-id, score), found {}", path.display(), cols.len());
         }
-        let grade: f64 = cols[2].parse().with_context(|| format!("{}:{}: score {:?} is not a number", path.display(), n + 1, cols[2]))?;
-        if grade >= 1.0 {
-            let list = out.entry(cols[0].to_string()).or_default();
-            if !list.iter().any(|p| p == cols[1]) {
-                list.push(cols[1].to_string());
-            }
+        let grade = cols[2].trim();
+        let grade: i32 = match grade.parse() {
+            Ok(g) => g,
+            // The header (`query-id corpus-id score`) is the one non-numeric line allowed.
+            Err(_) if n == 1 => continue,
+            Err(_) => bail!("{}:{n}: score {grade:?} is not an integer", path.display()),
+        };
+        let (q, d) = (cols[0].trim(), cols[1].trim());
+        if !judged.insert((q.to_string(), d.to_string())) {
+            bail!("{}:{n}: judgement for query {q:?}, passage {d:?} given twice", path.display());
+        }
+        if grade >= 1 {
+            out.entry(q.to_string()).or_default().push(d.to_string());
         }
     }
     Ok(out)
@@ -247,6 +259,24 @@ mod tests {
         log.append(&[serde_json::json!({"a": 3})]).unwrap();
         drop(log);
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"a\":1}\n{\"a\":2}\n{\"a\":3}\n");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Qrels as `rak-retrieval` reads them: a pair judged twice is refused with its line.
+    #[test]
+    fn qrels_refuse_a_pair_judged_twice() {
+        let dir = std::env::temp_dir().join(format!("aar-qrels-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("qrels.tsv");
+        std::fs::write(&path, "query-id\tcorpus-id\tscore\nq1\tp1\t1\nq1\tp2\t0\nq2\tp3\t2\n").unwrap();
+        let q = read_qrels(&path).unwrap();
+        assert_eq!((q["q1"].clone(), q["q2"].clone(), q.len()), (vec!["p1".to_string()], vec!["p3".to_string()], 2));
+        std::fs::write(&path, "q1\tp1\t1\nq2\tp3\t1\nq1\tp1\t1\n").unwrap();
+        let e = read_qrels(&path).unwrap_err().to_string();
+        assert!(e.contains("qrels.tsv:3") && e.contains("given twice"), "{e}");
+        std::fs::write(&path, "q1\tp1\t1\nq2\tp3\tx\n").unwrap();
+        let e = read_qrels(&path).unwrap_err().to_string();
+        assert!(e.contains("qrels.tsv:2") && e.contains("not an integer"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
