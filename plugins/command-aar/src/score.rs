@@ -15,7 +15,9 @@
 //! skips the queries it has records for, except records with failed items, which are asked
 //! again (their answered items come from the connector's cache); the latest record wins.
 //! `--retry-failed` does the same for a finished stage. The source (`source.json`) is recorded
-//! with the first answered item, so a server that was down at the first run pins nothing.
+//! with the first answered item, so a server that was down at the first run pins nothing, nor
+//! does a `describe` that failed. A gone server stops the stage once every worker's last query
+//! met it, answered items of those queries (from the cache) notwithstanding.
 
 use crate::config::{fill, Config, Source};
 use crate::data::{corpus_passages, Passage, RecordLog};
@@ -250,10 +252,11 @@ fn inc(bar: &HostProgress) -> Result<()> {
     bar.inc(1)
 }
 
-/// Whether every item of a record failed because no server could be reached.
+/// Whether a query found no server: one of its items could not reach it (the items after that
+/// one are not asked). Items before it may have been answered, from the connector's cache:
+/// a gone server is gone all the same.
 fn found_no_server(r: &Value) -> bool {
-    let errors = r["errors"].as_array().map(Vec::as_slice).unwrap_or_default();
-    !errors.is_empty() && errors.iter().all(unreachable)
+    r["errors"].as_array().is_some_and(|errors| errors.iter().any(unreachable))
 }
 
 /// An item's error says the connector found no server (its kind `unreachable`).
@@ -268,23 +271,43 @@ fn has_failures(r: &Value) -> bool {
 /// What the scores depend on besides the settings: the model the server serves and the server
 /// (the connector's `describe`, without the port). Recorded with the stage's first answered
 /// item; a resume against another model is refused rather than mixing two sources' scores.
-/// What to record (none when recorded already).
+/// What to record (none when recorded already, or when the source cannot say what it is).
 fn check_source(conn: &rak_core::plugin::HostConnector, path: &Path) -> Result<Option<Value>> {
-    let described = conn.complete(json!({"op": "describe"})).unwrap_or(Value::Null);
-    let now = if described.get("error").is_some() { Value::Null } else { json!({"model": described["model"], "server": described["server"]}) };
-    match std::fs::read_to_string(path) {
-        Ok(text) => {
-            let then: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
-            if then != now {
-                bail!(
-                    "{}: this stage was begun with the source {then}, which is now {now}; point --base-url at the same model, or rerun with --overwrite after changing a source setting to score everything again",
-                    path.display()
-                );
-            }
-            Ok(None)
+    let recorded = match std::fs::read_to_string(path) {
+        Ok(text) => Some(serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(e).with_context(|| format!("{}: cannot read", path.display())),
+    };
+    decide_source(recorded, conn.complete(json!({"op": "describe"})), path)
+}
+
+/// [`check_source`]'s decision from the identity recorded earlier and what `describe` answered
+/// now. A failed describe is no identity: never recorded (a transient failure at the first run
+/// would make every later resume look like another source), and against a recorded identity
+/// it cannot confirm the source, so the resume waits for one that answers. A `null` recorded
+/// by an earlier version after a failed describe is no identity either.
+fn decide_source(recorded: Option<Value>, described: Result<Value>, path: &Path) -> Result<Option<Value>> {
+    let now = match &described {
+        Ok(d) if d.get("error").is_none() && d.get("model").is_some_and(|m| !m.is_null()) => Some(json!({"model": d["model"], "server": d["server"]})),
+        _ => None,
+    };
+    match (recorded.filter(|r| !r.is_null()), now) {
+        (None, now) => Ok(now),
+        (Some(then), Some(now)) if then == now => Ok(None),
+        (Some(then), Some(now)) => bail!(
+            "{}: this stage was begun with the source {then}, which is now {now}; point --base-url at the same model, or rerun with --overwrite after changing a source setting to score everything again",
+            path.display()
+        ),
+        (Some(then), None) => {
+            let why = match described {
+                Ok(d) => d.get("error").map_or_else(|| format!("no model in {d}"), Value::to_string),
+                Err(e) => format!("{e:#}"),
+            };
+            bail!(
+                "{}: this stage was begun with the source {then}, and the source cannot say what it is now (its describe failed: {why}); rerun when it answers, so its scores are not mixed with another model's",
+                path.display()
+            )
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Some(now)),
-        Err(e) => Err(e).with_context(|| format!("{}: cannot read", path.display())),
     }
 }
 
@@ -438,4 +461,40 @@ fn by_query(records: &[Value]) -> Result<HashMap<String, Scores>> {
         out.insert(r["query_id"].as_str().context("a score record without query_id")?.to_string(), parse(r)?);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A failed describe is never the source's identity, and cannot confirm a recorded one.
+    #[test]
+    fn a_failed_describe_is_no_identity() {
+        let path = Path::new("source.json");
+        let ok = || Ok(json!({"model": "m1", "server": "127.0.0.1", "requested": "m1"}));
+        let failed = || Err(anyhow::anyhow!("connection refused"));
+        let id = json!({"model": "m1", "server": "127.0.0.1"});
+        // First run: what describe said, or nothing to record when it failed.
+        assert_eq!(decide_source(None, ok(), path).unwrap(), Some(id.clone()));
+        assert_eq!(decide_source(None, failed(), path).unwrap(), None);
+        assert_eq!(decide_source(None, Ok(json!({"error": {"kind": "unreachable", "message": "x"}})), path).unwrap(), None);
+        // An earlier version's null (a failed describe recorded): no identity, re-pinned.
+        assert_eq!(decide_source(Some(Value::Null), ok(), path).unwrap(), Some(id.clone()));
+        // A resume: the same source goes on; another is refused; one that cannot say waits.
+        assert_eq!(decide_source(Some(id.clone()), ok(), path).unwrap(), None);
+        let e = decide_source(Some(id.clone()), Ok(json!({"model": "m2", "server": "127.0.0.1"})), path).unwrap_err().to_string();
+        assert!(e.contains("which is now"), "{e}");
+        let e = decide_source(Some(id), failed(), path).unwrap_err().to_string();
+        assert!(e.contains("describe failed") && e.contains("connection refused"), "{e}");
+    }
+
+    /// A query whose first passages came from the cache and whose next found no server found
+    /// no server.
+    #[test]
+    fn a_query_answered_in_part_from_the_cache_still_found_no_server() {
+        let r = json!({"errors": [null, null, "unreachable: cannot connect", "unreachable: not asked, an earlier passage of the query found no server"]});
+        assert!(found_no_server(&r));
+        assert!(!found_no_server(&json!({"errors": [null, "retries_exhausted: HTTP 500"]})));
+        assert!(!found_no_server(&json!({"errors": []})));
+    }
 }
