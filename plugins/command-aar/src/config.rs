@@ -160,6 +160,9 @@ pub struct AarSection {
     pub mode: String,
     pub n: usize,
     pub k: usize,
+    /// How the LM-preferred passages join the gold: `authors` (the top K, gold or not, less the
+    /// gold, as the authors' `merge_qrels.py`) or `top_k_non_gold` (the top K that are not gold).
+    pub positives: String,
     pub exactly_three: bool,
     pub negatives_depth: usize,
     pub negatives_sampled: usize,
@@ -172,6 +175,11 @@ impl AarSection {
     pub fn replug(&self) -> bool {
         self.mode == "replug"
     }
+
+    /// The positives rule (checked on load).
+    pub fn positives_rule(&self) -> crate::select::PositivesRule {
+        crate::select::PositivesRule::parse(&self.positives).expect("checked when the recipe was read")
+    }
 }
 
 impl Default for AarSection {
@@ -180,6 +188,7 @@ impl Default for AarSection {
             mode: "aar".into(),
             n: 10,
             k: 2,
+            positives: "authors".into(),
             exactly_three: false,
             negatives_depth: 200,
             negatives_sampled: 30,
@@ -261,8 +270,9 @@ pub fn schema() -> Value {
             "data.max_queries": {"type": "int", "default": null, "help": "a fixed, evenly spaced subset of the queries with gold (--max-queries)"},
             "aar.mode": {"type": "string", "default": d.mode, "help": "aar (the top K LM-preferred passages become positives; multi-positive loss) or replug (REPLUG's LM-supervised retrieval: KL from the retriever's distribution over each query's scored passages, softmax(score_scale · <q, p>), to the LM's, softmax(log-likelihood / train.lm_temperature), β default 0.1; black-box sources only; K then only feeds the analysis)"},
             "aar.n": {"type": "int", "default": d.n, "help": "passages scored per query (the starting retriever's top N)"},
-            "aar.k": {"type": "int", "default": d.k, "help": "LM-preferred passages added as positives (the top K that are not gold); 0: gold only (the human-label baseline, no source asked)"},
-            "aar.exactly_three": {"type": "bool", "default": d.exactly_three, "help": "keep only queries that end with exactly 3 positives (the authors' filter)"},
+            "aar.k": {"type": "int", "default": d.k, "help": "the LM's top K passages, of which those not gold are added as positives (see aar.positives); 0: gold only (the human-label baseline, no source asked)"},
+            "aar.positives": {"type": "string", "default": d.positives, "help": "authors (the authors' merge_qrels.py: the LM's top K of the N, gold or not, then those that are not gold; a query whose top K holds gold gains fewer) or top_k_non_gold (the top K among the passages that are not gold: K added where N allows)"},
+            "aar.exactly_three": {"type": "bool", "default": d.exactly_three, "help": "keep only queries that end with exactly 3 positives (the authors' filter: with aar.positives = authors, K = 2 and one gold passage, the queries whose LM top 2 holds no gold)"},
             "aar.negatives_depth": {"type": "int", "default": d.negatives_depth, "help": "negatives come from the starting retriever's top this many, minus the positives"},
             "aar.negatives_sampled": {"type": "int", "default": d.negatives_sampled, "help": "negatives kept per query, drawn with a seed derived from (seed, \"aar-negatives\")"},
             "aar.negatives_per_query": {"type": "int", "default": d.negatives_per_query, "help": "negatives per query in each training step (the trainer's hard_negatives)"},
@@ -308,6 +318,9 @@ impl Config {
         }
         if aar.n == 0 {
             bail!("{}: aar.n must be at least 1", path.display());
+        }
+        if crate::select::PositivesRule::parse(&aar.positives).is_none() {
+            bail!("{}: aar.positives {:?}: expected one of {:?}", path.display(), aar.positives, crate::select::PositivesRule::NAMES);
         }
         // Checked before any work, so a mistyped folder does not end a long run with an error.
         for other in &flags.compare_with {
@@ -498,6 +511,30 @@ impl Config {
         }
     }
 
+    /// What the source's scores depend on, for the score stage's key (`model_sha256`: a
+    /// white-box source's checkpoint digest). A white-box source's device and dtype are in it:
+    /// the same checkpoint scores differently on the CPU and on CUDA in bf16, so scores begun
+    /// on one are never resumed on the other. A black-box source's connection settings are
+    /// not: they decide how requests travel, not what the replies say.
+    pub fn source_key(&self, model_sha256: Value) -> Value {
+        let without = |keys: &[&str]| -> Value {
+            Value::Object(self.source_settings.iter().filter(|(k, _)| !keys.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect())
+        };
+        match &self.source {
+            Source::WhiteBox { reader, prompt, batch_size, .. } => json!({
+                "kind": "white-box", "reader": reader, "model_sha256": model_sha256, "prompt": prompt, "batch_size": batch_size,
+                // As the reader reads them: the CPU and float32 when not given.
+                "device": self.source_settings.get("device").and_then(Value::as_str).unwrap_or("cpu"),
+                "dtype": if self.source_settings.get("bf16").and_then(Value::as_bool).unwrap_or(false) { "bf16" } else { "float32" },
+                "settings": without(&["model", "device", "bf16"]),
+            }),
+            Source::BlackBox { connector, prompt, continuation, .. } => json!({
+                "kind": "black-box", "connector": connector, "prompt": prompt, "continuation": continuation,
+                "settings": without(&CONNECTION_SETTINGS),
+            }),
+        }
+    }
+
     /// Whether queries are encoded with their task's name (the trainer's `task_names`).
     pub fn task_names(&self) -> bool {
         self.train.get("task_names").and_then(Value::as_bool).unwrap_or(true)
@@ -510,6 +547,23 @@ impl Config {
         Value::Object(s)
     }
 }
+
+/// Connector settings that decide how requests travel, not what the replies say: left out of
+/// the score stage's key (a server restarted on another port keeps its scores).
+const CONNECTION_SETTINGS: [&str; 12] = [
+    "base_url",
+    "api_key_env",
+    "timeout_s",
+    "connect_timeout_s",
+    "concurrency",
+    "max_retries",
+    "retry_budget_s",
+    "backoff_base_s",
+    "backoff_max_s",
+    "cache",
+    "cache_dir",
+    "max_response_bytes",
+];
 
 /// Refuse placeholders a template does not know (a misspelt one would silently stay literal).
 pub fn check_template(template: &str, known: &[&str], what: &str) -> Result<()> {
@@ -602,9 +656,34 @@ mod tests {
             ("[train]\nloss = \"nce\"\n", "multi_positive"),
             ("[aar]\nk = 11\n", "aar.k"),
             ("[source]\ntemplate = \"{question}\"\n", "{passage}"),
+            ("[aar]\npositives = \"top_k\"\n", "aar.positives"),
         ] {
             let e = Config::from_recipe(recipe(extra), f(), Path::new("r.toml")).unwrap_err().to_string();
             assert!(e.contains(needle), "{e}");
         }
+    }
+
+    /// A white-box source's scores are keyed on its device and dtype (CPU and CUDA bf16 scores
+    /// differ); the reader's defaults (cpu, float32) key as if given.
+    #[test]
+    fn the_white_box_score_key_holds_the_device_and_dtype() {
+        let dir = std::env::temp_dir().join(format!("aar-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = |extra: &[&str], settings: &str| {
+            let mut args = vec!["--source", dir.to_str().unwrap(), "--encoder", "dpr", "--model", "m", "--output-dir", "o"];
+            args.extend_from_slice(extra);
+            let c = Config::from_recipe(recipe(&format!("[source]\nsettings = {{ {settings} }}\n")), flags(&args), Path::new("r.toml")).unwrap();
+            c.source_key(json!("sha"))
+        };
+        let cpu = key(&[], "");
+        assert_eq!((cpu["device"].as_str(), cpu["dtype"].as_str()), (Some("cpu"), Some("float32")), "{cpu}");
+        assert_eq!(key(&["--device", "cpu"], ""), cpu);
+        let cuda = key(&["--device", "cuda"], "");
+        assert_ne!(cuda, cpu);
+        assert_eq!(cuda["device"], "cuda");
+        let bf16 = key(&["--device", "cuda"], "bf16 = true");
+        assert_ne!(bf16, cuda);
+        assert_eq!(bf16["dtype"], "bf16");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -14,34 +14,47 @@
 //! finished score stage recorded as failed, then redoes the stages after it. Each stage's key
 //! holds what its output depends on; the score stage's is what it scores by content (each
 //! query's top N and answers, the corpus, the source), so a deeper retrieval for more
-//! negatives keeps the scores. The device is in no key (a CPU run may resume on CUDA).
+//! negatives keeps the scores. The retriever's device is in no key (a run begun on the CPU may
+//! resume its training on CUDA); a white-box source's device and dtype are in the score key
+//! (the same checkpoint scores differently on the CPU and on CUDA in bf16), so scores begun on
+//! one device are not resumed on another: refused as other inputs, or redone with --overwrite.
 //! 1. `retrieve` ([`retrieve`]): the source task's queries with gold; the starting retriever's
 //!    top `max(N, negatives_depth)` for each (top N in REPLUG's mode, which has no negatives).
 //! 2. `score` ([`score`]): the source LM scores the top N: white-box (`--source DIR`, the `fid`
 //!    reader's cross-attention `passage_preferences`) or black-box (`--source openai`, the
 //!    connector's `continuation_logprob` of the gold answer).
-//! 3. `select` ([`select`]): positives = gold ∪ the top K LM-preferred passages that are not
-//!    gold (optionally only queries with exactly three); negatives = the retriever's top
-//!    `negatives_depth` minus the positives, `negatives_sampled` drawn with a seed derived from
-//!    (seed, "aar-negatives"); `OUT/analysis.json` (LM-preferred vs human positives). With
+//! 3. `select` ([`select`]): positives = gold ∪ the LM-preferred passages that are not gold: by
+//!    default the authors' rule (`aar.positives = "authors"`: the LM's top K, gold or not, less
+//!    the gold), or the top K among the non-gold passages (`"top_k_non_gold"`); optionally only
+//!    queries with exactly three (`aar.exactly_three`, the authors' filter); negatives = the
+//!    retriever's top `negatives_depth` minus the positives, `negatives_sampled` drawn with a
+//!    seed derived from (seed, "aar-negatives"). Then `OUT/analysis.json` (LM-preferred vs
+//!    human positives, the authors' overlap among them), redone on every run. With
 //!    K > 0, queries the source scored nothing of (every item failed, or no answer) are
 //!    dropped, never trained on gold only, and counted (`queries_without_scores`).
 //!    With `aar.mode = "replug"` (REPLUG's LM-supervised retrieval, REFERENCE §6's end) each
 //!    example carries its scored passages and their log-likelihoods instead (queries with fewer
-//!    than two scored are dropped and counted the same way); the analysis is the same.
+//!    than two scored are dropped and counted the same way); the analysis is the same, and K,
+//!    which only it reads, is in no key.
 //! 4. `train`: the host's `train` service on those examples, `loss = "multi_positive"` (or
 //!    `"lm_supervised"`, the KL of REPLUG, in its mode), in `OUT/stages/train` (resumed from
 //!    its checkpoints).
 //! 5. `final`: the trained model saved into `OUT` itself, which `host search --model OUT` and
-//!    `host augment --encoder-model OUT` use directly.
+//!    `host augment --encoder-model OUT` use directly: saved under `stages/final/model/`, then
+//!    moved in over the last final stage's entries only (recorded in `stages/model_files.json`),
+//!    which stay until then.
 //!
-//! The summary (queries, scored, failed, queries without scores, positives added, overlap, the
-//! scoring session's passages per second) is
-//! printed on stdout as JSON and kept in `OUT/stages/summary.json`.
+//! `OUT` must be new, empty or an `aar-train` run's folder, and must not be, hold or lie inside
+//! `--model` or a white-box `--source` (checked before any work; [`stages::check_output_dir`]).
+//! Started as one of several processes (torchrun's `WORLD_SIZE` > 1) it refuses to run.
+//!
+//! The summary (queries, scored, failed, queries without scores, positives added, the authors'
+//! overlap and the LM picks' gold share, the scoring session's passages per second) is printed
+//! on stdout as JSON and kept in `OUT/stages/summary.json`.
 //!
 //! `OUT` is also a model folder (`host encode --model OUT`), so everything else the run keeps
 //! lives under `OUT/stages/`: the host's checkpoint digest leaves out a subfolder that holds an
-//! `analysis.json`, so the select stage writes one there too, and rewriting the summary or the
+//! `analysis.json`, so the run writes one there too, and rewriting the summary or the
 //! lock on a rerun never changes the model's identity (embeddings made from it stay valid).
 //!
 //! REPLUG's mode differs from its paper in two ways. The paper retrieves each query's passages
@@ -82,6 +95,7 @@ impl Command for AarTrain {
             }
             Parsed::Run(f) => *f,
         };
+        refuse_under_torchrun()?;
         let cfg = Config::resolve(flags)?;
         let summary = train(&cfg, host)?;
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -91,26 +105,33 @@ impl Command for AarTrain {
 
 rak_core::export_command!(AarTrain);
 
-/// Connector settings that decide how requests travel, not what the replies say: left out of
-/// the score stage's key (a server restarted on another port keeps its scores).
-const CONNECTION_SETTINGS: [&str; 12] = [
-    "base_url",
-    "api_key_env",
-    "timeout_s",
-    "connect_timeout_s",
-    "concurrency",
-    "max_retries",
-    "retry_budget_s",
-    "backoff_base_s",
-    "backoff_max_s",
-    "cache",
-    "cache_dir",
-    "max_response_bytes",
-];
+/// `host aar-train` is one process: started by torchrun (or `--nproc`) as one of several, each
+/// copy would run every stage into the same folder at once. Refused before anything is read.
+fn refuse_under_torchrun() -> Result<()> {
+    let var = |name: &str| std::env::var(name).ok();
+    if let Some(world) = var("WORLD_SIZE") {
+        match world.trim().parse::<u64>() {
+            Ok(n) if n > 1 => bail!(
+                "host aar-train runs as one process, but WORLD_SIZE={n} (RANK={}) says it was started as one of {n} (torchrun, --nproc): \
+                 the copies would all run every stage into one output folder. Run it once, without torchrun; its training runs in this one process",
+                var("RANK").unwrap_or_else(|| "unset".into())
+            ),
+            Ok(_) => {}
+            Err(_) => bail!("WORLD_SIZE={world:?}: not a number (host aar-train runs as one process; unset it)"),
+        }
+    }
+    Ok(())
+}
 
 /// The whole run; the summary.
 fn train(cfg: &Config, host: &Host) -> Result<Value> {
     let out = &cfg.output_dir;
+    // Before anything is written: the output folder is the run's own (see `stages`).
+    let mut inputs = vec![("--model", cfg.model.as_path())];
+    if let Source::WhiteBox { model, .. } = &cfg.source {
+        inputs.push(("--source", model.as_path()));
+    }
+    stages::check_output_dir(out, &inputs)?;
     let stages_dir = out.join("stages");
     std::fs::create_dir_all(&stages_dir).with_context(|| format!("{}: cannot create", stages_dir.display()))?;
     let _lock = RunLock::take(&stages_dir.join("lock"))?;
@@ -135,16 +156,11 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         "max_queries": cfg.max_queries,
         "depth": cfg.depth(),
     });
-    let source_key = match &cfg.source {
-        Source::WhiteBox { reader, model, prompt, batch_size } => json!({
-            "kind": "white-box", "reader": reader, "model_sha256": model_digest(host, model)?, "prompt": prompt, "batch_size": batch_size,
-            "settings": without(&cfg.source_settings, &["model", "device"]),
-        }),
-        Source::BlackBox { connector, prompt, continuation, .. } => json!({
-            "kind": "black-box", "connector": connector, "prompt": prompt, "continuation": continuation,
-            "settings": without(&cfg.source_settings, &CONNECTION_SETTINGS),
-        }),
+    let source_model_sha256 = match &cfg.source {
+        Source::WhiteBox { model, .. } => model_digest(host, model)?,
+        Source::BlackBox { .. } => Value::Null,
     };
+    let source_key = cfg.source_key(source_model_sha256);
     let a = &cfg.aar;
 
     let (queries, retrieve_report, retrieve_how) = retrieve::run(cfg, host, &stages, &retrieve_key)?;
@@ -157,16 +173,18 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         "passage_chars": a.passage_chars, "asked": a.k > 0, "source": if a.k > 0 { source_key } else { Value::Null },
     });
     let select_key = if a.replug() {
-        // No negatives in this mode; K only sets the analysis (which the stage writes).
-        json!({"retrieve": retrieve_key, "score": score_key, "k": a.k, "seed": cfg.seed, "mode": "replug"})
+        // No negatives in this mode, and no K: it only sets the analysis, which is redone on
+        // every run and kept in no stage.
+        json!({"retrieve": retrieve_key, "score": score_key, "seed": cfg.seed, "mode": "replug"})
     } else {
         json!({
-            "retrieve": retrieve_key, "score": score_key, "k": a.k, "exactly_three": a.exactly_three, "negatives_depth": a.negatives_depth,
-            "negatives_sampled": a.negatives_sampled, "negatives_per_query": a.negatives_per_query, "seed": cfg.seed,
+            "retrieve": retrieve_key, "score": score_key, "k": a.k, "positives": a.positives, "exactly_three": a.exactly_three,
+            "negatives_depth": a.negatives_depth, "negatives_sampled": a.negatives_sampled, "negatives_per_query": a.negatives_per_query, "seed": cfg.seed,
         })
     };
-    // The device is no part of any key (as in the host's own identities): a run begun on the
-    // CPU may resume on CUDA.
+    // The retriever's device is no part of any key (as in the host's own identities): a run
+    // begun on the CPU may resume its training on CUDA. A white-box source's device and dtype
+    // are in the score key (see the module docs).
     let train_key = json!({"select": select_key, "train": cfg.train});
     let final_key = json!({"train": train_key});
     let (scores, score_report, score_how) = score::run(cfg, host, &stages, &score_key, &queries)?;
@@ -175,6 +193,7 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
     let sources_overlap = compare_sources(cfg, &queries, &scores)?;
     let (examples, select_report, select_how) = select_stage(cfg, host, &stages, &select_key, &queries, &scores)?;
     log_stage(host, "select", select_how)?;
+    let analysis = write_analysis(cfg, &stages, &queries, &scores, &select_report)?;
     let (train_report, train_how) = train_stage(cfg, host, &stages, &train_key, examples)?;
     log_stage(host, "train", train_how)?;
     let final_how = final_stage(cfg, host, &stages, &final_key)?;
@@ -183,7 +202,6 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         rak_core::fsutil::write_bytes(&stages.file("sources_overlap.json"), serde_json::to_string_pretty(&sources_overlap)?.as_bytes())?;
     }
 
-    let analysis = &select_report["analysis"];
     let summary = json!({
         "output_dir": out,
         "source": {"kind": source_kind, "name": source_name},
@@ -202,7 +220,8 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         "dropped_without_negatives": select_report["dropped_without_negatives"],
         "queries_without_scores": select_report["queries_without_scores"].as_u64().unwrap_or(0),
         "dropped_fewer_than_two_scored": select_report["dropped_fewer_than_two_scored"].as_u64().unwrap_or(0),
-        "overlap": analysis["overlap"],
+        "overlap_authors": analysis["overlap_authors"],
+        "lm_preferred_gold_share": analysis["lm_preferred_gold_share"],
         "sources_overlap": sources_overlap,
         "train": {"steps": train_report["steps"], "output_dir": train_report["output_dir"]},
         "stages": {"retrieve": retrieve_how, "score": score_how, "select": select_how, "train": train_how, "final": final_how},
@@ -285,7 +304,44 @@ fn without(settings: &serde_json::Map<String, Value>, keys: &[&str]) -> Value {
     Value::Object(settings.iter().filter(|(k, _)| !keys.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect())
 }
 
-/// Stage (c) and (d): the training examples, and the analysis of LM vs human positives.
+/// The analysis of LM vs human positives ([`select::analyse`]) with the select stage's counts,
+/// into `OUT/analysis.json` and `OUT/stages/analysis.json` (where it also marks that folder as
+/// no part of the model for the host's checkpoint digest: see the module docs). Redone on every
+/// run from the scores, so it is in no stage's key (REPLUG's mode keeps K out of its keys).
+fn write_analysis(
+    cfg: &Config,
+    stages: &Stages,
+    queries: &[retrieve::Retrieved],
+    scores: &std::collections::HashMap<String, score::Scores>,
+    select_report: &Value,
+) -> Result<Value> {
+    let a = &cfg.aar;
+    let unscored: Vec<Vec<Option<f64>>> = queries.iter().map(|q| vec![None; score::top_n(q, a.n).len()]).collect();
+    let scored = queries.iter().zip(&unscored).map(|(q, none)| {
+        let top = score::top_n(q, a.n);
+        let s = scores.get(&q.id).filter(|s| s.passages == top).map_or(none.as_slice(), |s| s.scores.as_slice());
+        select::Scored { gold: &q.gold, top, scores: s }
+    });
+    let mut analysis = select::analyse(scored, a.k);
+    let (examples, added) = (select_report["examples"].as_u64().unwrap_or(0), select_report["positives_added"].as_u64().unwrap_or(0));
+    let extra = json!({
+        "n": a.n,
+        "mode": a.mode,
+        "positives_rule": if a.replug() { Value::Null } else { json!(a.positives) },
+        "positives_added": added,
+        "positives_added_per_example": if examples == 0 { Value::Null } else { json!(added as f64 / examples as f64) },
+        "examples": examples,
+    });
+    for (k, v) in extra.as_object().expect("an object") {
+        analysis[k] = v.clone();
+    }
+    let text = serde_json::to_string_pretty(&analysis)?;
+    rak_core::fsutil::write_bytes(&stages.file("analysis.json"), text.as_bytes())?;
+    rak_core::fsutil::write_bytes(&cfg.output_dir.join("analysis.json"), text.as_bytes())?;
+    Ok(analysis)
+}
+
+/// Stage (c): the training examples.
 fn select_stage(
     cfg: &Config,
     host: &Host,
@@ -309,9 +365,6 @@ fn select_stage(
     let negatives_seed = select::Rng::derive(cfg.seed, &["aar-negatives"]).next_u64();
     let mut examples = Vec::new();
     let (mut added_total, mut not_three, mut no_negatives, mut without_scores, mut one_scored) = (0usize, 0usize, 0usize, 0usize, 0usize);
-    // The analysis: over queries the source scored.
-    let (mut with_scores, mut lm_picks, mut lm_gold, mut queries_lm_gold, mut gold_in_n) = (0usize, 0usize, 0usize, 0usize, 0usize);
-    let (mut picks_given_gold, mut gold_given_gold) = (0usize, 0usize);
     for q in queries {
         let top = score::top_n(q, a.n);
         let s: Vec<Option<f64>> = match scores.get(&q.id) {
@@ -329,20 +382,7 @@ fn select_stage(
             bar.inc(1)?;
             continue;
         }
-        let sel = select::select_positives(&q.gold, top, &s, a.k);
-        let gold_retrieved = top.iter().any(|p| q.gold.contains(p));
-        gold_in_n += gold_retrieved as usize;
-        if s.iter().any(Option::is_some) {
-            with_scores += 1;
-            let g = sel.lm_top.iter().filter(|p| q.gold.contains(p)).count();
-            lm_picks += sel.lm_top.len();
-            lm_gold += g;
-            queries_lm_gold += (g > 0) as usize;
-            if gold_retrieved {
-                picks_given_gold += sel.lm_top.len();
-                gold_given_gold += g;
-            }
-        }
+        let sel = select::select_positives(&q.gold, top, &s, a.k, a.positives_rule());
         bar.inc(1)?;
         if a.replug() && scored.len() < 2 {
             one_scored += 1;
@@ -386,23 +426,6 @@ fn select_stage(
     if no_negatives > 0 {
         host.log(&format!("aar-train: dropped {no_negatives} queries without a negative (every retrieved passage is a positive)"))?;
     }
-    let share = |a: usize, b: usize| if b == 0 { Value::Null } else { json!(a as f64 / b as f64) };
-    let analysis = json!({
-        "source_k": a.k,
-        "n": a.n,
-        "queries": queries.len(),
-        "queries_with_lm_scores": with_scores,
-        "lm_preferred": lm_picks,
-        "lm_preferred_gold": lm_gold,
-        "overlap": share(lm_gold, lm_picks),
-        "overlap_help": "share of the top K LM-preferred passages (gold or not) that are human-labelled gold; the AAR paper reports about 13% (Flan-T5-base on MS MARCO)",
-        "queries_with_gold_in_lm_top_k": share(queries_lm_gold, with_scores),
-        "gold_in_retrieved_top_n": share(gold_in_n, queries.len()),
-        "overlap_where_gold_in_top_n": share(gold_given_gold, picks_given_gold),
-        "positives_added": added_total,
-        "positives_added_per_example": share(added_total, examples.len()),
-        "examples": examples.len(),
-    });
     if examples.is_empty() {
         bail!(
             "no training example is left ({} queries: {without_scores} without LM scores, {one_scored} with one scored passage, {not_three} without exactly 3 positives, {no_negatives} without negatives)",
@@ -411,11 +434,6 @@ fn select_stage(
     }
     let saved = json!({"seed": cfg.seed, "negatives_seed": negatives_seed, "negatives_seed_from": "(seed, \"aar-negatives\"), then per query (negatives_seed, query_id)", "examples": examples});
     rak_core::fsutil::write_bytes(&file, serde_json::to_string(&saved)?.as_bytes())?;
-    // In the output folder for the user, and in the stages folder, where it also marks that
-    // folder as no part of the model for the host's checkpoint digest (see the module docs).
-    let analysis_text = serde_json::to_string_pretty(&analysis)?;
-    rak_core::fsutil::write_bytes(&stages.file("analysis.json"), analysis_text.as_bytes())?;
-    rak_core::fsutil::write_bytes(&cfg.output_dir.join("analysis.json"), analysis_text.as_bytes())?;
     let report = json!({
         "examples": examples.len(),
         "positives_added": added_total,
@@ -424,7 +442,6 @@ fn select_stage(
         "queries_without_scores": without_scores,
         "dropped_fewer_than_two_scored": one_scored,
         "negatives_seed": negatives_seed,
-        "analysis": analysis,
     });
     stages.finish("select", &report)?;
     Ok((saved["examples"].clone(), report, how))
@@ -488,7 +505,15 @@ fn final_stage(cfg: &Config, host: &Host, stages: &Stages, key: &Value) -> Resul
     };
     let trained = stages.folder("train");
     let encoder = host.encoder(&cfg.encoder, &cfg.encoder_settings_for(&trained))?;
-    encoder.save(&cfg.output_dir)?;
+    // Saved whole beside the stages first, then moved into OUT over the last model's entries
+    // (which stay until then: a redo that fails leaves the last complete model).
+    let saved = stages.folder("final").join("model");
+    if saved.exists() {
+        std::fs::remove_dir_all(&saved).with_context(|| format!("{}: cannot remove a killed save's leftovers", saved.display()))?;
+    }
+    std::fs::create_dir_all(&saved).with_context(|| format!("{}: cannot create", saved.display()))?;
+    encoder.save(&saved)?;
+    stages.install_model(&saved)?;
     stages.finish("final", &json!({"model": cfg.output_dir, "from": trained}))?;
     Ok(how)
 }

@@ -6,10 +6,24 @@
 //! A rerun skips finished stages whose key is unchanged and resumes the first unfinished one
 //! from its folder; the stages after a resumed or redone one are cleared and redone. A stage whose key changed is refused, naming what changed, unless
 //! `--overwrite` is given: then it and every later stage are redone, and the earlier ones kept.
+//!
+//! The output folder holds only what the run wrote: before any work, [`check_output_dir`]
+//! refuses a folder that is not empty and was not made by `aar-train` (`stages/aar-train.json`
+//! marks one), and one that is, holds or lies inside the starting retriever or the source. The
+//! final stage's model is saved under `stages/final/model/`, then moved into `OUT` entry by
+//! entry; `stages/model_files.json` records the entries it moved, and a later final stage
+//! replaces or removes only those (never a file someone else put in `OUT`). Clearing the final
+//! stage leaves the model in place: the last complete model stays until a new one replaces it.
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+
+/// Marks an output folder as an `aar-train` run's (under `OUT/stages/`).
+pub const MARKER: &str = "aar-train.json";
+
+/// The entries of `OUT` the final stage moved there (under `OUT/stages/`).
+const MODEL_FILES: &str = "model_files.json";
 
 /// The stages in order.
 pub const ORDER: [&str; 5] = ["retrieve", "score", "select", "train", "final"];
@@ -49,6 +63,15 @@ fn remove_file(f: &Path) -> Result<()> {
     }
 }
 
+/// A file, link or folder, gone (absent already is fine).
+fn remove_entry(path: &Path) -> Result<()> {
+    match path.symlink_metadata() {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(path).with_context(|| format!("{}: cannot remove", path.display())),
+        Ok(_) => remove_file(path),
+        Err(_) => Ok(()),
+    }
+}
+
 fn write_json(path: &Path, v: &Value) -> Result<()> {
     rak_core::fsutil::write_bytes(path, serde_json::to_string_pretty(v)?.as_bytes())
 }
@@ -73,9 +96,18 @@ fn differences(then: &Value, now: &Value) -> Vec<String> {
 }
 
 impl Stages {
+    /// The stages of the run folder `dir`'s parent, marked as an `aar-train` run's (call
+    /// [`check_output_dir`] first, and hold the run's lock: see `lib.rs`).
     pub fn new(dir: PathBuf, overwrite: bool) -> Result<Self> {
         std::fs::create_dir_all(&dir).with_context(|| format!("{}: cannot create", dir.display()))?;
-        Ok(Stages { dir, overwrite })
+        let stages = Stages { dir, overwrite };
+        let marker = stages.dir.join(MARKER);
+        let marked = marker.exists();
+        stages.adopt_earlier_model(marked)?;
+        if !marked {
+            write_json(&marker, &serde_json::json!({"made_by": "host aar-train", "help": "this folder is an aar-train run's output; aar-train reruns only into folders it made"}))?;
+        }
+        Ok(stages)
     }
 
     /// The work folder of a stage.
@@ -101,7 +133,7 @@ impl Stages {
     /// answers, the corpus, the source), not the earlier stage's key, so when that content is
     /// unchanged its scores stand (hours of a real source), and when it changed its begin
     /// finds another key (refused, or with --overwrite cleared then). When the final stage
-    /// goes, so does the model it saved into `OUT`.
+    /// goes, the model it moved into `OUT` stays until a new final stage replaces it.
     fn clear_from(&self, name: &str) -> Result<()> {
         self.clear(ORDER.iter().position(|s| *s == name).expect("a known stage"), name)
     }
@@ -110,9 +142,6 @@ impl Stages {
     /// stage only when it is `name`: see [`Stages::clear_from`]).
     fn clear(&self, from: usize, name: &str) -> Result<()> {
         for s in &ORDER[from..] {
-            if *s == "final" && (self.key_path(s).exists() || self.done_path(s).exists()) {
-                self.remove_model()?;
-            }
             if *s == "score" && *s != name {
                 continue;
             }
@@ -132,23 +161,86 @@ impl Stages {
         self.clear(ORDER.iter().position(|s| *s == name).expect("a known stage") + 1, name)
     }
 
-    /// The model the final stage saved into `OUT` (everything there but `stages/` and the
-    /// analysis): a cleared final stage leaves no stale model behind.
-    fn remove_model(&self) -> Result<()> {
-        let Some(out) = self.dir.parent() else { return Ok(()) };
-        let Ok(entries) = std::fs::read_dir(out) else { return Ok(()) };
-        for e in entries.flatten() {
-            let path = e.path();
-            if path == self.dir || e.file_name() == "analysis.json" {
-                continue;
-            }
-            if path.is_dir() {
-                std::fs::remove_dir_all(&path).with_context(|| format!("{}: cannot remove", path.display()))?;
-            } else {
-                remove_file(&path)?;
+    fn out(&self) -> &Path {
+        self.dir.parent().unwrap_or(Path::new("."))
+    }
+
+    /// The entries of `OUT` the final stage moved there.
+    fn model_files(&self) -> Result<Vec<String>> {
+        let path = self.dir.join(MODEL_FILES);
+        match read_json(&path)? {
+            Some(v) => serde_json::from_value(v["entries"].clone()).with_context(|| format!("{}: not a list of entries", path.display())),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn record_model_files(&self, names: &[String]) -> Result<()> {
+        write_json(&self.dir.join(MODEL_FILES), &serde_json::json!({"entries": names, "help": "the entries of the output folder the final stage wrote (its model); only these are ever replaced or removed by a later final stage"}))
+    }
+
+    /// A run folder made before the marker and the record of the model's entries: its model
+    /// (everything in `OUT` but `stages/` and the analysis, which the final stage of that
+    /// version kept to itself by removing everything else) is adopted as the run's own.
+    fn adopt_earlier_model(&self, marked: bool) -> Result<()> {
+        let done_before = self.key_path("final").exists() || self.done_path("final").exists();
+        if marked || self.dir.join(MODEL_FILES).exists() || !done_before {
+            return Ok(());
+        }
+        let mut names = Vec::new();
+        for e in std::fs::read_dir(self.out()).with_context(|| format!("{}: cannot list", self.out().display()))? {
+            let e = e.with_context(|| format!("{}: cannot list", self.out().display()))?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            if e.path() != self.dir && name != "analysis.json" {
+                names.push(name);
             }
         }
-        Ok(())
+        names.sort();
+        self.record_model_files(&names)
+    }
+
+    /// Move the model saved in `saved` into `OUT`, replacing the entries the last final stage
+    /// moved there and removing those of them this model has not. An entry of `OUT` that no
+    /// final stage wrote is never replaced: refused, naming it. The record is written before
+    /// anything moves (every entry that may be the run's is in it if a kill comes in between)
+    /// and narrowed after.
+    pub fn install_model(&self, saved: &Path) -> Result<()> {
+        let out = self.out().to_path_buf();
+        let recorded = self.model_files()?;
+        let mut names: Vec<String> = Vec::new();
+        for e in std::fs::read_dir(saved).with_context(|| format!("{}: cannot list", saved.display()))? {
+            let e = e.with_context(|| format!("{}: cannot list", saved.display()))?;
+            names.push(e.file_name().into_string().map_err(|n| anyhow::anyhow!("{}: a file name that is not UTF-8: {n:?}", saved.display()))?);
+        }
+        names.sort();
+        for n in &names {
+            if n == "stages" || n == "analysis.json" {
+                bail!("{}: the encoder saved an entry {n:?}, the name the run keeps its own records under", saved.display());
+            }
+            let dest = out.join(n);
+            if dest.symlink_metadata().is_ok() && !recorded.contains(n) {
+                bail!(
+                    "{}: exists and was not written by this run's final stage; the trained model would replace it. Move it out of {} and rerun (the trained model is kept in {})",
+                    dest.display(),
+                    out.display(),
+                    saved.display()
+                );
+            }
+        }
+        let mut union = recorded.clone();
+        union.extend(names.iter().filter(|n| !recorded.contains(n)).cloned());
+        self.record_model_files(&union)?;
+        for n in &names {
+            let dest = out.join(n);
+            if dest.symlink_metadata().is_ok_and(|m| m.is_dir()) {
+                std::fs::remove_dir_all(&dest).with_context(|| format!("{}: cannot remove the earlier model's folder", dest.display()))?;
+            }
+            std::fs::rename(saved.join(n), &dest).with_context(|| format!("{}: cannot move the trained model's entry into {}", saved.join(n).display(), out.display()))?;
+        }
+        for old in recorded.iter().filter(|n| !names.contains(n)) {
+            remove_entry(&out.join(old))?;
+        }
+        rak_core::fsutil::sync_dir(&out)?;
+        self.record_model_files(&names)
     }
 
     /// Where stage `name` with inputs `key` starts (see the module docs). A stage that is not
@@ -205,6 +297,79 @@ impl Stages {
     }
 }
 
+/// `path` made absolute with its links resolved as far as it exists, `.` and `..` taken
+/// lexically past that (the output folder may not exist yet).
+fn resolved(path: &Path) -> Result<PathBuf> {
+    let cwd = std::env::current_dir().context("cannot read the current folder")?;
+    let mut abs = PathBuf::new();
+    for c in cwd.join(path).components() {
+        match c {
+            std::path::Component::ParentDir => {
+                abs.pop();
+            }
+            std::path::Component::CurDir => {}
+            other => abs.push(other),
+        }
+    }
+    // The longest existing prefix, canonical; the rest as it is.
+    let mut existing = abs.clone();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(c) = existing.canonicalize() {
+            let mut out = c;
+            out.extend(rest.iter().rev());
+            return Ok(out);
+        }
+        match (existing.file_name().map(|n| n.to_os_string()), existing.parent().map(Path::to_path_buf)) {
+            (Some(name), Some(parent)) => {
+                rest.push(name);
+                existing = parent;
+            }
+            _ => return Ok(abs),
+        }
+    }
+}
+
+/// Whether `dir` is an `aar-train` run's folder: marked, or (a run made before the marker)
+/// holding the lock every run has taken first.
+pub fn made_by_aar_train(dir: &Path) -> bool {
+    dir.join("stages").join(MARKER).is_file() || dir.join("stages/lock").is_file()
+}
+
+/// The checks on `--output-dir` made before any work, so a run never writes into (and a redone
+/// final stage never replaces files of) a folder it does not own: `out` must not be, hold or
+/// lie inside any of `inputs` (the starting retriever, a white-box source: named by their
+/// flags), and must be absent, empty, or an `aar-train` run's folder.
+pub fn check_output_dir(out: &Path, inputs: &[(&str, &Path)]) -> Result<()> {
+    let at = resolved(out)?;
+    for (flag, input) in inputs {
+        let input_at = resolved(input)?;
+        if at == input_at {
+            bail!("--output-dir {} is {flag} {}: the run would write its model over it; give another folder", out.display(), input.display());
+        }
+        if at.starts_with(&input_at) {
+            bail!("--output-dir {} is inside {flag} {}: the run's files would change that model's folder; give a folder outside it", out.display(), input.display());
+        }
+        if input_at.starts_with(&at) {
+            bail!("{flag} {} is inside --output-dir {}: the run's final stage would write beside it; give an output folder that does not hold it", input.display(), out.display());
+        }
+    }
+    match std::fs::read_dir(out) {
+        Ok(mut entries) => {
+            if entries.next().is_some() && !made_by_aar_train(out) {
+                bail!(
+                    "--output-dir {}: not empty, and not an aar-train run's folder (no stages/{MARKER}); give a new or empty folder (aar-train writes only there, and may replace its own files on a rerun)",
+                    out.display()
+                );
+            }
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => bail!("--output-dir {}: a file, not a folder", out.display()),
+        Err(e) => Err(e).with_context(|| format!("--output-dir {}: cannot list", out.display())),
+    }
+}
+
 /// An exclusive lock on the run's folder for as long as it is held (one run per output folder:
 /// two would append to the same record files). Released when the process ends, however.
 pub struct RunLock(#[allow(dead_code)] std::fs::File);
@@ -244,7 +409,7 @@ mod tests {
 
     /// A resumed or redone stage clears the later ones, but for the score stage, whose key is
     /// what it scores: a retrieval killed after a redo keeps the scores; a cleared final stage
-    /// takes OUT's model with it.
+    /// leaves OUT's model until a new one replaces it.
     #[test]
     fn a_resumed_stage_clears_the_later_ones_but_the_scores() {
         let out = std::env::temp_dir().join(format!("aar-stages-{}", std::process::id()));
@@ -266,7 +431,7 @@ mod tests {
         for name in ["select", "train", "final"] {
             assert!(!stages.key_path(name).exists() && !stages.done_path(name).exists() && !stages.folder(name).exists(), "{name} left");
         }
-        assert!(!out.join("model.safetensors").exists(), "a stale model is left in OUT");
+        assert!(out.join("model.safetensors").exists(), "the last complete model went before a new one was made");
         assert!(out.join("analysis.json").exists() && out.join("stages").exists());
         // The score stage resumed: the later stages go again.
         for name in ["select", "train"] {
@@ -278,5 +443,93 @@ mod tests {
         assert!(stages.folder("score").join("work").exists());
         assert!(!stages.done_path("select").exists() && !stages.done_path("train").exists());
         let _ = std::fs::remove_dir_all(&out);
+    }
+
+    fn temp(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("aar-stages-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn saved(dir: &Path, files: &[&str]) -> PathBuf {
+        let _ = std::fs::remove_dir_all(dir);
+        for f in files {
+            let p = dir.join(f);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, f.as_bytes()).unwrap();
+        }
+        dir.to_path_buf()
+    }
+
+    /// The final stage's model replaces only what an earlier final stage wrote: a file someone
+    /// put in OUT stays, one of the same name as the model's is refused, not overwritten.
+    #[test]
+    fn the_model_replaces_only_what_the_run_wrote() {
+        let out = temp("install");
+        let stages = Stages::new(out.join("stages"), false).unwrap();
+        std::fs::write(out.join("notes.txt"), b"mine").unwrap();
+        stages.install_model(&saved(&out.join("stages/final/model"), &["model.safetensors", "config.json", "1_Pooling/config.json"])).unwrap();
+        assert!(out.join("model.safetensors").exists() && out.join("1_Pooling/config.json").exists());
+        // A second model without config.json: the first's is removed, the user's file kept.
+        stages.install_model(&saved(&out.join("stages/final/model"), &["model.safetensors", "1_Pooling/config.json"])).unwrap();
+        assert!(!out.join("config.json").exists(), "a file of the earlier model is left");
+        assert_eq!(std::fs::read(out.join("notes.txt")).unwrap(), b"mine");
+        assert_eq!(stages.model_files().unwrap(), vec!["1_Pooling".to_string(), "model.safetensors".into()]);
+        // A file of the model's name that no final stage wrote: refused, left as it is.
+        std::fs::write(out.join("vocab.txt"), b"mine").unwrap();
+        let e = stages.install_model(&saved(&out.join("stages/final/model"), &["model.safetensors", "vocab.txt"])).unwrap_err().to_string();
+        assert!(e.contains("vocab.txt") && e.contains("not written by this run"), "{e}");
+        assert_eq!(std::fs::read(out.join("vocab.txt")).unwrap(), b"mine");
+        assert_eq!(std::fs::read(out.join("notes.txt")).unwrap(), b"mine");
+        let _ = std::fs::remove_dir_all(&out);
+    }
+
+    /// A run folder made before the marker: its model (what its final stage left) is the run's.
+    #[test]
+    fn an_earlier_run_s_model_is_adopted() {
+        let out = temp("adopt");
+        std::fs::create_dir_all(out.join("stages")).unwrap();
+        for f in ["stages/lock", "stages/final.key.json", "stages/final.done.json", "analysis.json", "model.safetensors", "config.json"] {
+            std::fs::write(out.join(f), b"{}").unwrap();
+        }
+        assert!(made_by_aar_train(&out));
+        let stages = Stages::new(out.join("stages"), false).unwrap();
+        assert_eq!(stages.model_files().unwrap(), vec!["config.json".to_string(), "model.safetensors".into()]);
+        assert!(out.join("stages").join(MARKER).exists());
+        let _ = std::fs::remove_dir_all(&out);
+    }
+
+    /// The output folder is checked before any work: never a folder the run did not make, nor
+    /// the starting retriever's or the source's, inside them, or holding them.
+    #[test]
+    fn output_folders_the_run_does_not_own_are_refused() {
+        let root = temp("check");
+        let model = root.join("model");
+        std::fs::create_dir_all(&model).unwrap();
+        std::fs::write(model.join("model.safetensors"), b"w").unwrap();
+        let inputs = [("--model", model.as_path())];
+        // New, or empty: fine.
+        check_output_dir(&root.join("new"), &inputs).unwrap();
+        std::fs::create_dir_all(root.join("empty")).unwrap();
+        check_output_dir(&root.join("empty"), &inputs).unwrap();
+        // Not empty and not a run's (a folder of runs, say): refused.
+        std::fs::create_dir_all(root.join("runs/other")).unwrap();
+        let e = check_output_dir(&root.join("runs"), &inputs).unwrap_err().to_string();
+        assert!(e.contains("not empty") && e.contains("runs"), "{e}");
+        // The model itself, under another spelling; inside it; holding it.
+        for (out, needle) in [(model.join("."), "is --model"), (model.join("aar"), "inside --model"), (root.clone(), "is inside --output-dir")] {
+            let e = check_output_dir(&out, &inputs).unwrap_err().to_string();
+            assert!(e.contains(needle), "{}: {e}", out.display());
+        }
+        // A run's own folder (marked) is fine to rerun into.
+        std::fs::create_dir_all(root.join("run/stages")).unwrap();
+        std::fs::write(root.join("run/stages").join(MARKER), b"{}").unwrap();
+        std::fs::write(root.join("run/model.safetensors"), b"w").unwrap();
+        check_output_dir(&root.join("run"), &inputs).unwrap();
+        // ...but not with a starting retriever inside it.
+        let e = check_output_dir(&root.join("run"), &[("--model", &root.join("run/stages/train/checkpoint-4"))]).unwrap_err().to_string();
+        assert!(e.contains("inside --output-dir"), "{e}");
+        let _ = std::fs::remove_dir_all(&root);
     }
 }
