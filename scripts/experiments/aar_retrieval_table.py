@@ -109,7 +109,7 @@ def main():
         cells = []
         for task, metric, _ in COLUMNS:
             ids = ids_of(task)
-            if not ids:
+            if not ids or task not in systems[a] or task not in systems[b]:
                 cells.append("")
                 continue
             diff = [x - y for x, y in zip(values(systems[a][task], metric, ids), values(systems[b][task], metric, ids))]
