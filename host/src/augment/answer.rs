@@ -5,14 +5,24 @@ pub fn letters(n: usize) -> Vec<String> {
     (b'A'..=b'Z').take(n).map(|c| (c as char).to_string()).collect()
 }
 
+/// Verbs that, after a standalone "A" or "I", make it an answer letter ("A is correct", "I
+/// seems right"): English never puts them after the article "a" or the pronoun "I" ("I is",
+/// "a seems"), while any other lower-case word ("A good guess", "I think") reads as one.
+const LETTER_VERBS: [&str; 10] = ["is", "was", "seems", "appears", "looks", "fits", "matches", "answers", "describes", "holds"];
+
 /// The choice a free-text answer names: the first standalone letter among `letters`
-/// ("B", " B.", "(B)", "Answer: B"); failing that, the one choice whose text it contains.
+/// ("B", " B.", "(B)", "Answer: B", "A is correct"); failing that, the one choice whose text
+/// it contains.
 pub fn parse_choice(text: &str, letters: &[String], choices: &[String]) -> Option<usize> {
     let chars: Vec<char> = text.chars().collect();
     for (i, c) in chars.iter().enumerate() {
         let standalone = |j: Option<&char>| j.is_none_or(|c| !c.is_alphanumeric());
-        // "A" and "I" followed by a lower-case word are an article and a pronoun, not answers.
-        let word_follows = chars.get(i + 1) == Some(&' ') && chars.get(i + 2).is_some_and(|c| c.is_lowercase());
+        // "A" and "I" followed by a lower-case word are an article and a pronoun, not answers,
+        // unless that word is a verb only a letter takes ("A is correct").
+        let next_word: String = chars.iter().skip(i + 2).take_while(|c| c.is_alphanumeric()).collect();
+        let word_follows = chars.get(i + 1) == Some(&' ')
+            && chars.get(i + 2).is_some_and(|c| c.is_lowercase())
+            && !LETTER_VERBS.contains(&next_word.as_str());
         if c.is_ascii_uppercase()
             && standalone(i.checked_sub(1).and_then(|j| chars.get(j)))
             && standalone(chars.get(i + 1))
@@ -31,6 +41,76 @@ pub fn parse_choice(text: &str, letters: &[String], choices: &[String]) -> Optio
 /// A short answer as PopQA reads it: the first non-empty line, trimmed.
 pub fn first_line(text: &str) -> String {
     text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("").to_string()
+}
+
+/// How a short answer is judged against the gold aliases (`[answers] match`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AnswerMatch {
+    /// PopQA's rule ([`contains_alias`]): some alias is a substring of the answer.
+    #[default]
+    PopQa,
+    /// SQuAD's and KILT's exact match: the answer equals some alias once both are normalised
+    /// ([`normalize_answer`]).
+    Squad,
+}
+
+impl AnswerMatch {
+    pub fn parse(s: &str) -> anyhow::Result<Self> {
+        match s {
+            "popqa" => Ok(AnswerMatch::PopQa),
+            "squad" => Ok(AnswerMatch::Squad),
+            other => anyhow::bail!("answers.match {other:?}: expected popqa (PopQA's alias in the answer) or squad (SQuAD's and KILT's normalised exact match)"),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AnswerMatch::PopQa => "popqa",
+            AnswerMatch::Squad => "squad",
+        }
+    }
+
+    /// Whether `answer` (the reply's first line) is right.
+    pub fn judge(self, answer: &str, aliases: &[String]) -> bool {
+        match self {
+            AnswerMatch::PopQa => contains_alias(answer, aliases),
+            AnswerMatch::Squad => exact_match(answer, aliases),
+        }
+    }
+}
+
+/// SQuAD's `normalize_answer` (its official evaluation script, which KILT's reuses): lower-cased,
+/// ASCII punctuation (Python's `string.punctuation`) removed, the words "a", "an" and "the"
+/// removed, white space collapsed to single spaces.
+pub fn normalize_answer(s: &str) -> String {
+    let lower: String = s.to_lowercase().chars().filter(|c| !c.is_ascii_punctuation()).collect();
+    // `re.sub(r"\b(a|an|the)\b", " ", text)`: whole words, a word being a run of Python's `\w`.
+    let mut out = String::with_capacity(lower.len());
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        if matches!(word.as_str(), "a" | "an" | "the") {
+            out.push(' ');
+        } else {
+            out.push_str(word);
+        }
+        word.clear();
+    };
+    for c in lower.chars() {
+        if c.is_alphanumeric() || c == '_' {
+            word.push(c);
+        } else {
+            flush(&mut word, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut word, &mut out);
+    out.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// SQuAD's exact match against any alias (an alias that normalises to nothing matches nothing).
+pub fn exact_match(answer: &str, aliases: &[String]) -> bool {
+    let answer = normalize_answer(answer);
+    aliases.iter().map(|a| normalize_answer(a)).any(|a| !a.is_empty() && a == answer)
 }
 
 /// PopQA's judgement (REFERENCE §6): some alias, as is, lower-cased or capitalised, is a
@@ -74,6 +154,47 @@ mod tests {
         assert_eq!(parse_choice("I think it is C", &l10, &c10), Some(2), "the pronoun I is not answer I");
         assert_eq!(parse_choice("A good guess is B", &l10, &c10), Some(1), "the article A is not answer A");
         assert_eq!(parse_choice("I", &l10, &c10), Some(8));
+    }
+
+    /// A letter followed by a verb only a letter takes is the answer; the article and the
+    /// pronoun still are not.
+    #[test]
+    fn a_letter_that_is_the_subject_is_read() {
+        let l = letters(4);
+        let c: Vec<String> = ["red", "green", "blue", "black"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(parse_choice("A is correct", &l, &c), Some(0));
+        assert_eq!(parse_choice("A is the answer.", &l, &c), Some(0));
+        assert_eq!(parse_choice("Option A is correct", &l, &c), Some(0));
+        assert_eq!(parse_choice("I think A is right", &l, &c), Some(0), "the pronoun is passed over, the letter read");
+        assert_eq!(parse_choice("A seems most likely", &l, &c), Some(0));
+        assert_eq!(parse_choice("B is correct", &l, &c), Some(1));
+        assert_eq!(parse_choice("A good answer would be C", &l, &c), Some(2), "the article A");
+        assert_eq!(parse_choice("A correct answer is D", &l, &c), Some(3), "the article A before an adjective");
+        assert_eq!(parse_choice("A isolated case", &l, &c), None, "a word that only begins like a verb");
+        let l10 = letters(10);
+        let c10: Vec<String> = (0..10).map(|i| format!("option {i}")).collect();
+        assert_eq!(parse_choice("I is correct", &l10, &c10), Some(8));
+        assert_eq!(parse_choice("I would say B", &l10, &c10), Some(1), "the pronoun I");
+    }
+
+    /// SQuAD's official normalize_answer, on the cases its steps differ on.
+    #[test]
+    fn squad_normalisation_and_exact_match() {
+        assert_eq!(normalize_answer("The  Eiffel Tower!"), "eiffel tower");
+        assert_eq!(normalize_answer("an apple, a pear"), "apple pear");
+        assert_eq!(normalize_answer("Theatre"), "theatre", "only whole words are articles");
+        assert_eq!(normalize_answer("U.S.A."), "usa");
+        assert_eq!(normalize_answer("rock-n-roll"), "rocknroll", "punctuation is removed, not spaced");
+        assert_eq!(normalize_answer("A"), "");
+        assert_eq!(normalize_answer("  Ça  va\t"), "ça va");
+        let aliases = vec!["The Beatles".to_string(), "Beatles".to_string()];
+        assert!(exact_match("the beatles.", &aliases));
+        assert!(!exact_match("The Beatles were a band", &aliases), "exact, not contained");
+        assert!(AnswerMatch::PopQa.judge("The Beatles were a band", &aliases));
+        assert!(AnswerMatch::Squad.judge("beatles", &aliases));
+        assert!(!AnswerMatch::Squad.judge("", &["the".to_string()]), "an alias that normalises to nothing matches nothing");
+        assert_eq!(AnswerMatch::parse("squad").unwrap(), AnswerMatch::Squad);
+        assert!(AnswerMatch::parse("kilt").unwrap_err().to_string().contains("answers.match"));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The `host augment` recipe (TOML): the target and its settings, where passages come from,
 //! and the prompt templates of each task. Flags override it. See `configs/augment/openai.toml`.
 
+use super::answer::AnswerMatch;
 use super::prompt::Template;
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
@@ -22,6 +23,17 @@ pub struct AugmentConfig {
     pub shortqa: TaskConfig,
     #[serde(default)]
     pub run: RunConfig,
+    #[serde(default)]
+    pub answers: AnswersConfig,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AnswersConfig {
+    /// How short answers are judged: `popqa` (the default: some alias is in the answer as
+    /// written) or `squad` (SQuAD's and KILT's exact match after their normalisation).
+    #[serde(rename = "match")]
+    pub rule: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -175,6 +187,8 @@ pub struct TaskPrompts {
     pub demonstration: Option<Template>,
     /// After each demonstration; `None`: `separator`.
     pub demonstration_separator: Option<String>,
+    /// How short answers are judged (multiple choice is judged by its letter: always PopQa).
+    pub answer_match: AnswerMatch,
 }
 
 impl TaskPrompts {
@@ -199,6 +213,9 @@ impl TaskPrompts {
                  the reply's first non-empty line; leave it out (max_tokens caps the reply)"
             );
         }
+        let answer_match = cfg.answers.rule.as_deref().map(AnswerMatch::parse).transpose()?.unwrap_or_default();
+        // Only short answers are matched against aliases; a letter is right or wrong.
+        let answer_match = if task == Task::ShortQa { answer_match } else { AnswerMatch::PopQa };
         let demonstrations = t.demonstrations.unwrap_or(0);
         if demonstrations > 0 && t.demonstrations_file.is_none() {
             bail!("{name}.demonstrations is {demonstrations} but {name}.demonstrations_file is not set");
@@ -218,6 +235,7 @@ impl TaskPrompts {
             demonstrations_file: t.demonstrations_file.clone(),
             demonstration: t.demonstration.as_deref().map(|d| Template::parse(d, &DEMONSTRATION_VARS, &format!("{name}.demonstration"))).transpose()?,
             demonstration_separator: t.demonstration_separator.clone(),
+            answer_match,
         })
     }
 
@@ -282,6 +300,17 @@ mod tests {
         }
         let cfg: AugmentConfig = toml::from_str("[shortqa]\nstop = [\"\\nQ:\"]\n").unwrap();
         assert_eq!(TaskPrompts::new(&cfg, Task::ShortQa).unwrap().stop, vec!["\nQ:".to_string()]);
+    }
+
+    #[test]
+    fn short_answers_are_matched_as_the_recipe_says() {
+        let p = TaskPrompts::new(&AugmentConfig::default(), Task::ShortQa).unwrap();
+        assert_eq!(p.answer_match, AnswerMatch::PopQa, "PopQA's rule by default");
+        let cfg: AugmentConfig = toml::from_str("[answers]\nmatch = \"squad\"\n").unwrap();
+        assert_eq!(TaskPrompts::new(&cfg, Task::ShortQa).unwrap().answer_match, AnswerMatch::Squad);
+        let cfg: AugmentConfig = toml::from_str("[answers]\nmatch = \"em\"\n").unwrap();
+        let e = TaskPrompts::new(&cfg, Task::ShortQa).unwrap_err().to_string();
+        assert!(e.contains("answers.match") && e.contains("squad"), "{e}");
     }
 
     #[test]

@@ -241,7 +241,7 @@ pub fn ask_connector(conn: &dyn Connector, task: Task, p: &TaskPrompts, item: &P
             Task::ShortQa => {
                 let text = reply["text"].as_str().unwrap_or("").to_string();
                 let ans = answer::first_line(&text);
-                let ok = answer::contains_alias(&ans, &item.probe.aliases);
+                let ok = p.answer_match.judge(&ans, &item.probe.aliases);
                 record(item, json!(text), json!(ans), method, ok, None, extra)
             }
         };
@@ -352,7 +352,7 @@ pub fn ask_reader(reader: &mut dyn Reader, task: Task, p: &TaskPrompts, items: &
             Task::ShortQa => {
                 let text = out["text"].as_str().unwrap_or("").to_string();
                 let ans = answer::first_line(&text);
-                let ok = answer::contains_alias(&ans, &it.probe.aliases);
+                let ok = p.answer_match.judge(&ans, &it.probe.aliases);
                 record(it, json!(text), json!(ans), method, ok, None, json!({}))
             }
         })

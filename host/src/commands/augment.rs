@@ -306,6 +306,12 @@ fn setup_sha256(target: &str, settings: &Value, p: &TaskPrompts) -> String {
     if !p.passages_header.is_empty() {
         prompt["passages_header"] = json!(p.passages_header);
     }
+    // Keyed only when not PopQA's (the rule before the setting existed), so earlier results
+    // still resume; answers judged by another rule are never mixed in one file.
+    let mut answering = answering;
+    if p.answer_match != crate::augment::answer::AnswerMatch::PopQa {
+        answering["match"] = json!(p.answer_match.name());
+    }
     crate::augment::sha256(&json!({"target": target, "settings": kept, "prompt": prompt, "answering": answering}).to_string())
 }
 
@@ -483,6 +489,10 @@ mod tests {
             let p = TaskPrompts::new(&toml::from_str(recipe).unwrap(), Task::Mc).unwrap();
             assert_ne!(setup_sha256("fid", &settings, &p), h, "{recipe}");
         }
+        // How short answers are judged; PopQA's rule named is the default's setup.
+        let short = |recipe: &str| setup_sha256("fid", &settings, &TaskPrompts::new(&toml::from_str(recipe).unwrap(), Task::ShortQa).unwrap());
+        assert_ne!(short("[answers]\nmatch = \"squad\"\n"), short(""));
+        assert_eq!(short("[answers]\nmatch = \"popqa\"\n"), short(""));
         // Two demonstration templates are two setups, even when the demonstrations' count is 0.
         let demo = |d: &str| TaskPrompts::new(&toml::from_str(&format!("[mc]\ndemonstration = {d:?}\n")).unwrap(), Task::Mc).unwrap();
         assert_ne!(setup_sha256("fid", &settings, &demo("Q: {question} A: {answer}")), setup_sha256("fid", &settings, &demo("{question} {answer}")));
