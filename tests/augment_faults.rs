@@ -528,6 +528,63 @@ fn top_logprobs_respect_each_endpoints_limit() {
     }
 }
 
+/// The cap of 5 on `/v1/completions` is learnt from a server's refusal (and remembered in the
+/// cache for the next run), never from cached replies to a recipe that itself asked for 5.
+#[test]
+fn the_logprobs_cap_is_learnt_from_refusals_not_from_replies_to_5() {
+    let dir = TempDir::new("augment-logprobs-cap");
+    // llama.cpp takes any number: replies cached for top_logprobs = 5 must not make a later
+    // run with 20 ask for 5.
+    let open = FakeServer::start(Options { completions_logprobs: None, ..Options::default() });
+    let cfg = recipe(dir.path(), &open.url, ", top_logprobs = 5");
+    let out = augment(&cfg, "mc", 4, &dir.path().join("five.jsonl"), &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(open.log().iter().all(|l| l.body["logprobs"] == 5), "{:?}", open.log());
+    let cfg = recipe(dir.path(), &open.url, ", top_logprobs = 20");
+    let out = augment(&cfg, "mc", 4, &dir.path().join("twenty.jsonl"), &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let twenty: Vec<_> = open.log().into_iter().filter(|l| l.body["logprobs"] == 20).collect();
+    assert_eq!(twenty.len(), 4, "each item asked for the 20 the recipe says: {:?}", open.log());
+    // OpenAI's limit: learnt from the first refusals, then remembered: a rerun on the same
+    // cache asks nothing over it (each item's reply to 5 is served from the cache).
+    let dir = TempDir::new("augment-logprobs-cap-refused");
+    let limited = FakeServer::start(Options::default());
+    let cfg = recipe(dir.path(), &limited.url, ", top_logprobs = 20");
+    let out = augment(&cfg, "mc", 4, &dir.path().join("first.jsonl"), &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(limited.log().iter().any(|l| l.body["logprobs"] == 20 && l.outcome.contains("400")), "{:?}", limited.log());
+    let again = FakeServer::start(Options::default());
+    let cfg = recipe(dir.path(), &again.url, ", top_logprobs = 20");
+    let out = augment(&cfg, "mc", 4, &dir.path().join("second.jsonl"), &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(again.log().is_empty(), "the refusal was remembered and the replies served from the cache: {:?}", again.log());
+}
+
+/// The first run finds no server (the connector cannot learn what it serves) and writes
+/// error records; the rerun, with the server up and listing its model, asks those items
+/// instead of refusing the file as another setup's.
+#[test]
+fn a_first_run_without_a_server_does_not_bar_the_rerun() {
+    let dir = TempDir::new("augment-first-down");
+    let corpus = minikilt().join("corpus.jsonl");
+    let out_path = dir.path().join("results.jsonl");
+    // Port 9 (discard): nothing listens there on a test machine.
+    let down = recipe_full(dir.path(), "http://127.0.0.1:9", "local", ", cache = false", &corpus);
+    let out = augment(&down, "shortqa", 6, &out_path, &["--workers", "2"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let failed = records(&out_path);
+    assert!(!failed.is_empty() && failed.iter().all(|r| r["error"].as_str().is_some_and(|e| e.starts_with("unreachable:"))), "{failed:?}");
+    let server = FakeServer::start(Options { models: Some(vec!["/models/x.gguf".into()]), ..Options::default() });
+    let up = recipe_full(dir.path(), &server.url, "local", ", cache = false", &corpus);
+    let out = augment(&up, "shortqa", 6, &out_path, &[]);
+    assert!(out.status.success(), "the rerun was refused: {}", stderr(&out));
+    assert!(stderr(&out).contains(&format!("asking again {} items that failed", failed.len())), "{}", stderr(&out));
+    assert_eq!(server.log().len(), 6, "every item asked once: {:?}", server.log());
+    let recs = records(&out_path);
+    assert_eq!(recs.len(), 6);
+    assert!(recs.iter().all(|r| r["error"].is_null()), "{recs:?}");
+}
+
 #[test]
 fn short_answers_after_a_leading_line_break_are_read() {
     let dir = TempDir::new("augment-leading-newline");

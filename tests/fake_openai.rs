@@ -77,6 +77,9 @@ pub struct Options {
     /// The log-probability of a token forced on `/completion`, from the prompt it follows;
     /// by default -0.5 whatever the prompt ([`distinct_logprob`] gives each prompt its own).
     pub forced_logprob: Option<Box<dyn Fn(&str) -> f64 + Send + Sync>>,
+    /// The most `logprobs` `/v1/completions` takes (OpenAI's 5 by default); `None`: any
+    /// number, as llama.cpp and vLLM.
+    pub completions_logprobs: Option<u64>,
 }
 
 /// A forced token's log-probability that differs by the prompt it follows (FNV-1a of it, spread
@@ -101,7 +104,16 @@ impl Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Options { plan: Box::new(|_, _| None), delay: Duration::ZERO, context_chars: None, logprobs: true, text: None, models: None, forced_logprob: None }
+        Options {
+            plan: Box::new(|_, _| None),
+            delay: Duration::ZERO,
+            context_chars: None,
+            logprobs: true,
+            text: None,
+            models: None,
+            forced_logprob: None,
+            completions_logprobs: Some(5),
+        }
     }
 }
 
@@ -363,7 +375,7 @@ fn serve(conn: TcpStream, st: &State) {
                 }
                 // OpenAI's limits on alternatives per position: 5 on completions, 20 on chat.
                 let (param, asked, max) = match &path[..] {
-                    "/v1/completions" => ("logprobs", req["logprobs"].as_u64(), 5),
+                    "/v1/completions" => ("logprobs", req["logprobs"].as_u64(), st.opts.completions_logprobs.unwrap_or(u64::MAX)),
                     "/v1/chat/completions" => ("top_logprobs", req["top_logprobs"].as_u64(), 20),
                     _ => ("", None, 0),
                 };

@@ -3,9 +3,9 @@
 //!
 //! On a rerun the file is read back: answered lines whose prompt matches the one the item
 //! would get now, asked of the same setup (target, model, answering settings), are kept and
-//! their items skipped; error records are dropped (those items are asked again); a torn last
-//! line (a kill mid-write) is dropped. A line with another prompt or setup means the file was
-//! made with another recipe: that is refused unless `--overwrite`, so two settings never mix
+//! their items skipped; error records are dropped (those items are asked again, whatever setup
+//! they were made under); a torn last line (a kill mid-write) is dropped. An answered line with
+//! another setup, or any line with another prompt, means the file was made with another recipe: that is refused unless `--overwrite`, so two settings never mix
 //! in one file. Records of questions this run does not ask (a smaller `--limit`, a sample)
 //! are kept in the file untouched. The kept lines are rewritten atomically before appending.
 //!
@@ -105,6 +105,15 @@ impl Results {
                         n + 1
                     );
                 }
+                // An error record holds no answer: it is asked again whatever setup it was made
+                // under. (A first run against a server that was not up yet knew less of the
+                // target, such as the model it serves, and its failed items must not bar the
+                // rerun.)
+                if !rec["error"].is_null() {
+                    dropped_errors += 1;
+                    done.remove(id);
+                    continue;
+                }
                 if rec["setup_sha256"].as_str() != Some(setup) {
                     bail!(
                         "{}:{}: item {id:?} was asked of another target, model, prompt settings or answering settings; use another --output, or --overwrite",
@@ -112,12 +121,7 @@ impl Results {
                         n + 1
                     );
                 }
-                if rec["error"].is_null() {
-                    done.insert(id.to_string(), rec);
-                } else {
-                    dropped_errors += 1;
-                    done.remove(id);
-                }
+                done.insert(id.to_string(), rec);
             }
         }
         let mut kept: Vec<&Value> = done.values().chain(&others).collect();
@@ -185,6 +189,22 @@ mod tests {
         assert_eq!(done.len(), 2);
         let lines = std::fs::read_to_string(&p).unwrap();
         assert_eq!(lines.lines().count(), 2);
+    }
+
+    /// Failed items of a run that knew the target otherwise (its server was down at start)
+    /// are asked again by a run with another setup, not refused; answers still are.
+    #[test]
+    fn error_records_never_bind_the_file_to_their_setup() {
+        let p = tmp("error-setup");
+        let expected: HashMap<String, String> = [("a", "h1"), ("b", "h2")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let failed = |id: &str, h: &str| json!({"_id": id, "prompt_sha256": h, "setup_sha256": "down", "error": "unreachable: no server"});
+        std::fs::write(&p, format!("{}\n{}\n", failed("a", "h1"), failed("b", "h2"))).unwrap();
+        let (mut r, done) = open(&p, &expected, "up", false).unwrap();
+        assert!(done.is_empty(), "both are asked again");
+        r.append(&json!({"_id": "a", "prompt_sha256": "h1", "setup_sha256": "up", "error": null})).unwrap();
+        drop(r);
+        let e = open(&p, &expected, "down", false).err().unwrap().to_string();
+        assert!(e.contains("another target, model"), "an answer of another setup is still refused: {e}");
     }
 
     #[test]

@@ -303,9 +303,18 @@ impl Http {
         self.model = model;
     }
 
-    /// Whether a reply to `body` at `path` is in the cache.
-    pub fn has_cached(&self, path: &str, body: &Value) -> bool {
-        self.cache.as_ref().is_some_and(|c| c.path(&cache_key(&self.key_server, &self.model, path, &body.to_string())).exists())
+    /// Keep `value` under `name` in the cache, beside the replies of this server and model:
+    /// what the connector learnt about the server (a limit it refused a request over), so a
+    /// later run knows it without asking again. Nothing without a cache.
+    pub fn remember(&self, name: &str, value: &Value) {
+        if let Some(c) = &self.cache {
+            c.put(&cache_key(&self.key_server, &self.model, &format!("#{name}"), ""), value);
+        }
+    }
+
+    /// What [`Http::remember`] kept under `name` for this server and model.
+    pub fn recall(&self, name: &str) -> Option<Value> {
+        self.cache.as_ref()?.get(&cache_key(&self.key_server, &self.model, &format!("#{name}"), ""))
     }
 
     /// POST `body` to `path` (e.g. `/v1/completions`) and hand the reply's JSON to `accept`,

@@ -112,6 +112,9 @@ impl Endpoint {
 /// OpenAI's limit on `logprobs` on `/v1/completions`.
 const OPENAI_COMPLETIONS_LOGPROBS: u32 = 5;
 
+/// Under this name in the cache: that the server refused more than OpenAI's limit.
+const LOGPROBS_CAP: &str = "completions_logprobs_cap";
+
 /// A refusal of the request's `logprobs` (OpenAI: 400, "... logprobs ... must be less than
 /// or equal to 5").
 fn refuses_logprobs(e: &ApiError) -> bool {
@@ -148,7 +151,7 @@ pub struct OpenAi {
     /// Fixed by the settings, or found on first use (`auto`).
     continuation: Mutex<Option<ContinuationMethod>>,
     /// The most `logprobs` asked of `/v1/completions`: no limit until the server refuses a
-    /// number by name (OpenAI's 5).
+    /// number by name (OpenAI's 5), in this run or an earlier one with the same cache.
     completions_logprobs_cap: AtomicU32,
 }
 
@@ -258,6 +261,10 @@ impl PluginInfo for OpenAi {
         let base_is_openai = http::server_of(&http.base).starts_with("https://api.openai.com");
         let served = one_served.unwrap_or_else(|| model.clone());
         http.set_identity(http::server_of(&http.base), served.clone());
+        // OpenAI's own API is known to refuse more than 5; any other server is asked first,
+        // unless it refused more on an earlier run (remembered in the cache when it did).
+        let refused_before = http.recall(LOGPROBS_CAP).and_then(|v| v["logprobs"].as_u64()) == Some(OPENAI_COMPLETIONS_LOGPROBS as u64);
+        let cap = if base_is_openai || refused_before { OPENAI_COMPLETIONS_LOGPROBS } else { u32::MAX };
         Ok(OpenAi {
             http,
             model,
@@ -267,8 +274,7 @@ impl PluginInfo for OpenAi {
             top_logprobs: s.top_logprobs.unwrap_or(20),
             floor: s.logprob_floor,
             continuation: Mutex::new(continuation),
-            // OpenAI's own API is known to refuse more than 5; any other server is asked first.
-            completions_logprobs_cap: AtomicU32::new(if base_is_openai { OPENAI_COMPLETIONS_LOGPROBS } else { u32::MAX }),
+            completions_logprobs_cap: AtomicU32::new(cap),
         })
     }
 }
@@ -339,19 +345,14 @@ impl OpenAi {
                 let Some(k) = top else { return self.http.post("/v1/completions", &body, accept) };
                 // OpenAI takes at most 5 as `logprobs` here; llama.cpp and vLLM take more. Ask
                 // for what the recipe says until a server refuses it by name, then for 5.
-                let mut cap = self.completions_logprobs_cap.load(Ordering::Relaxed);
-                // A reply cached with 5 means this server refused more on an earlier run.
-                if k.min(cap) > OPENAI_COMPLETIONS_LOGPROBS {
-                    body["logprobs"] = json!(OPENAI_COMPLETIONS_LOGPROBS);
-                    if self.http.has_cached("/v1/completions", &body) {
-                        self.completions_logprobs_cap.store(OPENAI_COMPLETIONS_LOGPROBS, Ordering::Relaxed);
-                        cap = OPENAI_COMPLETIONS_LOGPROBS;
-                    }
-                }
+                // The cap is learnt from the server's refusal only (and remembered for later
+                // runs), never from a cached reply with 5: the recipe may have asked for 5.
+                let cap = self.completions_logprobs_cap.load(Ordering::Relaxed);
                 body["logprobs"] = json!(k.min(cap));
                 match self.http.post("/v1/completions", &body, &accept) {
                     Err(e) if k.min(cap) > OPENAI_COMPLETIONS_LOGPROBS && refuses_logprobs(&e) => {
                         self.completions_logprobs_cap.store(OPENAI_COMPLETIONS_LOGPROBS, Ordering::Relaxed);
+                        self.http.remember(LOGPROBS_CAP, &json!({"logprobs": OPENAI_COMPLETIONS_LOGPROBS}));
                         body["logprobs"] = json!(OPENAI_COMPLETIONS_LOGPROBS);
                         self.http.post("/v1/completions", &body, accept)
                     }
