@@ -208,7 +208,7 @@ fn check(name: &str) {
             let (queries, passages) = (strings(&t["queries"]), strings(&t["passages"]));
             // Dropout is off in these checkpoints: the keys draw nothing.
             let (query_keys, passage_keys) = ((0..queries.len() as u64).collect(), (0..passages.len() as u64).collect());
-            TaskGroup { task: t["task"].as_str().unwrap().to_string(), queries, passages, targets: Targets::OnePositive, query_keys, passage_keys }
+            TaskGroup { task: t["task"].as_str().unwrap().to_string(), queries, passages, targets: Targets::OnePositive, query_keys, passage_keys, positive_texts: Vec::new() }
         })
         .collect();
     let task_names: Vec<String> = groups.iter().map(|g| g.task.clone()).collect();
@@ -592,19 +592,29 @@ fn whole_step_paths(
     }
     // `mask_positive_copies`: the first task's second query is given its first query's positive,
     // and (with hard negatives) the last task's first query that passage as its hard negative.
-    // Each query's loss then leaves the other copies of its positive out of its candidates, in
-    // its task's scope and in the step's; unmasked, they count as its negatives.
+    // The first task's first query has a second gold passage besides the one drawn: the second
+    // query's hard negative. Each
+    // query's loss then leaves every passage that is one of its gold passages out of its
+    // candidates, in its task's scope and in the step's; unmasked, they count as its negatives.
     let mut copied = groups.to_vec();
     let shared = copied[0].passages[0].clone();
     copied[0].passages[group as usize] = shared.clone();
     if group > 1 {
         copied.last_mut().unwrap().passages[1] = shared;
     }
+    assert!(group > 1, "{name}: the fixture's groups have hard negatives");
+    let second_gold = copied[0].passages[group as usize + 1].clone();
+    for g in copied.iter_mut() {
+        g.positive_texts = (0..g.queries.len()).map(|i| vec![g.passages[i * group as usize].clone()]).collect();
+    }
+    copied[0].positive_texts[0].push(second_gold);
     let embedded: Vec<(Tensor, Tensor)> = copied.iter().map(|g| embed(g, &mut encoder)).collect();
     let step_texts: Vec<&str> = copied.iter().flat_map(|g| g.passages.iter().map(String::as_str)).collect();
     let all = Tensor::cat(&embedded.iter().map(|(_, p)| p).collect::<Vec<_>>(), 0).to_kind(Kind::Double);
-    // The largest gap between the masked and the unmasked formula: the test must see one.
+    // The largest gap between the masked and the unmasked formula, and between masking every
+    // gold passage and masking the drawn one's copies only: the test must see both.
     let mut largest_gap = 0f64;
+    let mut largest_other_gold_gap = 0f64;
     for scope in [rak_train::trainer::InBatchNegatives::Task, rak_train::trainer::InBatchNegatives::Step] {
         let masked = TrainerConfig { mask_positive_copies: true, in_batch_negatives: scope, ..config.clone() };
         let rec = recorded_step(reg, plugin, settings, &copied, masked, tasks.to_vec(), out, false);
@@ -612,30 +622,37 @@ fn whole_step_paths(
         let mut first = 0;
         for (((g, (q, p)), (task, loss, _)), (_, unmasked, _)) in copied.iter().zip(&embedded).zip(&rec).zip(&plain) {
             let step = scope == rak_train::trainer::InBatchNegatives::Step;
+            let gold = |i: i64, text: &str| g.positive_texts[i as usize].iter().any(|t| t == text);
             let (cands, texts, at) = if step { (all.shallow_clone(), step_texts.clone(), first) } else { (p.to_kind(Kind::Double), g.passages.iter().map(String::as_str).collect::<Vec<_>>(), 0) };
             let scores = q.to_kind(Kind::Double).matmul(&cands.tr()) * config.score_scale;
             let b = q.size()[0];
             // Mean over queries of −log softmax at the positive, over the rows `keep` allows.
-            let nce = |keep: &dyn Fn(i64, i64) -> bool| {
+            let nce = |keep: &dyn Fn(i64, i64, i64) -> bool| {
                 (0..b)
                     .map(|i| {
                         let t = at + i * group;
-                        let row: Vec<f64> = (0..texts.len() as i64).filter(|&j| keep(t, j)).map(|j| scores.double_value(&[i, j])).collect();
+                        let row: Vec<f64> = (0..texts.len() as i64).filter(|&j| keep(i, t, j)).map(|j| scores.double_value(&[i, j])).collect();
                         let top = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                         top + row.iter().map(|x| (x - top).exp()).sum::<f64>().ln() - scores.double_value(&[i, t])
                     })
                     .sum::<f64>()
                     / b as f64
             };
-            let want = nce(&|t, j| j == t || texts[j as usize] != texts[t as usize]);
-            let want_plain = nce(&|_, _| true);
+            let want = nce(&|i, t, j| j == t || !gold(i, texts[j as usize]));
+            let want_drawn_only = nce(&|_, t, j| j == t || texts[j as usize] != texts[t as usize]);
+            let want_plain = nce(&|_, _, _| true);
             largest_gap = largest_gap.max(want_plain - want);
+            largest_other_gold_gap = largest_other_gold_gap.max(want_drawn_only - want);
             c.see_diff(format!("{name} masked copies, {scope:?} scope, loss/{task} ({loss:.6} against {want:.6})"), (loss - want).abs(), 1e-9);
             c.see_diff(format!("{name} copies not masked, {scope:?} scope, loss/{task} ({unmasked:.6} against {want_plain:.6})"), (unmasked - want_plain).abs(), 1e-9);
             first += p.size()[0];
         }
     }
     assert!(largest_gap > 1e-4, "{name}: the copies never changed the loss (largest gap {largest_gap:e}): the test shows nothing");
+    assert!(
+        largest_other_gold_gap > 1e-4,
+        "{name}: the query's other gold passage never changed the loss (largest gap {largest_other_gold_gap:e}): the test shows nothing"
+    );
     c
 }
 

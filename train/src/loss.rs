@@ -138,19 +138,26 @@ pub fn lm_supervised_loss(q: &Tensor, p: &Tensor, lm_scores: &[Vec<f64>], scale:
 /// as one of them (two queries on one gold paragraph, or a query's negative that is another's
 /// positive): what [`multi_positive_loss`] must not count as its negatives.
 pub fn copies_of_positives(texts: &[&str], positives: &[Vec<i64>]) -> Vec<Vec<i64>> {
+    copies_of_any_positive(texts, positives, &[])
+}
+
+/// [`copies_of_positives`], where a query's positives are also the texts `also[i]` (empty, or
+/// one list per query): NCE puts one drawn positive of a query in the batch, and its other
+/// gold passages, wherever they turn up (another query's positive or hard negative), are
+/// positives of the query too, not its negatives.
+pub fn copies_of_any_positive(texts: &[&str], positives: &[Vec<i64>], also: &[Vec<&str>]) -> Vec<Vec<i64>> {
     let mut rows_of: std::collections::HashMap<&str, Vec<i64>> = std::collections::HashMap::new();
     for (j, t) in texts.iter().enumerate() {
         rows_of.entry(t).or_default().push(j as i64);
     }
     positives
         .iter()
-        .map(|ps| {
-            let mut copies: Vec<i64> = ps
-                .iter()
-                .filter_map(|&r| texts.get(r as usize))
-                .flat_map(|t| rows_of[t].iter().copied())
-                .filter(|j| !ps.contains(j))
-                .collect();
+        .enumerate()
+        .map(|(i, ps)| {
+            let own = ps.iter().filter_map(|&r| texts.get(r as usize).copied());
+            let extra = also.get(i).into_iter().flatten().copied();
+            let mut copies: Vec<i64> =
+                own.chain(extra).flat_map(|t| rows_of.get(t).into_iter().flatten().copied()).filter(|j| !ps.contains(j)).collect();
             copies.sort_unstable();
             copies.dedup();
             copies
@@ -231,6 +238,19 @@ mod tests {
         assert!(unmasked > 2f64.ln() - 1e-6 && nce_loss(&q, &p, 2, 100.0, &copies).unwrap().double_value(&[]) < 0.01, "{unmasked}");
         assert!(nce_loss(&q, &p, 2, 1.0, &[vec![4], vec![]]).is_err(), "a copy outside the batch");
         assert!(nce_loss(&q, &p, 2, 1.0, &[vec![2]]).is_err(), "one list for two queries");
+    }
+
+    /// NCE draws one of a query's gold passages; another of them elsewhere in the batch (here
+    /// the other query's hard negative) is a positive of the query too, and is masked with the
+    /// drawn one's copies.
+    #[test]
+    fn every_positive_of_the_query_is_masked_not_only_the_drawn_one() {
+        // Query 0 drew "a" (row 0) and also has gold "b"; query 1: positive "c", negative "b".
+        let texts = ["a", "x", "c", "b"];
+        let drawn = vec![vec![0], vec![2]];
+        assert_eq!(copies_of_positives(&texts, &drawn), vec![Vec::<i64>::new(), vec![]]);
+        assert_eq!(copies_of_any_positive(&texts, &drawn, &[vec!["a", "b"], vec!["c"]]), vec![vec![3], vec![]]);
+        assert_eq!(copies_of_any_positive(&texts, &drawn, &[vec!["zzz"], vec![]]), vec![Vec::<i64>::new(), vec![]], "a gold passage not in the batch");
     }
 
     #[test]

@@ -110,9 +110,10 @@ pub struct TrainSection {
     /// string. Answers that are labels (FEVER's SUPPORTS) are matched as words too: on
     /// mini-KILT 1 of fever's 392 top BM25 negatives held one.
     pub exclude_answer_negatives: bool,
-    /// NCE: a copy of a query's positive elsewhere in the batch (another query on the same
-    /// passage, or another's hard negative that is it) is left out of its candidates instead
-    /// of counting as a negative (the multi-positive loss always does this).
+    /// NCE: a passage elsewhere in the batch that is one of the query's gold passages (a copy
+    /// of the drawn positive: another query on the same passage, or another's hard negative
+    /// that is it; or another of its gold passages) is left out of its candidates instead of
+    /// counting as a negative (the multi-positive loss always does this).
     pub mask_positive_copies: bool,
     /// `nce` (one positive per query), `multi_positive` (AAR's: every positive of a query) or
     /// `lm_supervised` (REPLUG's KL toward a language model's scores of each query's passages;

@@ -12,7 +12,7 @@
 //! rank) at each step.
 
 use crate::data::TaskData;
-use crate::loss::{copies_of_positives, lm_supervised_loss, multi_positive_loss, nce_loss, nce_loss_against};
+use crate::loss::{copies_of_any_positive, copies_of_positives, lm_supervised_loss, multi_positive_loss, nce_loss, nce_loss_against};
 use crate::rng::Rng;
 use crate::sampler::{SubBatch, TacoSampler, TacoSamplerState, TaskPerBatchSampler, TaskPerBatchState};
 use crate::schedule::linear_warmup_decay;
@@ -127,10 +127,10 @@ pub struct TrainerConfig {
     /// before it existed still resume).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lm_temperature: Option<f64>,
-    /// NCE: a copy of a query's positive elsewhere in the batch (another query's positive on
-    /// the same passage, or another's hard negative that is it) is left out of its candidates
-    /// rather than counted a negative. Written only when set, so that runs made before it
-    /// existed still resume.
+    /// NCE: a passage elsewhere in the batch that is one of the query's gold passages (a copy
+    /// of the drawn positive, as another query's positive or another's hard negative, or
+    /// another of its gold passages) is left out of its candidates rather than counted a
+    /// negative. Written only when set, so that runs made before it existed still resume.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub mask_positive_copies: bool,
 }
@@ -246,6 +246,10 @@ pub struct TaskGroup {
     /// text's dropout masks do not depend on which process encodes it or with what.
     pub query_keys: Vec<u64>,
     pub passage_keys: Vec<u64>,
+    /// NCE with `mask_positive_copies`: each query's gold passages (their texts, the drawn
+    /// one's included), so that any of them met elsewhere in the batch is masked rather than
+    /// counted a negative. Empty otherwise; a query without a list has its drawn positive only.
+    pub positive_texts: Vec<Vec<String>>,
 }
 
 /// What a group's passages are to its queries, by loss.
@@ -426,6 +430,7 @@ impl<'a> Trainer<'a> {
         let mut queries = Vec::with_capacity(sub.examples.len());
         let mut passages = Vec::with_capacity(sub.examples.len() * (1 + h));
         let mut positive_rows = Vec::new();
+        let mut positive_texts = Vec::new();
         let mut lm_scores = Vec::new();
         for (row, &i) in sub.examples.iter().enumerate() {
             let ex = &task.examples[i];
@@ -440,6 +445,11 @@ impl<'a> Trainer<'a> {
             let mut rng = Rng::derive(self.config.seed, &[3, self.state.step, sub.task as u64, row as u64]);
             // Drawn whatever the loss, so the negatives drawn next do not depend on it.
             let pick = rng.below(ex.positives.len() as u64) as usize;
+            if self.config.mask_positive_copies {
+                let texts: Result<Vec<String>> =
+                    ex.positives.iter().map(|id| self.texts.get(id).cloned().with_context(|| format!("passage {id:?} has no text loaded"))).collect();
+                positive_texts.push(texts?);
+            }
             let mut group = if multi {
                 let first = passages.len() as i64;
                 positive_rows.push((first..first + ex.positives.len() as i64).collect());
@@ -467,7 +477,7 @@ impl<'a> Trainer<'a> {
         let key = |role: u64, row: usize| Rng::derive(self.config.seed, &[7, self.state.step, sub.task as u64, role, row as u64]).next_u64();
         let query_keys = (0..queries.len()).map(|row| key(0, row)).collect();
         let passage_keys = (0..passages.len()).map(|row| key(1, row)).collect();
-        Ok(TaskGroup { task: task.name.clone(), queries, passages, targets, query_keys, passage_keys })
+        Ok(TaskGroup { task: task.name.clone(), queries, passages, targets, query_keys, passage_keys, positive_texts })
     }
 
     /// A group's query and passage embeddings, with autograd, in float32 for the loss (under
@@ -497,6 +507,8 @@ impl<'a> Trainer<'a> {
                 targets: Targets::OnePositive,
                 query_keys: g.query_keys[lo..hi].to_vec(),
                 passage_keys: g.passage_keys[bounds[lo]..bounds[hi]].to_vec(),
+                // Only encoded: the loss is taken over the gathered batch with `g`'s own.
+                positive_texts: Vec::new(),
             };
             self.encode_group(&share)?
         } else {
@@ -532,13 +544,16 @@ impl<'a> Trainer<'a> {
     /// order), which tell copies of a query's positives apart from its negatives.
     fn task_loss(&self, g: &TaskGroup, q: &Tensor, own: &Tensor, step: Option<(&Tensor, i64)>, step_texts: &[&str]) -> Result<Tensor> {
         let (n, scale) = (1 + self.config.hard_negatives, self.config.score_scale);
-        // NCE's positives are each query's first passage; their copies, if they are masked.
+        // NCE's drawn positives are each query's first passage; with the mask, the rows that
+        // hold any of the query's gold passages (the drawn one's copies and its other
+        // positives) are left out of its candidates, as the multi-positive loss does.
         let copies = |texts: &[&str], first: i64| -> Vec<Vec<i64>> {
             if !self.config.mask_positive_copies {
                 return Vec::new();
             }
             let positives: Vec<Vec<i64>> = (0..g.queries.len() as i64).map(|i| vec![first + i * n as i64]).collect();
-            copies_of_positives(texts, &positives)
+            let also: Vec<Vec<&str>> = g.positive_texts.iter().map(|ts| ts.iter().map(String::as_str).collect()).collect();
+            copies_of_any_positive(texts, &positives, &also)
         };
         match (&g.targets, step) {
             (Targets::OnePositive, None) => {
