@@ -400,7 +400,7 @@ fn an_ance_episode_resumed_by_another_number_of_processes_is_refused_up_front() 
     assert!(!out.join("negatives-episode-1.json").exists(), "the kill came after the mining");
     let o = Command::new(host_bin())
         .args(["train", "--model", p(&model), "--config", p(&recipe), "--output-dir", p(&out)])
-        .args(["--optim", "adamw", "--per-device-train-batch-size", "8", "--resume-from-checkpoint", "latest"])
+        .args(["--optim", "adamw", "--per-device-train-batch-size", "4", "--resume-from-checkpoint", "latest"])
         .env_remove("RAK_PLUGIN_PATH")
         .env_remove("WORLD_SIZE")
         .output()
