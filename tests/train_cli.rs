@@ -523,6 +523,49 @@ fn every_encoder_trains_with_every_optimizer_in_float32_and_bf16() {
         ("tsage", "{\"form\": \"lean\", \"median_of\": \"nonzero\"}"),
         ("pcgrad", "{}"),
         ("cgd", "{}"),
+/// The encoder setting `bf16` would train bf16 weights and AdamW moments: a recipe that gives
+/// it is refused (pointing at --bf16), and a checkpoint an older version's training saved
+/// with it is trained in float32; no checkpoint or final model carries the setting on.
+#[test]
+fn training_keeps_float32_weights_whatever_the_encoder_settings_say() {
+    let dir = TempDir::new("train-bf16-setting");
+    let recipe = small_task_data(dir.path(), 12, &TRAIN.replace("max_steps = 8", "max_steps = 2"));
+    let text = std::fs::read_to_string(&recipe).unwrap();
+    assert!(text.contains("settings = { max_length = 64 }"), "{text}");
+    let bf16_recipe = dir.path().join("bf16.toml");
+    std::fs::write(&bf16_recipe, text.replace("settings = { max_length = 64 }", "settings = { max_length = 64, bf16 = true }")).unwrap();
+    fails(&run(&mut train_cmd(&bf16_recipe, &dir.path().join("refused"), &[])), &["bf16 = true", "float32", "--bf16"]);
+
+    // A starting checkpoint whose saved settings say bf16 = true.
+    let start = dir.path().join("start");
+    assert!(Command::new("cp").args(["-r", p(&minilm_dir()), p(&start)]).status().unwrap().success());
+    let settings_file = start.join("rak_encoder.json");
+    let mut saved: Value = std::fs::read_to_string(&settings_file).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_else(|| serde_json::json!({}));
+    saved["bf16"] = Value::Bool(true);
+    std::fs::write(&settings_file, saved.to_string()).unwrap();
+    let out = dir.path().join("out");
+    let o = Command::new(host_bin())
+        .args(["train", "--model", p(&start), "--config", p(&recipe), "--output-dir", p(&out)])
+        .env_remove("RAK_PLUGIN_PATH")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("float32 weights"), "says so: {}", stderr(&o));
+    for dir in [out.join("checkpoint-2"), out.clone()] {
+        for (name, w) in weights(&dir) {
+            assert_eq!(w.kind(), tch::Kind::Float, "{}: {name} is {:?}", dir.display(), w.kind());
+        }
+        let s: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("rak_encoder.json")).unwrap()).unwrap();
+        assert!(s.get("bf16").is_none(), "{}/rak_encoder.json passes bf16 on: {s}", dir.display());
+    }
+    // AdamW's moments (its step counts are integers).
+    let moments: Vec<_> = tch::Tensor::read_safetensors(out.join("checkpoint-2/optimizer.safetensors")).unwrap().into_iter().filter(|(n, _)| n.starts_with("exp_avg")).collect();
+    assert!(!moments.is_empty());
+    for (name, m) in moments {
+        assert_eq!(m.kind(), tch::Kind::Float, "optimizer state {name} is {:?}", m.kind());
+    }
+}
+
         ("gradnorm", "{}"),
     ];
     for (encoder, model) in &encoders {

@@ -121,6 +121,17 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         (_, given) => given,
     };
     check_loss_settings(t.loss, t.hard_negatives, lm_temperature, t.mask_positive_copies)?;
+    // The encoder setting `bf16` casts the weights themselves: trained so, the weights and
+    // AdamW's moments would be bf16 (an update of about lr rounds to nothing on a weight above
+    // 0.01) and every checkpoint would pass it on. Refused rather than turned into autocast, so
+    // that a recipe never means something else than it says.
+    if spec.recipe.model.settings.get("bf16").is_some_and(|v| v != &Value::Bool(false)) {
+        bail!(
+            "[model] settings has bf16 = {}: training keeps float32 weights (the encoder's bf16 would make the weights and the optimizer's moments bf16); \
+             use --bf16 for bf16 autocast on float32 weights, and leave bf16 out of the recipe's encoder settings",
+            spec.recipe.model.settings["bf16"]
+        );
+    }
     let out = &spec.output_dir;
     let episodes = t.ance_episodes;
     let world = spec.rendezvous.as_ref().map_or(1, |r| r.world);
@@ -266,6 +277,13 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
             Resume::At(_) => resume_at.as_ref().filter(|(s, _)| *s == episode as usize).map(|(_, dir)| dir.clone()),
         };
         let start = checkpoint.clone().unwrap_or_else(|| model.clone());
+        if saved_bf16(&start) {
+            progress.log(&format!(
+                "train: {} says bf16 = true in its encoder settings (an older version's training saved it); training loads it with float32 weights{}",
+                start.display(),
+                if spec.bf16 { "" } else { " (--bf16 gives bf16 autocast)" }
+            ));
+        }
         let mut encoder = plugins.encoder(&spec.encoder, &encoder_settings(spec, &start, false))?;
         let mut optimizer = plugins.optimizer(&spec.optim, &Value::Object(t.optim_settings.clone()))?;
         if episodes > 0 {
@@ -317,15 +335,26 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
 
 /// Encoder settings for checkpoint `model`: the recipe's, the model and the device. The
 /// encoder trained keeps float32 weights (the trainer runs autocast); only the one that mines
-/// ANCE negatives, which never trains, holds bf16 weights (`bf16_weights`).
+/// ANCE negatives, which never trains, holds bf16 weights (`bf16_weights`). A checkpoint an
+/// older version's training saved with `bf16 = true` (its encoder settings file) is loaded in
+/// float32 all the same: settings given override the saved ones.
 fn encoder_settings(spec: &RunSpec, model: &Path, bf16_weights: bool) -> Value {
     let mut settings = Value::Object(spec.recipe.model.settings.clone());
     settings["model"] = json!(model);
     settings["device"] = json!(spec.device);
     if bf16_weights {
         settings["bf16"] = json!(true);
+    } else if saved_bf16(model) {
+        settings["bf16"] = json!(false);
     }
     settings
+}
+
+/// Whether checkpoint `model`'s saved encoder settings say `bf16 = true` (what training saved
+/// before issue 32, when a recipe's encoder settings held it).
+fn saved_bf16(model: &Path) -> bool {
+    let read = std::fs::read_to_string(model.join(rak_core::encoders::bert::SETTINGS_FILE)).ok();
+    read.and_then(|text| serde_json::from_str::<Value>(&text).ok()).is_some_and(|v| v["bf16"] == json!(true))
 }
 
 /// Examples a caller hands over: every task named once, every example with a positive.

@@ -56,7 +56,8 @@ pub struct BertEncoderSettings {
     pub taser_every: Option<i64>,
     /// `cpu`, `cuda`, `cuda:N`.
     pub device: Option<String>,
-    /// Run in bfloat16 (GPU).
+    /// Run in bfloat16 (GPU). Never saved with a checkpoint (see `save`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bf16: Option<bool>,
 }
 
@@ -348,6 +349,9 @@ impl crate::plugin::Encoder for BertEncoder {
         s.model = None;
         s.passage_model = None;
         s.device = None;
+        // How this process runs the model, as the device: a checkpoint saved with it would
+        // load every later run, training included, with bf16 weights.
+        s.bf16 = None;
         s.pooling = Some(self.pooling);
         s.normalize = Some(self.normalize);
         s.max_length = Some(self.max_length);

@@ -54,7 +54,8 @@ pub struct TacoEncoderSettings {
     pub passage_template: Option<String>,
     /// `cpu`, `cuda`, `cuda:N`.
     pub device: Option<String>,
-    /// Run in bfloat16 (GPU).
+    /// Run in bfloat16 (GPU). Never saved with a checkpoint (see `save`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bf16: Option<bool>,
 }
 
@@ -256,6 +257,9 @@ impl crate::plugin::Encoder for TacoEncoder {
         let mut s = self.settings.clone();
         s.model = None;
         s.device = None;
+        // How this process runs the model, as the device: a checkpoint saved with it would
+        // load every later run, training included, with bf16 weights.
+        s.bf16 = None;
         s.max_length = Some(self.max_length);
         s.query_max_length = Some(self.query_max_length);
         s.task_prefix = Some(self.task_prefix);
