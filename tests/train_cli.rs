@@ -267,6 +267,21 @@ fn ance_episodes_mine_with_the_model_and_resume_exactly() {
     let first = weights(&whole.join("episode-0"));
     assert!(first.iter().zip(&last).any(|((_, a), (_, b))| !a.equal(b)), "episode 1 trained");
 
+    // Stopped at the episode boundary (episode 0 done, episode 1 not begun: no checkpoint of
+    // it to check settings against), a resume with another trainer setting is refused.
+    let boundary = dir.path().join("boundary");
+    assert!(Command::new("cp").args(["-r", p(&whole), p(&boundary)]).status().unwrap().success());
+    std::fs::remove_dir_all(boundary.join("episode-1")).unwrap();
+    let _ = std::fs::remove_file(boundary.join("negatives-episode-1.json"));
+    let _ = std::fs::remove_file(boundary.join("final_model_done"));
+    let resume = ["--resume-from-checkpoint", "latest"];
+    for (flag, value, key) in [("--learning-rate", "1e-4", "train.learning_rate: "), ("--seed", "8", "train.seed: 7 then"), ("--per-device-train-batch-size", "4", "train.per_device_train_batch_size: 6 then")] {
+        fails(&run(&mut train_cmd(&recipe, &boundary, &[&resume[..], &[flag, value]].concat())), &["another recipe", key]);
+    }
+    let other_loss = dir.path().join("other-loss.toml");
+    std::fs::write(&other_loss, std::fs::read_to_string(&recipe).unwrap() + "loss = \"multi_positive\"\n").unwrap();
+    fails(&run(&mut train_cmd(&other_loss, &boundary, &resume)), &["another recipe", "train.loss: \"nce\" then, \"multi_positive\" now"]);
+
     // Kill in episode 1 (once it has a checkpoint), resume: the same final weights.
     let killed = dir.path().join("killed");
     let mut child = train_cmd(&recipe, &killed, &[]).stderr(std::process::Stdio::null()).spawn().unwrap();

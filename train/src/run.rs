@@ -637,6 +637,30 @@ fn report_filled(filled: usize, retriever: &str, progress: &dyn Progress) {
 /// Marks a finished stage of an ANCE run (its model is complete in its folder).
 const STAGE_DONE: &str = "stage_done";
 /// Marks an ANCE run's final model as copied to the output folder.
+        // Every trainer setting that changes the result. A checkpoint records them too, but a
+        // stage resumed at its start (the episode boundary of an ANCE run) has no checkpoint
+        // to compare with. Not logging, saving or `max_skipped_steps`, which change no weight.
+        "train": {
+            "learning_rate": t.learning_rate,
+            "per_device_train_batch_size": t.per_device_train_batch_size,
+            "num_train_epochs": t.num_train_epochs,
+            "max_steps": t.max_steps,
+            "warmup_ratio": t.warmup_ratio,
+            "max_grad_norm": t.max_grad_norm,
+            "seed": t.seed,
+            "sampler": t.sampler,
+            "temperature": t.temperature,
+            "hard_negatives": t.hard_negatives,
+            "score_scale": t.score_scale,
+            "task_names": t.task_names,
+            "layerwise_lr_decay": t.layerwise_lr_decay,
+            "in_batch_negatives": t.in_batch_negatives,
+            "task_loss_weight": t.task_loss_weight,
+            "loss": t.loss,
+            "lm_temperature": t.lm_temperature,
+            "mask_positive_copies": t.mask_positive_copies,
+            "ance_ann": t.ance_index.milvus().map(|m| m.ann),
+        },
 const FINAL_MARK: &str = "final_model_done";
 /// Records how many ANCE episodes a run was started with, and its recipe.
 const RUN_FILE: &str = "run.json";
@@ -773,7 +797,7 @@ impl RunLayout {
             .flatten()
             // A key an older version did not record counts as absent (null), not as changed.
             .filter(|(k, v)| earlier.get(k.as_str()).unwrap_or(&Value::Null) != *v)
-            .map(|(k, v)| format!("  {k}: {} then, {v} now", earlier.get(k.as_str()).unwrap_or(&Value::Null)))
+            .flat_map(|(k, v)| differing(k, earlier.get(k.as_str()).unwrap_or(&Value::Null), v))
             .collect();
         if !differences.is_empty() {
             bail!(
@@ -788,6 +812,9 @@ impl RunLayout {
 
 /// Refuse an output folder where the run would write over, or start over by removing, what it
 /// did not write: the starting model's folder, a folder inside it or one that holds it, and a
+            // The trainer's settings, recorded since issue 32: a run recorded before has its
+            // checkpoints' check only.
+            .filter(|(k, _)| k.as_str() != "train" || earlier.contains_key("train"))
 /// folder that holds files but is no run of `host train`'s (no `run.json`, no checkpoints of an
 /// earlier version's run), such as a parent folder of other runs. A new or empty folder is
 /// fine, as are the temporary files a killed run of ours left.
@@ -865,6 +892,21 @@ mod tests {
         let mut seen = std::collections::HashSet::new();
         for seed in 40..50 {
             for episode in 0..4 {
+/// `then` and `now` (which differ) as lines `  key: THEN then, NOW now`; two objects by the keys
+/// that differ (`train.learning_rate`), so that one changed setting is not lost in a section.
+fn differing(key: &str, then: &Value, now: &Value) -> Vec<String> {
+    match (then.as_object(), now.as_object()) {
+        (Some(a), Some(b)) => {
+            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            keys.into_iter()
+                .filter(|k| a.get(k.as_str()) != b.get(k.as_str()))
+                .map(|k| format!("  {key}.{k}: {} then, {} now", a.get(k.as_str()).unwrap_or(&Value::Null), b.get(k.as_str()).unwrap_or(&Value::Null)))
+                .collect()
+        }
+        _ => vec![format!("  {key}: {then} then, {now} now")],
+    }
+}
+
                 assert!(seen.insert(stage_seed(seed, episode)), "seed {seed} episode {episode} collides");
             }
         }
