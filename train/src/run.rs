@@ -620,23 +620,6 @@ fn recipe_identity(spec: &RunSpec, corpus_sha256: &str) -> Value {
         "data": {"corpus": path(&d.corpus), "corpus_sha256": corpus_sha256, "task_dir": path(&d.task_dir), "tasks": d.tasks, "split": d.split, "bm25_index": d.bm25_index.as_deref().map(path)},
         "negatives": {"bm25_k1": t.bm25_k1, "bm25_b": t.bm25_b, "negative_depth": t.negative_depth, "ance_depth": t.ance_depth, "ance_num_train_epochs": t.ance_num_train_epochs, "exclude_gold_pages": t.exclude_gold_pages},
         "examples": spec.examples.as_deref().map(negatives::examples_and_negatives_digest),
-    });
-    // Only when on, so that runs made before the setting existed still resume.
-    if t.exclude_answer_negatives {
-        identity["negatives"]["exclude_answer_negatives"] = json!(true);
-    }
-    identity
-}
-
-fn report_filled(filled: usize, retriever: &str, progress: &dyn Progress) {
-    if filled > 0 {
-        progress.log(&format!("train: {retriever} found no negative for {filled} queries; they get gold passages of other queries instead"));
-    }
-}
-
-/// Marks a finished stage of an ANCE run (its model is complete in its folder).
-const STAGE_DONE: &str = "stage_done";
-/// Marks an ANCE run's final model as copied to the output folder.
         // Every trainer setting that changes the result. A checkpoint records them too, but a
         // stage resumed at its start (the episode boundary of an ANCE run) has no checkpoint
         // to compare with. Not logging, saving or `max_skipped_steps`, which change no weight.
@@ -661,6 +644,23 @@ const STAGE_DONE: &str = "stage_done";
             "mask_positive_copies": t.mask_positive_copies,
             "ance_ann": t.ance_index.milvus().map(|m| m.ann),
         },
+    });
+    // Only when on, so that runs made before the setting existed still resume.
+    if t.exclude_answer_negatives {
+        identity["negatives"]["exclude_answer_negatives"] = json!(true);
+    }
+    identity
+}
+
+fn report_filled(filled: usize, retriever: &str, progress: &dyn Progress) {
+    if filled > 0 {
+        progress.log(&format!("train: {retriever} found no negative for {filled} queries; they get gold passages of other queries instead"));
+    }
+}
+
+/// Marks a finished stage of an ANCE run (its model is complete in its folder).
+const STAGE_DONE: &str = "stage_done";
+/// Marks an ANCE run's final model as copied to the output folder.
 const FINAL_MARK: &str = "final_model_done";
 /// Records how many ANCE episodes a run was started with, and its recipe.
 const RUN_FILE: &str = "run.json";
@@ -795,6 +795,9 @@ impl RunLayout {
             .as_object()
             .into_iter()
             .flatten()
+            // The trainer's settings, recorded since issue 32: a run recorded before has its
+            // checkpoints' check only.
+            .filter(|(k, _)| k.as_str() != "train" || earlier.contains_key("train"))
             // A key an older version did not record counts as absent (null), not as changed.
             .filter(|(k, v)| earlier.get(k.as_str()).unwrap_or(&Value::Null) != *v)
             .flat_map(|(k, v)| differing(k, earlier.get(k.as_str()).unwrap_or(&Value::Null), v))
@@ -812,9 +815,6 @@ impl RunLayout {
 
 /// Refuse an output folder where the run would write over, or start over by removing, what it
 /// did not write: the starting model's folder, a folder inside it or one that holds it, and a
-            // The trainer's settings, recorded since issue 32: a run recorded before has its
-            // checkpoints' check only.
-            .filter(|(k, _)| k.as_str() != "train" || earlier.contains_key("train"))
 /// folder that holds files but is no run of `host train`'s (no `run.json`, no checkpoints of an
 /// earlier version's run), such as a parent folder of other runs. A new or empty folder is
 /// fine, as are the temporary files a killed run of ours left.
@@ -875,6 +875,21 @@ fn resolved(path: &Path) -> PathBuf {
     }
 }
 
+/// `then` and `now` (which differ) as lines `  key: THEN then, NOW now`; two objects by the keys
+/// that differ (`train.learning_rate`), so that one changed setting is not lost in a section.
+fn differing(key: &str, then: &Value, now: &Value) -> Vec<String> {
+    match (then.as_object(), now.as_object()) {
+        (Some(a), Some(b)) => {
+            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            keys.into_iter()
+                .filter(|k| a.get(k.as_str()) != b.get(k.as_str()))
+                .map(|k| format!("  {key}.{k}: {} then, {} now", a.get(k.as_str()).unwrap_or(&Value::Null), b.get(k.as_str()).unwrap_or(&Value::Null)))
+                .collect()
+        }
+        _ => vec![format!("  {key}: {then} then, {now} now")],
+    }
+}
+
 fn same_dir(a: &Path, b: &Path) -> bool {
     match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
         (Ok(a), Ok(b)) => a == b,
@@ -892,21 +907,6 @@ mod tests {
         let mut seen = std::collections::HashSet::new();
         for seed in 40..50 {
             for episode in 0..4 {
-/// `then` and `now` (which differ) as lines `  key: THEN then, NOW now`; two objects by the keys
-/// that differ (`train.learning_rate`), so that one changed setting is not lost in a section.
-fn differing(key: &str, then: &Value, now: &Value) -> Vec<String> {
-    match (then.as_object(), now.as_object()) {
-        (Some(a), Some(b)) => {
-            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
-            keys.into_iter()
-                .filter(|k| a.get(k.as_str()) != b.get(k.as_str()))
-                .map(|k| format!("  {key}.{k}: {} then, {} now", a.get(k.as_str()).unwrap_or(&Value::Null), b.get(k.as_str()).unwrap_or(&Value::Null)))
-                .collect()
-        }
-        _ => vec![format!("  {key}: {then} then, {now} now")],
-    }
-}
-
                 assert!(seen.insert(stage_seed(seed, episode)), "seed {seed} episode {episode} collides");
             }
         }
