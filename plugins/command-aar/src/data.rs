@@ -1,13 +1,49 @@
-//! The files a run reads (BEIR queries, qrels and corpus), content digests that key its
-//! stages, and the append-only JSONL record files that make long stages resumable.
+//! The files a run reads (BEIR queries, qrels and corpus), the retrieval stage's records that
+//! every later stage reads ([`Retrieved`]), content digests that key the stages, and the
+//! append-only JSONL record files that make long stages resumable. It depends on no other
+//! module of the plugin: the stages depend on it.
 
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
-use serde_json::Value;
+use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
+
+/// One query with what the starting retriever found for it.
+#[derive(Debug, Clone)]
+pub struct Retrieved {
+    pub id: String,
+    pub query: String,
+    pub answers: Vec<String>,
+    /// Relevant passages that are in the corpus (at least one).
+    pub gold: Vec<String>,
+    /// The retriever's ranking, best first (at most `depth`; fewer in a small corpus).
+    pub hits: Vec<String>,
+}
+
+impl Retrieved {
+    /// The top N of the ranking (fewer when the corpus is small): what the source scores.
+    pub fn top_n(&self, n: usize) -> &[String] {
+        &self.hits[..n.min(self.hits.len())]
+    }
+
+    pub fn to_json(&self) -> Value {
+        json!({"query_id": self.id, "query": self.query, "answers": self.answers, "gold": self.gold, "hits": self.hits})
+    }
+
+    pub fn from_json(v: &Value) -> Result<Retrieved> {
+        let strings = |key: &str| -> Result<Vec<String>> { serde_json::from_value(v[key].clone()).with_context(|| format!("a retrieval record without {key:?}")) };
+        Ok(Retrieved {
+            id: v["query_id"].as_str().context("a retrieval record without query_id")?.to_string(),
+            query: v["query"].as_str().context("a retrieval record without query")?.to_string(),
+            answers: strings("answers")?,
+            gold: strings("gold")?,
+            hits: strings("hits")?,
+        })
+    }
+}
 
 /// One source-task query.
 #[derive(Debug, Clone)]
@@ -165,10 +201,10 @@ pub fn file_sha256(path: &Path) -> Result<String> {
 }
 
 /// SHA-256 over what the score stage scores: each query's id, text, answers and top `n`.
-pub fn top_n_sha256(queries: &[crate::retrieve::Retrieved], n: usize) -> String {
+pub fn top_n_sha256(queries: &[Retrieved], n: usize) -> String {
     let mut hasher = Sha256::new();
     for q in queries {
-        let line = serde_json::json!([q.id, q.query, q.answers, crate::score::top_n(q, n)]).to_string();
+        let line = serde_json::json!([q.id, q.query, q.answers, q.top_n(n)]).to_string();
         hasher.update(line.as_bytes());
         hasher.update([b'\n']);
     }

@@ -249,7 +249,7 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
 /// LM-preferred passages are also the other source's top K. Both rank only the passages both
 /// scored (a failure is no disagreement), on the queries both scored over the same top N; every
 /// query is counted in one of the counts.
-fn compare_sources(cfg: &Config, queries: &[retrieve::Retrieved], scores: &std::collections::HashMap<String, score::Scores>) -> Result<Value> {
+fn compare_sources(cfg: &Config, queries: &[data::Retrieved], scores: &std::collections::HashMap<String, score::Scores>) -> Result<Value> {
     let mut out = Vec::new();
     for other in &cfg.compare_with {
         let (theirs, finished) = score::load_run(other)?;
@@ -311,14 +311,14 @@ fn without(settings: &serde_json::Map<String, Value>, keys: &[&str]) -> Value {
 fn write_analysis(
     cfg: &Config,
     stages: &Stages,
-    queries: &[retrieve::Retrieved],
+    queries: &[data::Retrieved],
     scores: &std::collections::HashMap<String, score::Scores>,
     select_report: &Value,
 ) -> Result<Value> {
     let a = &cfg.aar;
-    let unscored: Vec<Vec<Option<f64>>> = queries.iter().map(|q| vec![None; score::top_n(q, a.n).len()]).collect();
+    let unscored: Vec<Vec<Option<f64>>> = queries.iter().map(|q| vec![None; q.top_n(a.n).len()]).collect();
     let scored = queries.iter().zip(&unscored).map(|(q, none)| {
-        let top = score::top_n(q, a.n);
+        let top = q.top_n(a.n);
         let s = scores.get(&q.id).filter(|s| s.passages == top).map_or(none.as_slice(), |s| s.scores.as_slice());
         select::Scored { gold: &q.gold, top, scores: s }
     });
@@ -347,7 +347,7 @@ fn select_stage(
     host: &Host,
     stages: &Stages,
     key: &Value,
-    queries: &[retrieve::Retrieved],
+    queries: &[data::Retrieved],
     scores: &std::collections::HashMap<String, score::Scores>,
 ) -> Result<(Value, Value, &'static str)> {
     let file = stages.folder("select").join("examples.json");
@@ -366,7 +366,7 @@ fn select_stage(
     let mut examples = Vec::new();
     let (mut added_total, mut not_three, mut no_negatives, mut without_scores, mut one_scored) = (0usize, 0usize, 0usize, 0usize, 0usize);
     for q in queries {
-        let top = score::top_n(q, a.n);
+        let top = q.top_n(a.n);
         let s: Vec<Option<f64>> = match scores.get(&q.id) {
             Some(s) if s.passages == top => s.scores.clone(),
             Some(_) => bail!("the scores of query {:?} name other passages than its retrieval; rerun with --overwrite to redo the stages", q.id),

@@ -3,7 +3,7 @@
 //! encoded with `encode_corpus`, a flat index, `search`).
 
 use crate::config::Config;
-use crate::data::{corpus_ids, read_qrels, read_queries, RecordLog};
+use crate::data::{corpus_ids, read_qrels, read_queries, RecordLog, Retrieved};
 use crate::select::spaced_subset;
 use crate::stages::{Stages, Start};
 use anyhow::{bail, Context, Result};
@@ -11,35 +11,6 @@ use rak_core::plugin::Host;
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
-
-/// One query with what the starting retriever found for it.
-#[derive(Debug, Clone)]
-pub struct Retrieved {
-    pub id: String,
-    pub query: String,
-    pub answers: Vec<String>,
-    /// Relevant passages that are in the corpus (at least one).
-    pub gold: Vec<String>,
-    /// The retriever's ranking, best first (at most `depth`; fewer in a small corpus).
-    pub hits: Vec<String>,
-}
-
-impl Retrieved {
-    fn to_json(&self) -> Value {
-        json!({"query_id": self.id, "query": self.query, "answers": self.answers, "gold": self.gold, "hits": self.hits})
-    }
-
-    fn from_json(v: &Value) -> Result<Retrieved> {
-        let strings = |key: &str| -> Result<Vec<String>> { serde_json::from_value(v[key].clone()).with_context(|| format!("a retrieval record without {key:?}")) };
-        Ok(Retrieved {
-            id: v["query_id"].as_str().context("a retrieval record without query_id")?.to_string(),
-            query: v["query"].as_str().context("a retrieval record without query")?.to_string(),
-            answers: strings("answers")?,
-            gold: strings("gold")?,
-            hits: strings("hits")?,
-        })
-    }
-}
 
 /// Queries searched per call of the search service.
 const SEARCH_CHUNK: usize = 256;

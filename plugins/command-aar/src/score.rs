@@ -20,11 +20,13 @@
 //! met it, answered items of those queries (from the cache) notwithstanding.
 
 use crate::config::{fill, Config, Source};
-use crate::data::{corpus_passages, Passage, RecordLog};
-use crate::retrieve::Retrieved;
+use crate::data::{corpus_passages, Passage, RecordLog, Retrieved};
 use crate::stages::{Stages, Start};
 use anyhow::{bail, Context, Result};
 use rak_core::plugin::{Connector, Host, HostProgress, Reader};
+// The reader's own cut (Python's `text[:chars]`): the black-box prompt cuts passages as the
+// white-box reader does.
+use rak_core::readers::fid::char_prefix;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
@@ -40,11 +42,6 @@ pub struct Scores {
 
 const RESULT_FILE: &str = "scores.jsonl";
 const SOURCE_FILE: &str = "source.json";
-
-/// The top N of a query (fewer when the corpus is small).
-pub fn top_n(r: &Retrieved, n: usize) -> &[String] {
-    &r.hits[..n.min(r.hits.len())]
-}
 
 /// Run (or resume, or skip) the stage; the scores by query, its report, and how it started.
 pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[Retrieved]) -> Result<(HashMap<String, Scores>, Value, &'static str)> {
@@ -73,7 +70,7 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
         latest.insert(id, r);
     }
     let n = cfg.aar.n;
-    let wanted: HashSet<&str> = queries.iter().flat_map(|q| top_n(q, n)).map(String::as_str).collect();
+    let wanted: HashSet<&str> = queries.iter().flat_map(|q| q.top_n(n)).map(String::as_str).collect();
     let passages = corpus_passages(&cfg.corpus, &wanted)?;
     // This session's scoring: passages recorded and the time from the source's first request
     // (after loading it) to the last record (docs/BENCHMARKS.md reads it).
@@ -98,7 +95,7 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
                 let items: Vec<Value> = chunk
                     .iter()
                     .map(|q| {
-                        let ps: Vec<Value> = top_n(q, n).iter().map(|id| json!({"title": passages[id].title, "text": passages[id].text})).collect();
+                        let ps: Vec<Value> = q.top_n(n).iter().map(|id| json!({"title": passages[id].title, "text": passages[id].text})).collect();
                         json!({"prompt": fill(prompt, &[("question", &q.query)]), "passages": ps})
                     })
                     .collect();
@@ -112,7 +109,7 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
                     if done(q) {
                         continue;
                     }
-                    let ids = top_n(q, n);
+                    let ids = q.top_n(n);
                     let scores: Vec<Option<f64>> = serde_json::from_value(item["scores"].clone()).context("passage_preferences: an item without scores")?;
                     if scores.len() != ids.len() {
                         bail!("passage_preferences: {} scores for {} passages of query {:?}", scores.len(), ids.len(), q.id);
@@ -323,7 +320,7 @@ struct BlackBox<'a> {
 impl BlackBox<'_> {
     /// One query's record: every passage asked, failures recorded, never raised.
     fn score(&self, q: &Retrieved) -> Value {
-        let ids = top_n(q, self.n);
+        let ids = q.top_n(self.n);
         let Some(answer) = q.answers.first() else {
             return json!({"query_id": q.id, "passages": ids, "scores": vec![Value::Null; ids.len()], "errors": vec![Value::Null; ids.len()],
                 "skipped": "no answer to score"});
@@ -372,14 +369,6 @@ impl BlackBox<'_> {
     }
 }
 
-/// The first `chars` characters of `text` (Python's `text[:chars]`, as the reader cuts).
-pub fn char_prefix(text: &str, chars: usize) -> &str {
-    match text.char_indices().nth(chars) {
-        Some((i, _)) => &text[..i],
-        None => text,
-    }
-}
-
 fn short(s: &str) -> String {
     if s.chars().count() > 300 { format!("{}...", char_prefix(s, 300)) } else { s.to_string() }
 }
@@ -404,7 +393,7 @@ fn report(queries: &[Retrieved], latest: &HashMap<String, Value>, n: usize) -> R
             continue;
         }
         let s = parse(r)?;
-        if s.passages != top_n(q, n) {
+        if s.passages != q.top_n(n) {
             bail!("the score record of query {:?} names other passages than its retrieval", q.id);
         }
         items += s.scores.len();
