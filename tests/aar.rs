@@ -88,11 +88,20 @@ fn strings(v: &Value) -> Vec<String> {
     v.as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect()
 }
 
+/// How LM-preferred passages join the gold (`aar.positives`).
+#[derive(Clone, Copy, PartialEq)]
+enum Rule {
+    /// The authors': the LM's top K of the scored passages, gold or not, less the gold.
+    Authors,
+    /// The top K among the scored passages that are not gold.
+    TopKNonGold,
+}
+
 /// The examples of a finished run, checked against AAR's rules: positives are gold and then
-/// the top K LM-preferred passages that are not gold, all among the scored top N (K of them
-/// where N and the source's answers allow); negatives hold no positive and come from the
-/// retriever's top `depth`.
-fn check_examples(out: &Path, n: usize, k: usize, depth: usize) -> Vec<Value> {
+/// the LM-preferred passages the rule picks, recomputed here from the score records (best
+/// score first, ties to the retriever's order; failed items never picked); negatives hold no
+/// positive and come from the retriever's top `depth`.
+fn check_examples(out: &Path, n: usize, k: usize, depth: usize, rule: Rule) -> Vec<Value> {
     let examples = read_json(&out.join("stages/select/examples.json"))["examples"].as_array().unwrap().clone();
     let by_query = |file: &str| -> std::collections::HashMap<String, Value> {
         jsonl(&out.join(file)).into_iter().map(|r| (r["query_id"].as_str().unwrap().to_string(), r)).collect()
@@ -104,21 +113,30 @@ fn check_examples(out: &Path, n: usize, k: usize, depth: usize) -> Vec<Value> {
         let hits = strings(&retrieved[qid]["hits"]);
         assert_eq!(&positives[..gold.len()], &gold[..], "positives begin with gold: {e}");
         assert_eq!(&positives[gold.len()..], &added[..], "then the LM-preferred: {e}");
-        assert!(added.iter().all(|a| !gold.contains(a) && hits[..n.min(hits.len())].contains(a)), "LM-preferred passages are non-gold top-N passages: {e}");
         let rec = &scores[qid];
-        let scored_non_gold = strings(&rec["passages"]).iter().zip(rec["scores"].as_array().unwrap()).filter(|(p, s)| !s.is_null() && !gold.contains(p)).count();
-        assert_eq!(added.len(), k.min(scored_non_gold), "K LM-preferred where N allows: {e} {rec}");
-        // Best first among the scored non-gold passages.
-        let score_of = |id: &String| strings(&rec["passages"]).iter().position(|p| p == id).and_then(|i| rec["scores"][i].as_f64()).unwrap();
-        let best_left_out = strings(&rec["passages"]).iter().filter(|p| !gold.contains(p) && !added.contains(p)).filter_map(|p| {
-            let i = strings(&rec["passages"]).iter().position(|x| x == p).unwrap();
-            rec["scores"][i].as_f64()
-        }).fold(f64::NEG_INFINITY, f64::max);
-        assert!(added.iter().all(|a| score_of(a) >= best_left_out), "the LM-preferred are the best scored: {e} {rec}");
+        let passages = strings(&rec["passages"]);
+        assert_eq!(&passages[..], &hits[..n.min(hits.len())], "the scored passages are the top N: {rec}");
+        // The scored passages, best first; a stable sort keeps the retriever's order on ties.
+        let mut ranked: Vec<(String, f64)> = passages.iter().zip(rec["scores"].as_array().unwrap()).filter_map(|(p, s)| s.as_f64().map(|s| (p.clone(), s))).collect();
+        ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let want: Vec<String> = match rule {
+            Rule::Authors => ranked.iter().take(k).filter(|(p, _)| !gold.contains(p)).map(|(p, _)| p.clone()).collect(),
+            Rule::TopKNonGold => ranked.iter().filter(|(p, _)| !gold.contains(p)).take(k).map(|(p, _)| p.clone()).collect(),
+        };
+        assert_eq!(added, want, "the LM-preferred passages by the rule: {e} {rec}");
         assert!(negatives.iter().all(|x| !positives.contains(x) && hits[..depth.min(hits.len())].contains(x)), "negatives: {e}");
         assert_eq!(negatives.iter().collect::<HashSet<_>>().len(), negatives.len(), "distinct negatives: {e}");
     }
     examples
+}
+
+/// Every query's scores differ between its passages (what makes "the best scored" mean
+/// something in [`check_examples`]).
+fn distinct_scores(out: &Path) {
+    for r in jsonl(&out.join("stages/score/scores.jsonl")) {
+        let s: Vec<String> = r["scores"].as_array().unwrap().iter().filter(|x| !x.is_null()).map(|x| x.to_string()).collect();
+        assert_eq!(s.iter().collect::<HashSet<_>>().len(), s.len(), "two passages of a query scored the same: {r}");
+    }
 }
 
 /// White-box end to end on the T5 fixture: every stage's file, the summary and analysis, the
@@ -142,14 +160,21 @@ fn white_box_end_to_end_on_the_t5_fixture() {
         assert!(out.join(f).exists(), "{f} missing");
     }
     assert!(!out.join("stages/retrieve/emb").exists(), "the corpus embeddings are removed once the ranking is kept");
-    let examples = check_examples(&out, n, k, 30);
+    let examples = check_examples(&out, n, k, 30, Rule::Authors);
     assert_eq!(examples.len(), 8);
     assert_eq!(s["positives_added"].as_u64(), Some(examples.iter().map(|e| e["lm_preferred"].as_array().unwrap().len() as u64).sum()));
     let a = read_json(&out.join("analysis.json"));
     let (picks, gold) = (a["lm_preferred"].as_u64().unwrap(), a["lm_preferred_gold"].as_u64().unwrap());
     assert_eq!(picks, 8 * k as u64, "{a}");
-    assert!((a["overlap"].as_f64().unwrap() - gold as f64 / picks as f64).abs() < 1e-12, "{a}");
-    assert_eq!(s["overlap"], a["overlap"]);
+    // The authors' overlap: LM top-K passages that are gold / gold passages; the other share
+    // divides by the LM's picks.
+    let gold_passages: u64 = examples.iter().map(|e| e["gold"].as_array().unwrap().len() as u64).sum();
+    assert_eq!((a["gold_passages"].as_u64(), a["positives_rule"].as_str()), (Some(gold_passages), Some("authors")), "{a}");
+    assert!((a["overlap_authors"].as_f64().unwrap() - gold as f64 / gold_passages as f64).abs() < 1e-12, "{a}");
+    assert!((a["lm_preferred_gold_share"].as_f64().unwrap() - gold as f64 / picks as f64).abs() < 1e-12, "{a}");
+    assert_eq!((&s["overlap_authors"], &s["lm_preferred_gold_share"]), (&a["overlap_authors"], &a["lm_preferred_gold_share"]));
+    // The authors' rule adds the LM's top K less the gold among them.
+    assert_eq!(s["positives_added"].as_u64(), Some(picks - gold), "{s} {a}");
     // The trained model is the train stage's, and training moved it.
     same_weights(&out, &out.join("stages/train"));
     let moved = weights(&out).iter().zip(weights(&minilm_dir()).iter()).any(|((_, a), (_, b))| a.size() == b.size() && (a - b).abs().max().double_value(&[]) > 0.0);
@@ -188,7 +213,7 @@ fn white_box_end_to_end_on_the_t5_fixture() {
     for stage in ["retrieve", "score", "select", "train", "final"] {
         assert_eq!(again["stages"][stage], "done earlier");
     }
-    assert_eq!((again["scored"].clone(), again["overlap"].clone(), again["examples"].clone()), (s["scored"].clone(), s["overlap"].clone(), s["examples"].clone()));
+    assert_eq!((again["scored"].clone(), again["overlap_authors"].clone(), again["examples"].clone()), (s["scored"].clone(), s["overlap_authors"].clone(), s["examples"].clone()));
 }
 
 /// Kill `child` (SIGKILL) once `ready` holds, after `delay` more; whether it was still running.
@@ -225,8 +250,10 @@ fn has_checkpoint(dir: &Path) -> bool {
 }
 
 /// White-box: SIGKILL in the score stage (after its first record), in the train stage (after
-/// its first checkpoint, at a moment drawn from a fixed seed) and as the final stage begins;
-/// each rerun resumes in that stage and ends with the uninterrupted run's weights.
+/// its first checkpoint, at a moment drawn from a fixed seed) and in the final stage (its
+/// model written, its done marker not: the stage is too quick to kill from outside); each
+/// rerun resumes in that stage and ends with the uninterrupted run's weights. Each kill must
+/// land in its stage, or the test fails.
 #[test]
 fn a_run_killed_in_scoring_and_training_resumes_to_the_same_model() {
     let dir = TempDir::new("aar-kill");
@@ -247,25 +274,26 @@ fn a_run_killed_in_scoring_and_training_resumes_to_the_same_model() {
     let in_training = kill_when(&mut child, || has_checkpoint(&train), d.next().unwrap()) && !killed.join("stages/train.done.json").exists();
     assert!(in_training, "the kill did not land in training");
 
-    // The resume, killed again once the final stage has begun (the train/final boundary).
-    let log = dir.path().join("resume.log");
-    let mut child = aar_cmd(&recipe, &killed, p(&t5_fixture()), &[]).stderr(std::fs::File::create(&log).unwrap()).stdout(Stdio::null()).spawn().unwrap();
-    kill_when(&mut child, || killed.join("stages/final.key.json").exists(), Duration::ZERO);
-    let resumed = std::fs::read_to_string(&log).unwrap();
+    // The resume, killed again in the final stage.
+    let o = aar_cmd(&recipe, &killed, p(&t5_fixture()), &[]).env("RAK_AAR_DIE_BEFORE_DONE", "final").output().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(o.status.signal(), Some(9), "the run did not die in the final stage: {:?}\n{}", o.status, stderr(&o));
+    let resumed = stderr(&o);
     assert!(resumed.contains("resumed from") && resumed.contains("stage train: resumed"), "{resumed}");
     for stage in ["retrieve", "score", "select"] {
         assert!(resumed.contains(&format!("stage {stage}: done earlier")), "{resumed}");
     }
-    assert!(killed.join("stages/train.done.json").exists(), "the kill came before the final stage began");
+    assert!(killed.join("stages/train.done.json").exists() && killed.join("stages/final.key.json").exists(), "the kill came before the final stage began");
+    assert!(!killed.join("stages/final.done.json").exists(), "the kill came after the final stage");
 
     let o = aar_cmd(&recipe, &killed, p(&t5_fixture()), &[]).output().unwrap();
     let r = summary(&o);
     for stage in ["retrieve", "score", "select", "train"] {
         assert_eq!(r["stages"][stage], "done earlier", "{r}");
     }
-    assert!(r["stages"]["final"] == "resumed" || r["stages"]["final"] == "done earlier", "{r}");
+    assert_eq!(r["stages"]["final"], "resumed", "{r}");
     assert_eq!(lines(&scores), 12, "one record per query, none repeated");
-    assert_eq!((r["overlap"].clone(), r["positives_added"].clone()), (s["overlap"].clone(), s["positives_added"].clone()));
+    assert_eq!((r["overlap_authors"].clone(), r["positives_added"].clone()), (s["overlap_authors"].clone(), s["positives_added"].clone()));
     assert_eq!(std::fs::read(whole.join("stages/select/examples.json")).unwrap(), std::fs::read(killed.join("stages/select/examples.json")).unwrap());
     same_weights(&whole, &killed);
     same_weights(&killed, &killed.join("stages/train"));
@@ -311,7 +339,7 @@ fn fake_source(cache: &Path, extra: &str) -> String {
 #[test]
 fn black_box_scores_through_the_connector_and_resumes_a_killed_scoring() {
     let dir = TempDir::new("aar-black");
-    let server = FakeServer::start(Options { delay: Duration::from_millis(3), ..Options::default() });
+    let server = FakeServer::start(Options { delay: Duration::from_millis(3), ..Options::distinct_scores() });
     let cache = dir.path().join("cache");
     let source = fake_source(&cache, "template = \"{title}: {passage}\\nQ: {question}\\nA:\"\ncontinuation = \" {answer}\"");
     let recipe = setup(dir.path(), 100, 8, &source, "n = 4\nk = 1\nnegatives_depth = 30\nnegatives_sampled = 6\nnegatives_per_query = 2\npassage_chars = 120", TRAIN);
@@ -330,9 +358,10 @@ fn black_box_scores_through_the_connector_and_resumes_a_killed_scoring() {
         assert!(rec["methods"].as_array().unwrap().iter().all(|m| m == "forced_logit_bias"), "{rec}");
         let answer = q["answers"][0].as_str().unwrap();
         assert_eq!(rec["continuation"], format!(" {answer}"));
-        // One token per character on the fake: log P = -0.5 per character of " ANSWER".
-        let want = -0.5 * (answer.chars().count() + 1) as f64;
-        assert!(rec["scores"].as_array().unwrap().iter().all(|x| (x.as_f64().unwrap() - want).abs() < 1e-9), "{rec}");
+        // One token per character on the fake, each forced with a log-probability in
+        // [-2, -0.1) drawn from the prompt it follows: the passages' scores differ.
+        let tokens = (answer.chars().count() + 1) as f64;
+        assert!(rec["scores"].as_array().unwrap().iter().all(|x| (-2.0 * tokens..-0.1 * tokens).contains(&x.as_f64().unwrap())), "{rec}");
         for id in strings(&rec["passages"]) {
             let d = corpus.get(id.as_str()).unwrap();
             let cut: String = d.text.chars().take(120).collect();
@@ -340,7 +369,8 @@ fn black_box_scores_through_the_connector_and_resumes_a_killed_scoring() {
             assert!(asked.contains(&prompt), "never asked {prompt:?}");
         }
     }
-    check_examples(&whole, 4, 1, 30);
+    distinct_scores(&whole);
+    check_examples(&whole, 4, 1, 30, Rule::Authors);
 
     // Killed while scoring (its own cache, so the server is really asked), then resumed.
     let killed = dir.path().join("killed");
@@ -350,7 +380,8 @@ fn black_box_scores_through_the_connector_and_resumes_a_killed_scoring() {
     let before = server.log().len();
     let mut child = aar_cmd(&recipe2, &killed, "openai", &["--base-url", &server.url]).stderr(Stdio::null()).stdout(Stdio::null()).spawn().unwrap();
     let landed = kill_when(&mut child, || lines(&scores) > 0, delays(7, 200).next().unwrap()) && !killed.join("stages/score.done.json").exists();
-    assert!(landed, "the kill did not land while scoring");
+    let recorded = lines(&scores);
+    assert!(landed && recorded < 8, "the kill did not land while scoring ({recorded} of 8 queries recorded)");
     let o = aar_cmd(&recipe2, &killed, "openai", &["--base-url", &server.url]).output().unwrap();
     let r = summary(&o);
     assert_eq!(r["stages"]["score"], "resumed", "{r}");
@@ -533,7 +564,7 @@ fn bad_inputs_are_counted_and_failures_skipped() {
     // A server that fails about a third of the prompts (by their length): the rerun resumes,
     // asks the failed items again, and records, skips and counts those that fail again.
     let fails = |prompt: &str| !prompt.starts_with('\u{1}') && prompt.contains("\n\nQ: ") && prompt.chars().count().is_multiple_of(3);
-    let flaky = FakeServer::start(Options { plan: Box::new(move |prompt, _| fails(prompt).then_some(Fault::ServerError)), ..Options::default() });
+    let flaky = FakeServer::start(Options { plan: Box::new(move |prompt, _| fails(prompt).then_some(Fault::ServerError)), ..Options::distinct_scores() });
     let o = aar_cmd(&recipe, &out, "openai", &["--base-url", &flaky.url]).output().unwrap();
     let s = summary(&o);
     let err = stderr(&o);
@@ -554,7 +585,8 @@ fn bad_inputs_are_counted_and_failures_skipped() {
     assert_eq!(s["failed"].as_u64(), Some(failed.len() as u64), "{s}");
     assert_eq!(s["scored"].as_u64(), Some(6 * passages as u64 - failed.len() as u64), "{s}");
     assert!(err.contains("failed and were skipped"), "{err}");
-    let examples = check_examples(&out, 10, 2, 200);
+    distinct_scores(&out);
+    let examples = check_examples(&out, 10, 2, 200, Rule::Authors);
     // Queries the source scored nothing of (the one without an answer, any whose every item
     // failed) are dropped, not trained on gold only, and counted.
     let without_scores = latest.values().filter(|r| r["scores"].as_array().unwrap().iter().all(Value::is_null)).count() as u64;
@@ -576,24 +608,45 @@ fn bad_inputs_are_counted_and_failures_skipped() {
     assert!(stderr(&o).contains("the train stage was run with other inputs") && stderr(&o).contains("--overwrite"), "{}", stderr(&o));
     let s = summary(&aar_cmd(&recipe, &out, "openai", &["--base-url", &flaky.url, "--overwrite"]).output().unwrap());
     assert_eq!((s["stages"]["select"].as_str(), s["stages"]["train"].as_str(), s["train"]["steps"].as_u64()), (Some("done earlier"), Some("ran"), Some(3)), "{s}");
-    // The authors' filter: only queries that end with exactly three positives; the scores are kept.
-    let recipe = write_recipe(dir.path(), &fake_source(&cache, ""), &format!("{aar}\nexactly_three = true"), &TRAIN.replace("max_steps = 4", "max_steps = 3"));
+    // The other rule, by name: the top K among the non-gold passages; the scores are kept.
+    let recipe = write_recipe(dir.path(), &fake_source(&cache, ""), &format!("{aar}\npositives = \"top_k_non_gold\""), &TRAIN.replace("max_steps = 4", "max_steps = 3"));
     let s = summary(&aar_cmd(&recipe, &out, "openai", &["--base-url", &flaky.url, "--overwrite"]).output().unwrap());
     assert_eq!((s["stages"]["score"].as_str(), s["stages"]["select"].as_str()), (Some("done earlier"), Some("ran")), "{s}");
-    let kept = read_json(&out.join("stages/select/examples.json"))["examples"].as_array().unwrap().clone();
+    let other_rule = check_examples(&out, 10, 2, 200, Rule::TopKNonGold);
+    let added = |ex: &[Value]| ex.iter().map(|e| e["lm_preferred"].as_array().unwrap().len()).sum::<usize>();
+    assert!(added(&other_rule) > added(&examples), "the LM's top 2 held gold somewhere, so the authors' rule adds fewer: {} vs {}", added(&examples), added(&other_rule));
+    // The authors' filter: only queries that end with exactly three positives (here one gold
+    // each: the queries whose LM top 2 holds no gold); the scores are kept. Fewer examples are
+    // left: batches of 2.
+    let train_few = TRAIN.replace("max_steps = 4", "max_steps = 3").replace("per_device_train_batch_size = 4", "per_device_train_batch_size = 2");
+    let recipe = write_recipe(dir.path(), &fake_source(&cache, ""), &format!("{aar}\nexactly_three = true"), &train_few);
+    let s = summary(&aar_cmd(&recipe, &out, "openai", &["--base-url", &flaky.url, "--overwrite"]).output().unwrap());
+    assert_eq!((s["stages"]["score"].as_str(), s["stages"]["select"].as_str()), (Some("done earlier"), Some("ran")), "{s}");
+    let kept = check_examples(&out, 10, 2, 200, Rule::Authors);
     assert!(kept.iter().all(|e| e["positives"].as_array().unwrap().len() == 3), "{kept:?}");
+    let no_gold_in_top_2 = examples.iter().filter(|e| e["gold"].as_array().unwrap().len() == 1 && e["lm_preferred"].as_array().unwrap().len() == 2).count();
+    assert_eq!(kept.len(), no_gold_in_top_2, "{kept:?}");
+    assert!(kept.len() < examples.len(), "the filter kept every query");
     assert_eq!(kept.len() as u64 + s["dropped_not_exactly_three"].as_u64().unwrap() + without_scores, 7, "{s}");
 
     // A deeper retrieval for more negatives redoes the retrieval and the selection, not the
     // scoring: the top-N lists are the same, so are their scores (nothing is asked).
     let before = flaky.log().len();
-    let recipe = write_recipe(dir.path(), &fake_source(&cache, ""), &format!("{}\nexactly_three = true", aar.replace("negatives_depth = 200", "negatives_depth = 150")), &TRAIN.replace("max_steps = 4", "max_steps = 3"));
+    let recipe = write_recipe(dir.path(), &fake_source(&cache, ""), &format!("{}\nexactly_three = true", aar.replace("negatives_depth = 200", "negatives_depth = 150")), &train_few);
+    // A file someone put in OUT, and one an earlier final stage wrote that this one does not.
+    std::fs::write(out.join("notes.txt"), b"mine").unwrap();
+    let record = out.join("stages/model_files.json");
+    let mut recorded = read_json(&record);
+    recorded["entries"].as_array_mut().unwrap().push(json!("pytorch_model.bin"));
+    std::fs::write(&record, recorded.to_string()).unwrap();
     std::fs::write(out.join("pytorch_model.bin"), b"stale").unwrap();
     let s = summary(&aar_cmd(&recipe, &out, "openai", &["--base-url", &flaky.url, "--overwrite"]).output().unwrap());
     assert_eq!((s["stages"]["retrieve"].as_str(), s["stages"]["score"].as_str(), s["stages"]["select"].as_str()), (Some("ran"), Some("done earlier"), Some("ran")), "{s}");
     assert_eq!(flaky.log().len(), before, "the scores were asked again");
-    // The final stage redone: nothing of the model before it is left in OUT.
+    // The final stage redone: nothing of the model before it is left in OUT, and nothing the
+    // run did not write is gone.
     assert!(!out.join("pytorch_model.bin").exists(), "a stale model file survived the final stage's redo");
+    assert_eq!(std::fs::read(out.join("notes.txt")).unwrap(), b"mine", "the final stage removed a file it did not write");
     assert!(out.join("model.safetensors").exists());
 
     // --retry-failed: the failed items are asked again (they fail again: the faults follow the
@@ -606,6 +659,16 @@ fn bad_inputs_are_counted_and_failures_skipped() {
     );
     assert_eq!(s["failed"].as_u64(), Some(failed.len() as u64), "{s}");
     assert!(flaky.log().len() > before, "--retry-failed asked nothing");
+    // --retry-failed against a server that is gone: it stops, and the model stays as it was
+    // (the last complete one) until a new one is made.
+    let model = std::fs::read(out.join("model.safetensors")).unwrap();
+    let o = aar_cmd(&recipe, &out, "openai", &["--base-url", "http://127.0.0.1:9", "--retry-failed"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("the source stopped answering"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(out.join("model.safetensors")).ok(), Some(model), "the model went before a new one was made");
+    assert!(out.join("config.json").exists() && std::fs::read(out.join("notes.txt")).unwrap() == b"mine");
+    let s = summary(&aar_cmd(&recipe, &out, "openai", &["--base-url", &flaky.url]).output().unwrap());
+    assert_eq!((s["stages"]["score"].as_str(), s["stages"]["final"].as_str()), (Some("resumed"), Some("ran")), "{s}");
 
     // k = 0: positives are gold only (the human-label baseline); the source is never asked
     // (no --base-url: the recipe's placeholder address has no server).
@@ -642,6 +705,49 @@ fn bad_inputs_are_counted_and_failures_skipped() {
     let o = aar_cmd(&recipe, &dir.path().join("dup"), "openai", &[]).output().unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("appears more than once") && stderr(&o).contains("queries.train.jsonl"), "{}", stderr(&o));
+}
+
+/// Output folders the run does not own are refused before any work, and nothing is written
+/// into them: a folder that is not empty and no aar-train run's (a folder of runs), the
+/// starting retriever or the source, or a folder inside either. Under torchrun's variables
+/// (several processes) the command refuses to run at all.
+#[test]
+fn output_folders_it_does_not_own_are_refused_before_any_work() {
+    let dir = TempDir::new("aar-refuse");
+    let recipe = setup(dir.path(), 0, 2, "", "n = 4\nk = 1\nnegatives_depth = 20\nnegatives_sampled = 4\nnegatives_per_query = 2", TRAIN);
+    let runs = dir.path().join("runs");
+    std::fs::create_dir_all(runs.join("other-run")).unwrap();
+    std::fs::write(runs.join("other-run/model.safetensors"), b"someone's").unwrap();
+    let listing = |d: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        v.sort();
+        v
+    };
+    let (minilm, t5) = (minilm_dir(), t5_fixture());
+    let (minilm_before, t5_before) = (listing(&minilm), listing(&t5));
+    for (out, source, needle) in [
+        (runs.clone(), "openai", "not empty"),
+        (minilm.clone(), "openai", "is --model"),
+        (minilm.join("aar"), "openai", "inside --model"),
+        (t5.clone(), p(&t5), "is --source"),
+        (t5.join("aar"), p(&t5), "inside --source"),
+        (dir.path().to_path_buf(), "openai", "not empty"),
+    ] {
+        let o = aar_cmd(&recipe, &out, source, &[]).output().unwrap();
+        assert_eq!(o.status.code(), Some(1), "{}: {}", out.display(), stderr(&o));
+        assert!(stderr(&o).contains(needle) && stderr(&o).contains("--output-dir"), "{}: {}", out.display(), stderr(&o));
+        assert!(!out.join("stages").exists(), "{}: written into", out.display());
+    }
+    assert_eq!(listing(&runs), ["other-run"]);
+    assert_eq!(std::fs::read(runs.join("other-run/model.safetensors")).unwrap(), b"someone's");
+    assert_eq!((listing(&minilm), listing(&t5)), (minilm_before, t5_before));
+
+    // One of several processes (torchrun's variables): refused, nothing made.
+    let out = dir.path().join("dist");
+    let o = aar_cmd(&recipe, &out, "openai", &[]).env("WORLD_SIZE", "2").env("RANK", "1").output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("WORLD_SIZE=2") && stderr(&o).contains("one process"), "{}", stderr(&o));
+    assert!(!out.exists(), "a copy under torchrun began the run");
 }
 
 /// `host plugins inspect` shows the recipe's settings and the stages.
@@ -720,7 +826,7 @@ fn black_box_on_the_real_smollm2() {
         assert!(scores.iter().all(|x| *x < 0.0), "{r}");
         assert!(scores.windows(2).any(|w| w[0] != w[1]), "the passages change the answer's likelihood: {r}");
     }
-    check_examples(&out, 3, 1, 20);
+    check_examples(&out, 3, 1, 20, Rule::Authors);
     assert!(out.join("model.safetensors").exists());
 }
 
@@ -750,8 +856,24 @@ fn a_source_that_is_gone_stops_scoring_and_the_rerun_resumes() {
         assert!(errors[1..].iter().all(|e| e.as_str().unwrap().contains("not asked")), "{r}");
     }
     assert!(!out.join("stages/score.done.json").exists());
-    let server = FakeServer::start(Options::default());
+    let server = FakeServer::start(Options::distinct_scores());
     let s = summary(&aar_cmd(&recipe, &out, "openai", &["--base-url", &server.url]).output().unwrap());
     assert_eq!(s["stages"]["score"], "resumed", "{s}");
     assert_eq!((s["scored"].as_u64(), s["failed"].as_u64()), (Some(32), Some(0)), "{s}");
+
+    // A gone server stops the scoring even where a query's first passages are answered from
+    // the connector's cache: the same queries' top 6 in a new run, the top 4 cached.
+    let recipe = write_recipe(dir.path(), &source, "n = 6\nk = 1\nnegatives_depth = 30\nnegatives_sampled = 6\nnegatives_per_query = 2", TRAIN);
+    let more = dir.path().join("more");
+    let o = aar_cmd(&recipe, &more, "openai", &["--base-url", nowhere]).output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("the source stopped answering"), "{}", stderr(&o));
+    let records = jsonl(&more.join("stages/score/scores.jsonl"));
+    assert!((3..=5).contains(&records.len()), "{} queries recorded", records.len());
+    for r in &records {
+        let scores = r["scores"].as_array().unwrap();
+        assert!(scores[..4].iter().all(|x| x.is_number()) && scores[4..].iter().all(Value::is_null), "the top 4 come from the cache: {r}");
+        assert!(r["errors"][4].as_str().unwrap().starts_with("unreachable:"), "{r}");
+    }
+    assert!(!more.join("stages/score.done.json").exists());
 }
