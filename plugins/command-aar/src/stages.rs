@@ -12,7 +12,10 @@
 //! marks one), and one that is, holds or lies inside the starting retriever or the source. The
 //! final stage's model is saved under `stages/final/model/`, then moved into `OUT` entry by
 //! entry; `stages/model_files.json` records the entries it moved, and a later final stage
-//! replaces or removes only those (never a file someone else put in `OUT`). Clearing the final
+//! replaces or removes only those (never a file someone else put in `OUT`; a record naming
+//! anything but one entry of `OUT` is refused). A run folder made before that record has what
+//! it holds beside `stages/` and the analysis adopted: replaced by a model entry of the same
+//! name, never removed (it may hold the user's files). Clearing the final
 //! stage leaves the model in place: the last complete model stays until a new one replaces it.
 
 use anyhow::{bail, Context, Result};
@@ -40,6 +43,16 @@ pub enum Start {
     Resume,
     /// Nothing of it (or of any later stage) is left.
     Fresh,
+}
+
+/// `stages/model_files.json`: the entries of `OUT` that are the run's model.
+#[derive(Clone, Default, Debug, PartialEq)]
+struct ModelFiles {
+    /// Moved there by a final stage: replaced or removed by the next.
+    entries: Vec<String>,
+    /// Found beside an older run's records (its model, or files added since): replaced by a
+    /// model entry of the same name, never removed.
+    adopted: Vec<String>,
 }
 
 pub struct Stages {
@@ -165,22 +178,52 @@ impl Stages {
         self.dir.parent().unwrap_or(Path::new("."))
     }
 
-    /// The entries of `OUT` the final stage moved there.
-    fn model_files(&self) -> Result<Vec<String>> {
+    /// The entries of `OUT` the final stage moved there, and those adopted from a run made
+    /// before the record (see [`Stages::adopt_earlier_model`]). Every entry must be the name of
+    /// one entry of `OUT`, and not the run's own records: the names are joined to `OUT` and
+    /// what they name may be removed, so a hand-edited `../sibling` or `/abs` is refused.
+    fn model_files(&self) -> Result<ModelFiles> {
         let path = self.dir.join(MODEL_FILES);
-        match read_json(&path)? {
-            Some(v) => serde_json::from_value(v["entries"].clone()).with_context(|| format!("{}: not a list of entries", path.display())),
-            None => Ok(Vec::new()),
-        }
+        let Some(v) = read_json(&path)? else { return Ok(ModelFiles::default()) };
+        let list = |field: &str| -> Result<Vec<String>> {
+            let names: Vec<String> = match v.get(field) {
+                None | Some(Value::Null) => Vec::new(),
+                Some(l) => serde_json::from_value(l.clone()).with_context(|| format!("{}: {field} is not a list of names", path.display()))?,
+            };
+            for n in &names {
+                let mut parts = Path::new(n).components();
+                let single = matches!((parts.next(), parts.next()), (Some(std::path::Component::Normal(_)), None));
+                if !single || n == "stages" || n == "analysis.json" {
+                    bail!(
+                        "{}: {field} holds {n:?}, which is not the name of one model entry in the output folder (a path, or the run's own records); \
+                         refusing to replace or remove anything by it. Fix or remove that file (the model's entries in {} then count as files the run did not write)",
+                        path.display(),
+                        self.out().display()
+                    );
+                }
+            }
+            Ok(names)
+        };
+        Ok(ModelFiles { entries: list("entries")?, adopted: list("adopted")? })
     }
 
-    fn record_model_files(&self, names: &[String]) -> Result<()> {
-        write_json(&self.dir.join(MODEL_FILES), &serde_json::json!({"entries": names, "help": "the entries of the output folder the final stage wrote (its model); only these are ever replaced or removed by a later final stage"}))
+    fn record_model_files(&self, files: &ModelFiles) -> Result<()> {
+        write_json(
+            &self.dir.join(MODEL_FILES),
+            &serde_json::json!({
+                "entries": files.entries,
+                "adopted": files.adopted,
+                "help": "entries: the entries of the output folder the final stage wrote (its model); only these are ever replaced or removed by a later final stage. \
+                         adopted: those an older run's folder held beside its records, the model of that run or files added since: a later final stage may replace them by name, never removes them"
+            }),
+        )
     }
 
-    /// A run folder made before the marker and the record of the model's entries: its model
-    /// (everything in `OUT` but `stages/` and the analysis, which the final stage of that
-    /// version kept to itself by removing everything else) is adopted as the run's own.
+    /// A run folder made before the marker and the record of the model's entries: what `OUT`
+    /// holds but `stages/` and the analysis is the model of that version's final stage (which
+    /// kept the folder to itself), or files the user put there since; which is which cannot be
+    /// told. They are recorded as adopted: a new model may replace one of the same name (it
+    /// would have been the earlier model's), but one the new model lacks is never removed.
     fn adopt_earlier_model(&self, marked: bool) -> Result<()> {
         let done_before = self.key_path("final").exists() || self.done_path("final").exists();
         if marked || self.dir.join(MODEL_FILES).exists() || !done_before {
@@ -189,20 +232,22 @@ impl Stages {
         let mut names = Vec::new();
         for e in std::fs::read_dir(self.out()).with_context(|| format!("{}: cannot list", self.out().display()))? {
             let e = e.with_context(|| format!("{}: cannot list", self.out().display()))?;
-            let name = e.file_name().to_string_lossy().into_owned();
+            // A name that is not UTF-8 is no model file of ours (install_model refuses them).
+            let Ok(name) = e.file_name().into_string() else { continue };
             if e.path() != self.dir && name != "analysis.json" {
                 names.push(name);
             }
         }
         names.sort();
-        self.record_model_files(&names)
+        self.record_model_files(&ModelFiles { entries: Vec::new(), adopted: names })
     }
 
     /// Move the model saved in `saved` into `OUT`, replacing the entries the last final stage
-    /// moved there and removing those of them this model has not. An entry of `OUT` that no
-    /// final stage wrote is never replaced: refused, naming it. The record is written before
-    /// anything moves (every entry that may be the run's is in it if a kill comes in between)
-    /// and narrowed after.
+    /// moved there and removing those of them this model has not; an adopted entry is replaced
+    /// when the model has one of its name, else left. An entry of `OUT` that no final stage
+    /// wrote is never replaced: refused, naming it. The record is written before anything
+    /// moves (every entry that may be the run's is in it if a kill comes in between) and
+    /// narrowed after.
     pub fn install_model(&self, saved: &Path) -> Result<()> {
         let out = self.out().to_path_buf();
         let recorded = self.model_files()?;
@@ -217,7 +262,7 @@ impl Stages {
                 bail!("{}: the encoder saved an entry {n:?}, the name the run keeps its own records under", saved.display());
             }
             let dest = out.join(n);
-            if dest.symlink_metadata().is_ok() && !recorded.contains(n) {
+            if dest.symlink_metadata().is_ok() && !recorded.entries.contains(n) && !recorded.adopted.contains(n) {
                 bail!(
                     "{}: exists and was not written by this run's final stage; the trained model would replace it. Move it out of {} and rerun (the trained model is kept in {})",
                     dest.display(),
@@ -227,20 +272,25 @@ impl Stages {
             }
         }
         let mut union = recorded.clone();
-        union.extend(names.iter().filter(|n| !recorded.contains(n)).cloned());
+        union.entries.extend(names.iter().filter(|n| !recorded.entries.contains(n)).cloned());
         self.record_model_files(&union)?;
         for n in &names {
-            let dest = out.join(n);
-            if dest.symlink_metadata().is_ok_and(|m| m.is_dir()) {
-                std::fs::remove_dir_all(&dest).with_context(|| format!("{}: cannot remove the earlier model's folder", dest.display()))?;
+            let (src, dest) = (saved.join(n), out.join(n));
+            // rename replaces a file by a file, but not a folder, nor a file by a folder (an
+            // entry that changed kind between models): the old entry goes first then.
+            let is_dir = |p: &Path| p.symlink_metadata().is_ok_and(|m| m.is_dir());
+            if dest.symlink_metadata().is_ok() && (is_dir(&dest) || is_dir(&src)) {
+                remove_entry(&dest).with_context(|| format!("{}: cannot remove the earlier model's entry", dest.display()))?;
             }
-            std::fs::rename(saved.join(n), &dest).with_context(|| format!("{}: cannot move the trained model's entry into {}", saved.join(n).display(), out.display()))?;
+            std::fs::rename(&src, &dest).with_context(|| format!("{}: cannot move the trained model's entry into {}", src.display(), out.display()))?;
         }
-        for old in recorded.iter().filter(|n| !names.contains(n)) {
+        // An adopted entry is never removed (it may be a file the user added to an older run).
+        for old in recorded.entries.iter().filter(|n| !names.contains(n) && !recorded.adopted.contains(n)) {
             remove_entry(&out.join(old))?;
         }
         rak_core::fsutil::sync_dir(&out)?;
-        self.record_model_files(&names)
+        let adopted = recorded.adopted.into_iter().filter(|n| !names.contains(n)).collect();
+        self.record_model_files(&ModelFiles { entries: names, adopted })
     }
 
     /// Where stage `name` with inputs `key` starts (see the module docs). A stage that is not
@@ -475,7 +525,7 @@ mod tests {
         stages.install_model(&saved(&out.join("stages/final/model"), &["model.safetensors", "1_Pooling/config.json"])).unwrap();
         assert!(!out.join("config.json").exists(), "a file of the earlier model is left");
         assert_eq!(std::fs::read(out.join("notes.txt")).unwrap(), b"mine");
-        assert_eq!(stages.model_files().unwrap(), vec!["1_Pooling".to_string(), "model.safetensors".into()]);
+        assert_eq!(stages.model_files().unwrap().entries, vec!["1_Pooling".to_string(), "model.safetensors".into()]);
         // A file of the model's name that no final stage wrote: refused, left as it is.
         std::fs::write(out.join("vocab.txt"), b"mine").unwrap();
         let e = stages.install_model(&saved(&out.join("stages/final/model"), &["model.safetensors", "vocab.txt"])).unwrap_err().to_string();
@@ -485,18 +535,65 @@ mod tests {
         let _ = std::fs::remove_dir_all(&out);
     }
 
-    /// A run folder made before the marker: its model (what its final stage left) is the run's.
+    /// A run folder made before the marker: what its final stage left is adopted, and a later
+    /// model replaces adopted entries of its names but never removes the others: one of them
+    /// may be a file the user added after that run (notes.txt here).
     #[test]
-    fn an_earlier_run_s_model_is_adopted() {
+    fn an_earlier_run_s_model_is_adopted_and_never_removed() {
         let out = temp("adopt");
         std::fs::create_dir_all(out.join("stages")).unwrap();
-        for f in ["stages/lock", "stages/final.key.json", "stages/final.done.json", "analysis.json", "model.safetensors", "config.json"] {
+        for f in ["stages/lock", "stages/final.key.json", "stages/final.done.json", "analysis.json", "model.safetensors", "config.json", "notes.txt"] {
             std::fs::write(out.join(f), b"{}").unwrap();
         }
         assert!(made_by_aar_train(&out));
         let stages = Stages::new(out.join("stages"), false).unwrap();
-        assert_eq!(stages.model_files().unwrap(), vec!["config.json".to_string(), "model.safetensors".into()]);
+        let files = stages.model_files().unwrap();
+        assert_eq!(files.adopted, vec!["config.json".to_string(), "model.safetensors".into(), "notes.txt".into()]);
+        assert!(files.entries.is_empty());
         assert!(out.join("stages").join(MARKER).exists());
+        // A redone final stage: model.safetensors replaced, the adopted entries it lacks kept.
+        stages.install_model(&saved(&out.join("stages/final/model"), &["model.safetensors", "tokenizer.json"])).unwrap();
+        assert_eq!(std::fs::read(out.join("model.safetensors")).unwrap(), b"model.safetensors");
+        assert_eq!(std::fs::read(out.join("notes.txt")).unwrap(), b"{}", "a file the user added was removed");
+        assert!(out.join("config.json").exists());
+        let files = stages.model_files().unwrap();
+        assert_eq!(files.entries, vec!["model.safetensors".to_string(), "tokenizer.json".into()]);
+        assert_eq!(files.adopted, vec!["config.json".to_string(), "notes.txt".into()]);
+        // And the next one too: only what a final stage wrote goes.
+        stages.install_model(&saved(&out.join("stages/final/model"), &["model.safetensors"])).unwrap();
+        assert!(!out.join("tokenizer.json").exists() && out.join("notes.txt").exists() && out.join("config.json").exists());
+        let _ = std::fs::remove_dir_all(&out);
+    }
+
+    /// The record's names are joined to OUT and what they name may be removed: a path, or the
+    /// run's own records, is refused naming the file, and nothing outside OUT is touched.
+    #[test]
+    fn a_model_record_naming_a_path_is_refused() {
+        let root = temp("record");
+        let out = root.join("run");
+        let stages = Stages::new(out.join("stages"), false).unwrap();
+        std::fs::create_dir_all(root.join("sibling")).unwrap();
+        std::fs::write(root.join("sibling/keep"), b"x").unwrap();
+        let sibling = root.join("sibling").to_string_lossy().into_owned();
+        for (field, bad) in [("entries", "../sibling"), ("entries", sibling.as_str()), ("adopted", "a/b"), ("entries", "stages"), ("entries", "analysis.json"), ("entries", "."), ("entries", "")] {
+            std::fs::write(out.join("stages").join(MODEL_FILES), json!({field: [bad]}).to_string()).unwrap();
+            let e = stages.install_model(&saved(&out.join("stages/final/model"), &["model.safetensors"])).unwrap_err().to_string();
+            assert!(e.contains(MODEL_FILES) && e.contains(&format!("{bad:?}")) && e.contains(field), "{bad}: {e}");
+            assert!(root.join("sibling/keep").exists() && out.join("stages").join(MARKER).exists(), "{bad}: removed");
+        }
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// An entry that is a file in one model and a folder in the next (or the reverse).
+    #[test]
+    fn a_model_entry_may_change_kind() {
+        let out = temp("kind");
+        let stages = Stages::new(out.join("stages"), false).unwrap();
+        stages.install_model(&saved(&out.join("stages/final/model"), &["x"])).unwrap();
+        stages.install_model(&saved(&out.join("stages/final/model"), &["x/inner"])).unwrap();
+        assert_eq!(std::fs::read(out.join("x/inner")).unwrap(), b"x/inner");
+        stages.install_model(&saved(&out.join("stages/final/model"), &["x"])).unwrap();
+        assert_eq!(std::fs::read(out.join("x")).unwrap(), b"x");
         let _ = std::fs::remove_dir_all(&out);
     }
 
