@@ -15,9 +15,10 @@
 //! skips the queries it has records for, except records with failed items, which are asked
 //! again (their answered items come from the connector's cache); the latest record wins.
 //! `--retry-failed` does the same for a finished stage. The source (`source.json`) is recorded
-//! with the first answered item, so a server that was down at the first run pins nothing, nor
-//! does a `describe` that failed. A gone server stops the stage once every worker's last query
-//! met it, answered items of those queries (from the cache) notwithstanding.
+//! with the first answered item, so a server that was down at the first run pins nothing; when
+//! its `describe` failed, what is known is pinned (unverified, the configured model name), and
+//! a later run whose describe names another model is refused (see `decide_source`). A gone
+//! server stops the stage once every worker's last query met it, answered items of those queries (from the cache) notwithstanding.
 
 use crate::config::{fill, Config, Source};
 use crate::data::{corpus_passages, Passage, RecordLog, Retrieved};
@@ -128,7 +129,8 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
         Source::BlackBox { connector, prompt, continuation, workers } => {
             let conn = host.connector(connector, &serde_json::Value::Object(cfg.source_settings.clone()))?;
             let source_file = folder.join(SOURCE_FILE);
-            let to_record = Mutex::new(check_source(&conn, &source_file)?);
+            let scored_before = latest.values().any(|r| r["scores"].as_array().is_some_and(|v| v.iter().any(|x| !x.is_null())));
+            let to_record = Mutex::new(check_source(&conn, cfg, &source_file, scored_before)?);
             // Queries not recorded, or recorded with failed items (asked again).
             let pending: Vec<&Retrieved> = queries.iter().filter(|q| latest.get(&q.id).is_none_or(has_failures)).collect();
             if pending.len() < queries.len() {
@@ -268,28 +270,47 @@ fn has_failures(r: &Value) -> bool {
 /// What the scores depend on besides the settings: the model the server serves and the server
 /// (the connector's `describe`, without the port). Recorded with the stage's first answered
 /// item; a resume against another model is refused rather than mixing two sources' scores.
-/// What to record (none when recorded already, or when the source cannot say what it is).
-fn check_source(conn: &rak_core::plugin::HostConnector, path: &Path) -> Result<Option<Value>> {
+/// What to record (none when recorded already).
+fn check_source(conn: &rak_core::plugin::HostConnector, cfg: &Config, path: &Path, scored_before: bool) -> Result<Option<Value>> {
     let recorded = match std::fs::read_to_string(path) {
         Ok(text) => Some(serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(e).with_context(|| format!("{}: cannot read", path.display())),
     };
-    decide_source(recorded, conn.complete(json!({"op": "describe"})), path)
+    let configured = cfg.source_settings.get("model").and_then(Value::as_str).filter(|m| !m.trim().is_empty());
+    decide_source(recorded, conn.complete(json!({"op": "describe"})), configured, scored_before, path)
 }
 
 /// [`check_source`]'s decision from the identity recorded earlier and what `describe` answered
-/// now. A failed describe is no identity: never recorded (a transient failure at the first run
-/// would make every later resume look like another source), and against a recorded identity
-/// it cannot confirm the source, so the resume waits for one that answers. A `null` recorded
-/// by an earlier version after a failed describe is no identity either.
-fn decide_source(recorded: Option<Value>, described: Result<Value>, path: &Path) -> Result<Option<Value>> {
+/// now (`configured`: the source setting `model`, the name the requests send; `scored_before`:
+/// the stage has scores already).
+///
+/// A failed describe is no identity, but the items scored then still came from some model:
+/// what is known of it is pinned, `{"unverified": true, "configured_model": NAME or null}`
+/// (the replies do not say which model answered, so the name the requests sent is all there
+/// is). A later run whose describe fails goes on; one whose describe names a model is refused
+/// unless that model is the configured name the earlier items were asked with (then its
+/// identity is pinned from there on), and always when no name was configured: nothing then
+/// shows the earlier items came from that model. A verified identity recorded earlier is never
+/// confirmed by a failed describe (the resume waits for one that answers). A missing or `null`
+/// record (an earlier version's, after a failed describe) with scores already recorded is the
+/// same unverified case; without scores nothing was pinned, and what describes now is.
+fn decide_source(recorded: Option<Value>, described: Result<Value>, configured: Option<&str>, scored_before: bool, path: &Path) -> Result<Option<Value>> {
     let now = match &described {
         Ok(d) if d.get("error").is_none() && d.get("model").is_some_and(|m| !m.is_null()) => Some(json!({"model": d["model"], "server": d["server"]})),
         _ => None,
     };
-    match (recorded.filter(|r| !r.is_null()), now) {
-        (None, now) => Ok(now),
+    let unverified = |name: Option<&str>| json!({"unverified": true, "configured_model": name});
+    let recorded = recorded.filter(|r| !r.is_null());
+    match (recorded, now) {
+        (None, now) if !scored_before => Ok(Some(now.unwrap_or_else(|| unverified(configured)))),
+        // Scores without a record: an earlier version's run whose describe failed.
+        (None, None) => Ok(Some(unverified(configured))),
+        (None, Some(now)) => from_unverified(&unverified(configured), now, path),
+        (Some(then), now) if then["unverified"] == json!(true) => match now {
+            None => Ok(None),
+            Some(now) => from_unverified(&then, now, path),
+        },
         (Some(then), Some(now)) if then == now => Ok(None),
         (Some(then), Some(now)) => bail!(
             "{}: this stage was begun with the source {then}, which is now {now}; point --base-url at the same model, or rerun with --overwrite after changing a source setting to score everything again",
@@ -305,6 +326,23 @@ fn decide_source(recorded: Option<Value>, described: Result<Value>, path: &Path)
                 path.display()
             )
         }
+    }
+}
+
+/// A source that describes itself as `now`, resuming a stage whose earlier items were scored
+/// while it could not (`then`, unverified): the same only if `now` is the model those items
+/// were asked for by name; then its identity is pinned.
+fn from_unverified(then: &Value, now: Value, path: &Path) -> Result<Option<Value>> {
+    match then["configured_model"].as_str() {
+        Some(name) if now["model"].as_str() == Some(name) => Ok(Some(now)),
+        name => bail!(
+            "{}: this stage's earlier items were scored while the source could not say what model it is ({}), and it now says {now}; \
+             nothing shows they came from that model, and their scores are not mixed with another model's. \
+             Rerun with --overwrite after changing a source setting to score everything again (or, if you know it is the same model, remove {} to accept it)",
+            path.display(),
+            name.map_or_else(|| "no model was configured by name".to_string(), |n| format!("the requests named {n:?}")),
+            path.display()
+        ),
     }
 }
 
@@ -463,18 +501,46 @@ mod tests {
         let ok = || Ok(json!({"model": "m1", "server": "127.0.0.1", "requested": "m1"}));
         let failed = || Err(anyhow::anyhow!("connection refused"));
         let id = json!({"model": "m1", "server": "127.0.0.1"});
-        // First run: what describe said, or nothing to record when it failed.
-        assert_eq!(decide_source(None, ok(), path).unwrap(), Some(id.clone()));
-        assert_eq!(decide_source(None, failed(), path).unwrap(), None);
-        assert_eq!(decide_source(None, Ok(json!({"error": {"kind": "unreachable", "message": "x"}})), path).unwrap(), None);
-        // An earlier version's null (a failed describe recorded): no identity, re-pinned.
-        assert_eq!(decide_source(Some(Value::Null), ok(), path).unwrap(), Some(id.clone()));
+        // First run: what describe said.
+        assert_eq!(decide_source(None, ok(), None, false, path).unwrap(), Some(id.clone()));
+        // An earlier version's null (a failed describe recorded) before any score: re-pinned.
+        assert_eq!(decide_source(Some(Value::Null), ok(), None, false, path).unwrap(), Some(id.clone()));
         // A resume: the same source goes on; another is refused; one that cannot say waits.
-        assert_eq!(decide_source(Some(id.clone()), ok(), path).unwrap(), None);
-        let e = decide_source(Some(id.clone()), Ok(json!({"model": "m2", "server": "127.0.0.1"})), path).unwrap_err().to_string();
+        assert_eq!(decide_source(Some(id.clone()), ok(), None, true, path).unwrap(), None);
+        let e = decide_source(Some(id.clone()), Ok(json!({"model": "m2", "server": "127.0.0.1"})), None, true, path).unwrap_err().to_string();
         assert!(e.contains("which is now"), "{e}");
-        let e = decide_source(Some(id), failed(), path).unwrap_err().to_string();
+        let e = decide_source(Some(id), failed(), None, true, path).unwrap_err().to_string();
         assert!(e.contains("describe failed") && e.contains("connection refused"), "{e}");
+    }
+
+    /// Items scored while describe failed came from some model: what is known of it is pinned
+    /// (unverified, the configured name), and a later run whose describe names another model,
+    /// or any when no name was configured, is refused rather than mixing two models' scores.
+    #[test]
+    fn scores_asked_while_describe_failed_pin_the_configured_model() {
+        let path = Path::new("source.json");
+        let failed = || Err(anyhow::anyhow!("connection refused"));
+        let says = |m: &str| Ok(json!({"model": m, "server": "127.0.0.1"}));
+        let pinned = |m: Option<&str>| json!({"unverified": true, "configured_model": m});
+        // First run: the describe fails (or answers an error); what is known is pinned.
+        assert_eq!(decide_source(None, failed(), Some("a"), false, path).unwrap(), Some(pinned(Some("a"))));
+        assert_eq!(decide_source(None, Ok(json!({"error": {"kind": "unreachable", "message": "x"}})), None, false, path).unwrap(), Some(pinned(None)));
+        // A resume whose describe fails again goes on as it was.
+        assert_eq!(decide_source(Some(pinned(Some("a"))), failed(), Some("a"), true, path).unwrap(), None);
+        // One whose describe names the model the items were asked for: pinned from then on.
+        assert_eq!(decide_source(Some(pinned(Some("a"))), says("a"), Some("a"), true, path).unwrap(), Some(json!({"model": "a", "server": "127.0.0.1"})));
+        // Another model, or any when no name was configured: refused.
+        let e = decide_source(Some(pinned(Some("a"))), says("b"), Some("a"), true, path).unwrap_err().to_string();
+        assert!(e.contains("source.json") && e.contains("\"a\"") && e.contains("\"b\""), "{e}");
+        let e = decide_source(Some(pinned(None)), says("b"), None, true, path).unwrap_err().to_string();
+        assert!(e.contains("no model was configured"), "{e}");
+        // An earlier version's run: scores recorded, no identity (its describe failed). Not
+        // pinned to whatever answers now.
+        let e = decide_source(None, says("b"), None, true, path).unwrap_err().to_string();
+        assert!(e.contains("could not say"), "{e}");
+        let e = decide_source(Some(Value::Null), says("b"), Some("a"), true, path).unwrap_err().to_string();
+        assert!(e.contains("could not say"), "{e}");
+        assert_eq!(decide_source(None, failed(), Some("a"), true, path).unwrap(), Some(pinned(Some("a"))));
     }
 
     /// A query whose first passages came from the cache and whose next found no server found
