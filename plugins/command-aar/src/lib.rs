@@ -108,13 +108,19 @@ rak_core::export_command!(AarTrain);
 /// `host aar-train` is one process: started by torchrun (or `--nproc`) as one of several, each
 /// copy would run every stage into the same folder at once. Refused before anything is read.
 fn refuse_under_torchrun() -> Result<()> {
-    let var = |name: &str| std::env::var(name).ok();
-    if let Some(world) = var("WORLD_SIZE") {
+    check_world_size(std::env::var("WORLD_SIZE").ok(), std::env::var("RANK").ok())
+}
+
+/// [`refuse_under_torchrun`]'s check of `WORLD_SIZE` and `RANK` (`None`: unset).
+fn check_world_size(world: Option<String>, rank: Option<String>) -> Result<()> {
+    // Empty is unset, as `Rendezvous::from_env` (the training's own reading) takes it.
+    let (world, rank) = (world.filter(|v| !v.is_empty()), rank.filter(|v| !v.is_empty()));
+    if let Some(world) = world {
         match world.trim().parse::<u64>() {
             Ok(n) if n > 1 => bail!(
                 "host aar-train runs as one process, but WORLD_SIZE={n} (RANK={}) says it was started as one of {n} (torchrun, --nproc): \
                  the copies would all run every stage into one output folder. Run it once, without torchrun; its training runs in this one process",
-                var("RANK").unwrap_or_else(|| "unset".into())
+                rank.unwrap_or_else(|| "unset".into())
             ),
             Ok(_) => {}
             Err(_) => bail!("WORLD_SIZE={world:?}: not a number (host aar-train runs as one process; unset it)"),
@@ -267,7 +273,9 @@ fn compare_sources(cfg: &Config, queries: &[data::Retrieved], scores: &std::coll
             }
             // Each side over the passages both scored.
             let both = |x: &[Option<f64>], y: &[Option<f64>]| -> Vec<Option<f64>> { x.iter().zip(y).map(|(x, y)| y.and(*x)).collect() };
-            let Some(a) = a.filter(|a| a.scores.iter().zip(&b.scores).any(|(x, y)| x.is_some() && y.is_some())) else {
+            // Scored as the selection counts it: a NaN is no score.
+            let scored = |v: &Option<f64>| v.is_some_and(f64::is_finite);
+            let Some(a) = a.filter(|a| a.scores.iter().zip(&b.scores).any(|(x, y)| scored(x) && scored(y))) else {
                 unscored += 1;
                 continue;
             };
@@ -516,4 +524,21 @@ fn final_stage(cfg: &Config, host: &Host, stages: &Stages, key: &Value) -> Resul
     stages.install_model(&saved)?;
     stages.finish("final", &json!({"model": cfg.output_dir, "from": trained}))?;
     Ok(how)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// torchrun's WORLD_SIZE > 1 is refused; unset, empty (as the trainer's rendezvous reads
+    /// it) or 1 is one process.
+    #[test]
+    fn world_size_empty_is_unset() {
+        check_world_size(None, None).unwrap();
+        check_world_size(Some(String::new()), Some(String::new())).unwrap();
+        check_world_size(Some("1".into()), Some("0".into())).unwrap();
+        let e = check_world_size(Some("2".into()), Some("1".into())).unwrap_err().to_string();
+        assert!(e.contains("WORLD_SIZE=2") && e.contains("RANK=1"), "{e}");
+        assert!(check_world_size(Some("two".into()), None).unwrap_err().to_string().contains("not a number"));
+    }
 }

@@ -132,7 +132,9 @@ pub fn analyse<'a>(queries: impl IntoIterator<Item = Scored<'a>>, k: usize) -> V
         total += 1;
         let gold_retrieved = q.top.iter().any(|p| q.gold.contains(p));
         gold_in_n += gold_retrieved as usize;
-        if !q.scores.iter().any(Option::is_some) {
+        // Scored as the selection counts it (a NaN is no score: `top_by_score` skips it, and
+        // the selection drops a query with nothing else), so both report the same queries.
+        if !q.scores.iter().any(|s| s.is_some_and(f64::is_finite)) {
             continue;
         }
         with_scores += 1;
@@ -262,6 +264,17 @@ mod tests {
         // Every query's gold is in its top 3, the unscored one's too: 3 of 3, not 2 of 3.
         assert_eq!(a["gold_in_retrieved_top_n"].as_f64(), Some(1.0), "{a}");
         assert_eq!((a["queries"].as_u64(), a["queries_with_lm_scores"].as_u64()), (Some(3), Some(2)), "{a}");
+    }
+
+    /// A query whose scores are all NaN is unscored for the analysis, as for the selection:
+    /// its gold is in no LM-side denominator.
+    #[test]
+    fn a_query_scored_only_nan_is_unscored() {
+        let (g, t) = (ids(&["g"]), ids(&["g", "a"]));
+        let a = analyse([Scored { gold: &g, top: &t, scores: &[Some(f64::NAN), Some(f64::NAN)] }], 2);
+        assert_eq!(a["queries_with_lm_scores"].as_u64(), Some(0), "{a}");
+        assert_eq!(a["gold_passages"].as_u64(), Some(0), "{a}");
+        assert!(a["overlap_authors"].is_null(), "{a}");
     }
 
     #[test]
