@@ -535,6 +535,23 @@ impl Config {
         }
     }
 
+    /// A white-box source key of a run made before device and dtype were in it (its `settings`
+    /// then held `bf16` when given, never `device`), in today's shape, so that run's scores
+    /// are not "other inputs": its dtype is what its settings said, its device the reader's
+    /// default, the CPU. The device was not recorded then: scores such a run made on CUDA are
+    /// taken as the CPU's (rerun it with --overwrite after changing a source setting to score
+    /// them again). `None` for any other key.
+    pub fn upgrade_source_key(old: &Value) -> Option<Value> {
+        if old["kind"] != "white-box" || old.get("device").is_some() || old.get("dtype").is_some() {
+            return None;
+        }
+        let mut new = old.clone();
+        let bf16 = new.get_mut("settings")?.as_object_mut()?.remove("bf16");
+        new["device"] = json!("cpu");
+        new["dtype"] = json!(if bf16.and_then(|b| b.as_bool()).unwrap_or(false) { "bf16" } else { "float32" });
+        Some(new)
+    }
+
     /// Whether queries are encoded with their task's name (the trainer's `task_names`).
     pub fn task_names(&self) -> bool {
         self.train.get("task_names").and_then(Value::as_bool).unwrap_or(true)
@@ -684,6 +701,26 @@ mod tests {
         let bf16 = key(&["--device", "cuda"], "bf16 = true");
         assert_ne!(bf16, cuda);
         assert_eq!(bf16["dtype"], "bf16");
+        // An older run's key (no device, dtype; bf16 among the settings) is today's on the
+        // defaults: the CPU, and the dtype its settings said.
+        let old = |new: &Value| {
+            let mut old = new.clone();
+            let o = old.as_object_mut().unwrap();
+            o.remove("device");
+            let dtype = o.remove("dtype").unwrap();
+            if dtype == "bf16" {
+                old["settings"]["bf16"] = json!(true);
+            }
+            old
+        };
+        assert_eq!(Config::upgrade_source_key(&old(&cpu)), Some(cpu.clone()));
+        let cpu_bf16 = key(&[], "bf16 = true");
+        assert_eq!(Config::upgrade_source_key(&old(&cpu_bf16)), Some(cpu_bf16.clone()));
+        assert_ne!(Config::upgrade_source_key(&old(&cuda)), Some(cuda.clone()));
+        // Today's keys, and black-box ones, are left as they are.
+        assert_eq!(Config::upgrade_source_key(&cpu), None);
+        assert_eq!(Config::upgrade_source_key(&json!({"kind": "black-box", "settings": {}})), None);
+        assert_eq!(Config::upgrade_source_key(&json!([1])), None);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

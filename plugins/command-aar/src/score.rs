@@ -47,6 +47,7 @@ const SOURCE_FILE: &str = "source.json";
 /// Run (or resume, or skip) the stage; the scores by query, its report, and how it started.
 pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[Retrieved]) -> Result<(HashMap<String, Scores>, Value, &'static str)> {
     let folder = stages.folder("score");
+    keep_older_white_box_scores(stages, key)?;
     let how = match stages.begin("score", key)? {
         // k = 0 asks no source and writes no records.
         Start::Done(report) if cfg.aar.k == 0 => return Ok((HashMap::new(), report, "done earlier")),
@@ -220,6 +221,17 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
     stages.finish("score", &report)?;
     let scores = latest.iter().map(|(id, r)| Ok((id.clone(), parse(r)?))).collect::<Result<_>>()?;
     Ok((scores, report, how))
+}
+
+/// A white-box run from before the score key held the device and dtype keeps its scores when
+/// today's key is its own on the defaults (see `Config::upgrade_source_key`), instead of every
+/// such run's scores being "other inputs".
+fn keep_older_white_box_scores(stages: &Stages, key: &Value) -> Result<()> {
+    stages.upgrade_key("score", key, |then| {
+        let mut upgraded = then.clone();
+        upgraded["source"] = Config::upgrade_source_key(&then["source"])?;
+        Some(upgraded)
+    })
 }
 
 /// What one session of the stage scored, and how fast.
@@ -541,6 +553,30 @@ mod tests {
         let e = decide_source(Some(Value::Null), says("b"), Some("a"), true, path).unwrap_err().to_string();
         assert!(e.contains("could not say"), "{e}");
         assert_eq!(decide_source(None, failed(), Some("a"), true, path).unwrap(), Some(pinned(Some("a"))));
+    }
+
+    /// An older white-box run's score key (no device or dtype) is today's on the defaults:
+    /// its scores are done, not other inputs; on another device they are.
+    #[test]
+    fn an_older_white_box_run_keeps_its_scores() {
+        let out = std::env::temp_dir().join(format!("aar-score-key-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let stages = Stages::new(out.join("stages"), false).unwrap();
+        let source = |extra: Value| {
+            let mut s = json!({"kind": "white-box", "reader": "fid", "model_sha256": "sha", "prompt": "p", "batch_size": 8, "settings": {"batch_size": 8}});
+            s.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            json!({"top_n_sha256": "t", "n": 10, "source": s})
+        };
+        let old = source(json!({}));
+        assert!(matches!(stages.begin("score", &old).unwrap(), Start::Fresh));
+        stages.finish("score", &json!({"scored": 1})).unwrap();
+        let cuda = source(json!({"device": "cuda", "dtype": "float32"}));
+        keep_older_white_box_scores(&stages, &cuda).unwrap();
+        assert!(stages.begin("score", &cuda).is_err(), "CPU-default scores taken as CUDA's");
+        let now = source(json!({"device": "cpu", "dtype": "float32"}));
+        keep_older_white_box_scores(&stages, &now).unwrap();
+        assert!(matches!(stages.begin("score", &now).unwrap(), Start::Done(_)));
+        let _ = std::fs::remove_dir_all(&out);
     }
 
     /// A query whose first passages came from the cache and whose next found no server found

@@ -326,6 +326,18 @@ impl Stages {
         }
     }
 
+    /// The key recorded for stage `name` replaced by `key` when it is an older shape of it
+    /// (`upgrade` turns it into `key`), so the stage is not taken as run with other inputs.
+    pub fn upgrade_key(&self, name: &str, key: &Value, upgrade: impl Fn(&Value) -> Option<Value>) -> Result<()> {
+        let path = self.key_path(name);
+        if let Some(then) = read_json(&path)? {
+            if then != *key && upgrade(&then).as_ref() == Some(key) {
+                write_json(&path, key)?;
+            }
+        }
+        Ok(())
+    }
+
     /// A finished stage `name` made unfinished again (its key and folder kept, so it resumes),
     /// and every later stage cleared.
     pub fn reopen(&self, name: &str) -> Result<()> {
@@ -488,6 +500,12 @@ mod tests {
             assert!(matches!(stages.begin(name, &json!({"stage": name})).unwrap(), Start::Fresh));
             stages.finish(name, &json!({})).unwrap();
         }
+        // A key of an older shape, upgraded: the stage is done, not run with other inputs.
+        write_json(&stages.key_path("select"), &json!({"old": "select"})).unwrap();
+        stages.upgrade_key("select", &json!({"stage": "select"}), |then| (then["old"] == "select").then(|| json!({"stage": "select"}))).unwrap();
+        assert!(matches!(stages.begin("select", &json!({"stage": "select"})).unwrap(), Start::Done(_)));
+        stages.upgrade_key("select", &json!({"stage": "other"}), |_| None).unwrap();
+        assert_eq!(read_json(&stages.key_path("select")).unwrap(), Some(json!({"stage": "select"})));
         stages.reopen("score").unwrap();
         assert!(matches!(stages.begin("score", &json!({"stage": "score"})).unwrap(), Start::Resume));
         assert!(stages.folder("score").join("work").exists());
