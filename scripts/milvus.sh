@@ -18,6 +18,10 @@
 # log and data (one database file: collections survive a restart, and the server takes its
 # port again when it is free, so index directories that point at it stay valid) live in $MILVUS_STATE_DIR (default .cache/milvus in the checkout);
 # tests use their own. MILVUS_START_TIMEOUT: seconds to wait for it to answer (60).
+# MILVUS_PARENT_PID: stop the server (within about a second) once that process has exited, as
+# `stop` would; tests give their own, so a test that is killed leaves no server behind. Unset,
+# the server runs until `stop` (`--uri $(scripts/milvus.sh start)` starts it from a subshell
+# that exits at once).
 set -euo pipefail
 shopt -s inherit_errexit
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -59,12 +63,14 @@ fetch() {
     [[ $status == 0 ]] || { say "could not fetch milvus-lite $VERSION"; exit 1; }
 }
 
-proc_start() { # PID: its start time, so that a reused pid is not taken for ours
+proc_start() { # PID: its start time, so that a reused pid is not taken for ours; fails for a
+    # zombie too (dead, only not yet reaped: whoever inherits an orphan may never reap it)
     local stat
     stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
     stat=${stat##*) }
     # shellcheck disable=SC2086
     set -- $stat
+    [[ $1 != Z ]] || return 1
     echo "${20}"
 }
 
@@ -134,6 +140,20 @@ sys.exit(2)
 EOF
 }
 
+# Stop the server PID (started at START) once the process PARENT (started at PSTART) has
+# exited, or return when the server has. Start times, not bare pids: either pid may be reused.
+watch_parent() { # PARENT PSTART PID START
+    local _
+    while [[ $(proc_start "$1" || true) == "$2" && $(proc_start "$3" || true) == "$4" ]]; do sleep 1; done
+    [[ $(proc_start "$3" || true) == "$4" ]] || return 0
+    kill "$3" 2>/dev/null || true
+    for _ in $(seq 1 50); do
+        [[ $(proc_start "$3" || true) == "$4" ]] || return 0
+        sleep 0.1
+    done
+    if [[ $(proc_start "$3" || true) == "$4" ]]; then kill -9 "$3" 2>/dev/null || true; fi
+}
+
 stop() {
     if running; then
         local pid start _
@@ -151,6 +171,11 @@ stop() {
 
 start() {
     if running && [[ -f $STATE/uri ]]; then cat "$STATE/uri"; return; fi
+    local parent_start=
+    if [[ -n ${MILVUS_PARENT_PID:-} ]]; then
+        [[ $MILVUS_PARENT_PID =~ ^[0-9]+$ ]] && parent_start=$(proc_start "$MILVUS_PARENT_PID") ||
+            { say "MILVUS_PARENT_PID=$MILVUS_PARENT_PID: no such process"; exit 1; }
+    fi
     stop
     fetch
     mkdir -p "$STATE/data"
@@ -168,6 +193,11 @@ start() {
         status=0
         wait_ready "$pid" "$port" "${MILVUS_START_TIMEOUT:-60}" || status=$?
         if [[ $status == 0 ]]; then
+            if [[ -n $parent_start ]]; then
+                # In the background, holding none of the caller's descriptors (whoever reads
+                # this script's output would otherwise wait for the watcher too) nor the lock.
+                (watch_parent "$MILVUS_PARENT_PID" "$parent_start" "$pid" "$(proc_start "$pid" || true)" </dev/null >/dev/null 2>&1 9>&- &)
+            fi
             echo "$port" >"$STATE/port"
             echo "http://127.0.0.1:$port" | tee "$STATE/uri"
             return

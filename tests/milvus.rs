@@ -2,11 +2,14 @@
 //! 127.0.0.1 by `scripts/milvus.sh` with a state folder of the test's own): built by `host index
 //! build --kind milvus`, it returns what exact search returns, `host search` reads it like a
 //! local index, and a collection that changed, vanished or was never ours, a server that is
-//! down and an index type the server lacks each give a clear error.
+//! down and an index type the server lacks each give a clear error. Each build fills a
+//! collection of its own: a failed rebuild leaves the earlier build searchable, two builds of
+//! one name never share vectors, nor two runs of one ANCE recipe. The server dies with the test
+//! that started it.
 
 use milvus::v2::prelude::*;
 use rak_e2e::*;
-use rak_retrieval::index::{self, FlatIndex, Index, MilvusAnn};
+use rak_retrieval::index::{self, FlatIndex, Index, IndexMeta, MilvusAnn, MilvusParams};
 use rak_retrieval::pipeline::search::search_vectors;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,7 +23,13 @@ struct Milvus {
 impl Milvus {
     fn start(tag: &str) -> Self {
         let state = TempDir::new(tag);
-        let out = Command::new(root().join("scripts/milvus.sh")).arg("start").env("MILVUS_STATE_DIR", state.path()).output().unwrap();
+        // Tied to this process: a test killed before its drop leaves no server behind.
+        let out = Command::new(root().join("scripts/milvus.sh"))
+            .arg("start")
+            .env("MILVUS_STATE_DIR", state.path())
+            .env("MILVUS_PARENT_PID", std::process::id().to_string())
+            .output()
+            .unwrap();
         assert!(out.status.success(), "Milvus did not start: {}", stderr(&out));
         let uri = stdout(&out).trim().to_string();
         assert!(uri.starts_with("http://127.0.0.1:"), "{uri}");
@@ -30,6 +39,16 @@ impl Milvus {
     fn stop(&self) {
         let out = Command::new(root().join("scripts/milvus.sh")).arg("stop").env("MILVUS_STATE_DIR", self.state.path()).output().unwrap();
         assert!(out.status.success(), "{}", stderr(&out));
+    }
+
+    /// The collections on the server whose names start with `prefix`, sorted. Through the
+    /// SDK's v1 client: v2's refuses milvus-lite's answer (it sends no collection ids).
+    fn collections(&self, prefix: &str) -> Vec<String> {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let mut all: Vec<String> = rt.block_on(async { milvus::client::Client::new(self.uri.clone()).await.unwrap().list_collections().await.unwrap() });
+        all.retain(|n| n.starts_with(prefix));
+        all.sort();
+        all
     }
 
     /// Run one SDK call (to change the server behind the toolkit's back).
@@ -85,6 +104,12 @@ fn build(m: &Milvus, emb: &Path, out: &Path, collection: &str, extra: &[&str]) -
 fn build_ok(m: &Milvus, emb: &Path, out: &Path, collection: &str, extra: &[&str]) {
     let o = build(m, emb, out, collection, extra);
     assert!(o.status.success(), "host index build --kind milvus failed: {}", stderr(&o));
+}
+
+/// The collection that holds the vectors of the index folder `dir`.
+fn stored(dir: &Path) -> String {
+    let params: MilvusParams = serde_json::from_value(IndexMeta::read(dir).unwrap().params).unwrap();
+    params.stored_collection()
 }
 
 fn open_err(dir: &Path) -> String {
@@ -203,7 +228,19 @@ fn milvus_faults_are_named() {
     assert!(!o.status.success() && err.contains(&m.uri) && err.contains("HNSW"), "{err}");
     assert!(!err.contains("s3cret"), "the token was printed: {err}");
     assert!(!out.exists(), "a failed build left {}", out.display());
-    assert!(!m.sdk(|c| async move { c.has_collection(HasCollectionRequest::builder().collection_name("hnsw_here").build()?).await }).exists());
+    assert_eq!(m.collections("hnsw_here"), Vec::<String>::new(), "a failed build left its collection");
+
+    // A rebuild that fails leaves the earlier build as it was: its folder opens and searches.
+    let kept_first = dir.path().join("rebuilt");
+    build_ok(&m, &emb, &kept_first, "rebuilt", &["--ann", "flat"]);
+    let o = build(&m, &emb, &kept_first, "rebuilt", &["--ann", "hnsw"]);
+    assert!(!o.status.success() && stderr(&o).contains("HNSW"), "the rebuild did not fail at the server: {}", stderr(&o));
+    let idx = index::open(&kept_first).unwrap_or_else(|e| panic!("a failed rebuild broke the earlier build: {e:#}"));
+    assert_eq!(search_vectors(&idx, &unit_vectors(1, dim, 5), dim, 3).unwrap()[0].len(), 3);
+    assert_eq!(m.collections("rebuilt"), vec![stored(&kept_first)], "the failed rebuild left its collection");
+    // A rebuild that succeeds drops the build it replaced.
+    build_ok(&m, &emb, &kept_first, "rebuilt", &["--ann", "flat"]);
+    assert_eq!(m.collections("rebuilt"), vec![stored(&kept_first)]);
 
     // A collection this toolkit did not make is never replaced.
     m.sdk(|c| async move {
@@ -213,29 +250,38 @@ fn milvus_faults_are_named() {
     assert!(!o.status.success() && stderr(&o).contains("collection theirs exists and was not made by this toolkit"), "{}", stderr(&o));
     assert!(m.sdk(|c| async move { c.has_collection(HasCollectionRequest::builder().collection_name("theirs").build()?).await }).exists());
 
-    // The same collection rebuilt for another folder, with as many rows: the first folder is
-    // refused (it would map the new build's rows through its own ids), the second opens.
+    // One collection name built for two folders, with as many rows: each searches its own
+    // vectors (sharing one collection, the first folder mapped the second build's rows through
+    // its own ids, or its ANCE run mined with the other run's vectors).
     let (first, second) = (dir.path().join("first"), dir.path().join("second"));
+    let (mine, other) = (unit_vectors(200, dim, 3), unit_vectors(200, dim, 4));
     build_ok(&m, &emb, &first, "shared", &["--ann", "flat"]);
-    build_ok(&m, &embeddings(&dir.path().join("other"), &unit_vectors(200, dim, 4), dim), &second, "shared", &["--ann", "flat"]);
-    let err = open_err(&first);
-    assert!(err.contains("was rebuilt by another build"), "{err}");
-    index::open(&second).unwrap();
+    build_ok(&m, &embeddings(&dir.path().join("other"), &other, dim), &second, "shared", &["--ann", "flat"]);
+    assert_ne!(stored(&first), stored(&second));
+    for (folder, vectors) in [(&first, &mine), (&second, &other)] {
+        // Each folder's own row 7, searched for, comes back first with a score of 1.
+        let hits = search_vectors(&index::open(folder).unwrap(), &vectors[7 * dim..8 * dim], dim, 1).unwrap();
+        assert_eq!(hits[0][0].0, "doc7", "{}", folder.display());
+        assert!((hits[0][0].1 - 1.0).abs() < 1e-4, "{}: {:?}", folder.display(), hits[0]);
+    }
 
     // Rows added behind the index's back: refused on open, naming both counts.
     let ours = dir.path().join("ours");
     build_ok(&m, &emb, &ours, "ours", &["--ann", "flat"]);
+    let ours_stored = stored(&ours);
+    let name = ours_stored.clone();
     m.sdk(|c| async move {
         let columns = vec![FieldData::Int64 { name: "row".into(), values: vec![5000] }, FieldData::FloatVector { name: "vec".into(), values: vec![vec![0.25; 16]] }];
-        c.insert(InsertRequest::builder().collection_name("ours").columns(columns).build()?).await
+        c.insert(InsertRequest::builder().collection_name(name).columns(columns).build()?).await
     });
     let err = open_err(&ours);
     assert!(err.contains("holds 201 rows, not the 200"), "{err}");
 
     // The collection dropped: refused on open, saying how to rebuild.
-    m.sdk(|c| async move { c.drop_collection(DropCollectionRequest::builder().collection_name("ours").build()?).await });
+    let name = ours_stored.clone();
+    m.sdk(|c| async move { c.drop_collection(DropCollectionRequest::builder().collection_name(name).build()?).await });
     let err = open_err(&ours);
-    assert!(err.contains("collection ours is gone") && err.contains("host index build --kind milvus"), "{err}");
+    assert!(err.contains(&format!("collection {ours_stored} is gone")) && err.contains("host index build --kind milvus"), "{err}");
 
     // The server down: an error naming it, within the connect timeout; the token never shown.
     let kept = dir.path().join("kept");
@@ -258,28 +304,80 @@ fn milvus_faults_are_named() {
 
 /// ANCE's episodes mine through a Milvus collection when the recipe says so
 /// (`ance_index = { kind = "milvus", ... }`), with the same negatives as the in-memory index.
+/// Two runs of that recipe at once, into two folders, each mine through a collection of their
+/// own (one replacing the other's while it mines would fail it, or hand it the other's
+/// vectors), and each drops its own once mined.
 #[test]
 fn ance_mines_through_milvus_as_through_a_local_index() {
     let dir = TempDir::new("milvus-ance");
     let m = Milvus::start("milvus-ance-state");
     let train = "optim = \"adamw\"\nlearning_rate = 5e-5\nper_device_train_batch_size = 6\nmax_steps = 2\nlogging_steps = 1\nsave_steps = 2\nhard_negatives = 1\nnegative_depth = 20\nseed = 7\nance_episodes = 1\nance_depth = 10";
-    let negatives = |name: &str, extra: &str| {
+    let recipe = |name: &str, extra: &str| {
         let data = dir.path().join(name);
         std::fs::create_dir_all(&data).unwrap();
-        let recipe = small_task_data(&data, 12, &format!("{train}\n{extra}"));
-        let out = data.join("run");
-        let o = Command::new(host_bin())
+        small_task_data(&data, 12, &format!("{train}\n{extra}"))
+    };
+    let start = |recipe: &Path, out: &Path| {
+        Command::new(host_bin())
             .args(["train", "--model", minilm_dir().to_str().unwrap(), "--config", recipe.to_str().unwrap(), "--output-dir", out.to_str().unwrap()])
             .env_remove("RAK_PLUGIN_PATH")
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{name}: {}", stderr(&o));
+            .stderr(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let negatives = |child: std::process::Child, out: &Path| {
+        let o = child.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}: {}", out.display(), stderr(&o));
         let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("negatives-episode-1.json")).unwrap()).unwrap();
         (v["negatives"].clone(), stderr(&o))
     };
-    let (local, _) = negatives("flat", "");
-    let (remote, log) = negatives("milvus", &format!("ance_index = {{ kind = \"milvus\", uri = \"{}\", collection = \"ance_minilm\" }}", m.uri));
-    assert!(log.contains("flushing ance_minilm"), "the episode did not index through Milvus:\n{log}");
+    let flat = recipe("flat", "");
+    let (local, _) = negatives(start(&flat, &dir.path().join("flat/run")), &dir.path().join("flat/run"));
+    let shared = recipe("milvus", &format!("ance_index = {{ kind = \"milvus\", uri = \"{}\", collection = \"ance_minilm\" }}", m.uri));
+    let (a, b) = (dir.path().join("run-a"), dir.path().join("run-b"));
+    let (run_a, run_b) = (start(&shared, &a), start(&shared, &b));
+    let ((remote_a, log_a), (remote_b, log_b)) = (negatives(run_a, &a), negatives(run_b, &b));
+    let flushed = |log: &str| log.lines().find_map(|l| l.split("flushing ").nth(1)).map(|s| s.split_whitespace().next().unwrap().to_string());
+    let (ca, cb) = (flushed(&log_a), flushed(&log_b));
+    assert!(ca.as_deref().is_some_and(|c| c.starts_with("ance_minilm")), "the episode did not index through Milvus:\n{log_a}");
+    assert!(cb.as_deref().is_some_and(|c| c.starts_with("ance_minilm")), "the episode did not index through Milvus:\n{log_b}");
+    assert_ne!(ca, cb, "two runs of one recipe mined through one collection");
+    // Their collections were dropped once mined.
     assert!(local.as_object().is_some_and(|o| !o.is_empty()));
-    assert_eq!(local, remote, "Milvus's negatives differ from the flat index's");
+    assert_eq!(local, remote_a, "Milvus's negatives differ from the flat index's");
+    assert_eq!(local, remote_b, "Milvus's negatives differ from the flat index's");
+    assert_eq!(m.collections("ance_minilm"), Vec::<String>::new(), "the runs left their collections");
+}
+
+/// A test killed before it stops its server leaves none: the server dies with the process
+/// `MILVUS_PARENT_PID` names.
+#[test]
+fn the_server_dies_with_the_process_that_started_it() {
+    let state = TempDir::new("milvus-tied-state");
+    let mut parent = Command::new("sleep").arg("600").spawn().unwrap();
+    let out = Command::new(root().join("scripts/milvus.sh"))
+        .arg("start")
+        .env("MILVUS_STATE_DIR", state.path())
+        .env("MILVUS_PARENT_PID", parent.id().to_string())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "Milvus did not start: {}", stderr(&out));
+    let pid = std::fs::read_to_string(state.path().join("pid")).unwrap().split_whitespace().next().unwrap().to_string();
+    // Gone, or a zombie no one has reaped yet.
+    let alive = || std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, r)| !r.trim_start().starts_with('Z')));
+    assert!(alive(), "no server at pid {pid}");
+    parent.kill().unwrap();
+    parent.wait().unwrap();
+    let killed = std::time::Instant::now();
+    while alive() {
+        if killed.elapsed() > std::time::Duration::from_secs(20) {
+            let _ = Command::new(root().join("scripts/milvus.sh")).arg("stop").env("MILVUS_STATE_DIR", state.path()).output();
+            panic!("the server outlived the process it was tied to by 20 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // A process that does not exist is refused before any server starts.
+    let out = Command::new(root().join("scripts/milvus.sh")).arg("start").env("MILVUS_STATE_DIR", state.path()).env("MILVUS_PARENT_PID", "999999999").output().unwrap();
+    assert!(!out.status.success() && stderr(&out).contains("MILVUS_PARENT_PID=999999999: no such process"), "{}", stderr(&out));
 }

@@ -544,7 +544,7 @@ fn ance_negatives(
     if negatives::load(&saved, tasks, t.ance_depth, &key)? {
         // A run killed between saving the negatives and removing the work folder.
         if rank == 0 {
-            let _ = std::fs::remove_dir_all(&work);
+            remove_ance_work(&work, progress);
             remove_parts(&layout.negatives_parts(episode))?;
         }
         return Ok(());
@@ -577,8 +577,25 @@ fn ance_negatives(
         return Ok(());
     }
     // The corpus embeddings and index are as large as the corpus; the negatives are kept.
-    std::fs::remove_dir_all(&work).with_context(|| format!("{}: cannot remove", work.display()))?;
+    remove_ance_work(&work, progress);
+    if work.exists() {
+        std::fs::remove_dir_all(&work).with_context(|| format!("{}: cannot remove", work.display()))?;
+    }
     remove_parts(&layout.negatives_parts(episode))
+}
+
+/// Remove an ANCE stage's work folder (the corpus embeddings and index) and, when the index
+/// is a Milvus one, its collection (each build has its own, so two runs of one recipe never
+/// share one; best effort: a server that is gone costs a warning).
+fn remove_ance_work(work: &Path, progress: &dyn Progress) {
+    let index = work.join("index");
+    let milvus = rak_retrieval::index::IndexMeta::read(&index).is_ok_and(|m| m.kind == "milvus");
+    if milvus {
+        if let Err(e) = rak_retrieval::index::MilvusIndex::drop_collection(&index) {
+            progress.log(&format!("train: warning: the ANCE index's Milvus collection was not dropped: {e:#}"));
+        }
+    }
+    let _ = std::fs::remove_dir_all(work);
 }
 
 /// With `exclude_gold_pages`, drop the mined negatives that lie on a gold page.

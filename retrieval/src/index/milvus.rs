@@ -1,7 +1,12 @@
 //! Milvus as an index backend, for corpora that outgrow one machine's memory: the vectors live
 //! in a Milvus collection (inner product; FLAT, IVF_FLAT or HNSW as the user picks) and the
 //! index directory is small: `index.json` names the server and the collection, and `ids.txt`
-//! maps Milvus's primary key (the row number) back to passage ids. Every command that takes
+//! maps Milvus's primary key (the row number) back to passage ids. Each build fills a
+//! collection of its own, named after the collection asked for and the build
+//! (`NAME_rak_BUILD`): an index directory never searches vectors another build wrote, even one
+//! of the same name (Milvus's aliases could name the newest build, but milvus-lite has none). A
+//! rebuild into the same directory drops the build it replaces only once it is complete, so a
+//! rebuild that fails leaves the earlier one as it was. Every command that takes
 //! `--index DIR` then works unchanged. The server the tests use (`scripts/milvus.sh`:
 //! milvus-lite's) searches small collections exactly whatever their index; a standalone or
 //! cluster Milvus builds the ANN at the parameters given (docs/BENCHMARKS.md).
@@ -90,11 +95,29 @@ pub struct MilvusParams {
     pub uri: String,
     pub collection: String,
     pub ann: MilvusAnn,
-    /// Which build filled the collection (also in its description): a folder whose build was
-    /// replaced by another, even with as many rows, is refused rather than searched.
+    /// Which build filled the collection (also in its description, and in the name of the
+    /// collection that holds it: [`MilvusParams::stored_collection`]): a folder whose build
+    /// was replaced by another, even with as many rows, is refused rather than searched.
     #[serde(default)]
     pub build: String,
 }
+
+impl MilvusParams {
+    /// The collection that holds this build's vectors: `COLLECTION_rak_BUILD`. Builds made
+    /// before each had its own (their ids hold a '-', which no Milvus name can) filled
+    /// `collection` itself.
+    pub fn stored_collection(&self) -> String {
+        if self.build.is_empty() || self.build.contains('-') {
+            self.collection.clone()
+        } else {
+            format!("{}{BUILD_INFIX}{}", self.collection, self.build)
+        }
+    }
+}
+
+/// Between a collection's name and a build's id in the name of the collection that holds the
+/// build.
+const BUILD_INFIX: &str = "_rak_";
 
 /// A dense index whose vectors live in Milvus.
 pub struct MilvusIndex {
@@ -149,6 +172,16 @@ impl Client {
         self.call(&format!("drop {collection}"), self.inner.drop_collection(req))
     }
 
+    /// Drop the collection of the build `params` describes, if it still holds that build (one
+    /// already gone, or refilled by another build, is left as it is).
+    fn drop_build(&self, params: &MilvusParams) -> Result<()> {
+        let stored = params.stored_collection();
+        if self.exists(&stored)? && self.description(&stored)? == format!("{DESCRIPTION} build {}", params.build) {
+            self.drop(&stored)?;
+        }
+        Ok(())
+    }
+
     /// Load the collection into the server's memory (searches and counts need it).
     fn load(&self, collection: &str) -> Result<()> {
         // As the index build, loading a large collection takes longer than the SDK's 60 s.
@@ -174,10 +207,11 @@ impl Client {
 
 impl MilvusIndex {
     /// Load the rows of `embeddings` (an `embeddings.npy`; row i is passage `ids[i]`), streamed
-    /// in blocks, into a new collection and write the index directory `dir` that points at it
-    /// (replaced atomically, after the collection is complete). A collection of that name that
-    /// this toolkit made is replaced (a folder still pointing at it is then refused on open);
-    /// any other is refused.
+    /// in blocks, into a new collection of this build's own and write the index directory
+    /// `dir` that points at it (replaced atomically, after the collection is complete). Then
+    /// the build `dir` held before, on this server, is dropped; a failed build drops only its
+    /// own. A collection of the name asked for that this toolkit did not make is refused (a
+    /// user of that name would find theirs, not ours).
     pub fn build_from_npy(embeddings: &Path, ids: &[String], mut params: MilvusParams, dir: &Path, progress: &dyn Progress) -> Result<IndexMeta> {
         let mut rows = NpyRows::open(embeddings)?;
         let (n, dim) = (rows.rows(), rows.dim());
@@ -189,15 +223,18 @@ impl MilvusIndex {
         params.ann.validate()?;
         params.build = build_id();
         let client = Client::connect(&params.uri)?;
-        let name = params.collection.as_str();
-        if client.exists(name)? {
-            let description = client.description(name)?;
-            if !description.starts_with(DESCRIPTION) {
-                bail!("Milvus at {}: collection {name} exists and was not made by this toolkit; drop it or choose another --collection", params.uri);
-            }
-            progress.log(&format!("index: replacing Milvus collection {name}"));
-            client.drop(name)?;
+        let asked = params.collection.as_str();
+        if client.exists(asked)? && !client.description(asked)?.starts_with(DESCRIPTION) {
+            bail!("Milvus at {}: collection {asked} exists and was not made by this toolkit; drop it or choose another --collection", params.uri);
         }
+        let stored = params.stored_collection();
+        let name = stored.as_str();
+        // The build this directory holds now, replaced below once the new one is complete.
+        let replaced = IndexMeta::read(dir)
+            .ok()
+            .filter(|m| m.kind == "milvus")
+            .and_then(|m| serde_json::from_value::<MilvusParams>(m.params).ok())
+            .filter(|old| old.uri == params.uri);
         let description = format!("{DESCRIPTION} build {}", params.build);
         let schema = CollectionSchema::new().description(description.clone()).fields(vec![
             FieldSchema::new().name(ROW_FIELD).data_type(DataType::Int64).primary_key(true).auto_id(false),
@@ -211,11 +248,29 @@ impl MilvusIndex {
             return Err(e);
         }
         let meta = IndexMeta::new("milvus", dim, n, "ip", serde_json::to_value(&params)?);
-        super::write_dir_atomically(dir, |tmp| {
+        if let Err(e) = super::write_dir_atomically(dir, |tmp| {
             npy::write_ids(&tmp.join("ids.txt"), ids)?;
             meta.write(tmp)
-        })?;
+        }) {
+            let _ = client.drop(name);
+            return Err(e);
+        }
+        // Only now that this build is complete and its folder written: the build it replaces.
+        if let Some(old) = replaced.filter(|old| old.stored_collection() != name) {
+            progress.log(&format!("index: dropping Milvus collection {}, the build {} held before", old.stored_collection(), dir.display()));
+            client.drop_build(&old)?;
+        }
         Ok(meta)
+    }
+
+    /// Drop the collection the index directory `dir` points at, if it still holds that
+    /// directory's build (a collection already gone, or rebuilt by another build, is left as
+    /// it is). The directory itself is the caller's to remove.
+    pub fn drop_collection(dir: &Path) -> Result<()> {
+        let meta = IndexMeta::read(dir)?;
+        meta.expect_kind(dir, "milvus")?;
+        let params: MilvusParams = serde_json::from_value(meta.params.clone()).with_context(|| format!("{}: params are not a Milvus index's", dir.join("index.json").display()))?;
+        Client::connect(&params.uri)?.drop_build(&params)
     }
 
     /// Open the index directory `dir`: connect, check that the collection still holds what the
@@ -229,12 +284,17 @@ impl MilvusIndex {
             bail!("{}: {} ids but index.json says {} vectors", dir.join("ids.txt").display(), ids.len(), meta.count);
         }
         let client = Client::connect(&params.uri)?;
-        let name = params.collection.as_str();
+        let stored = params.stored_collection();
+        let (asked, name) = (params.collection.as_str(), stored.as_str());
         if !client.exists(name)? {
             bail!("{}: its Milvus collection {name} is gone from {} (rebuild with host index build --kind milvus)", dir.display(), params.uri);
         }
         let description = client.description(name)?;
         if description != format!("{DESCRIPTION} build {}", params.build) {
+            if name != asked {
+                bail!("{}: Milvus collection {name} at {} is not the build this index was made with", dir.display(), params.uri);
+            }
+            // An earlier version's build, which filled the collection of the name asked for.
             bail!(
                 "{}: Milvus collection {name} at {} was rebuilt by another build since this index was made; rebuild this one (host index build --kind milvus) or use the other's folder",
                 dir.display(),
@@ -279,7 +339,8 @@ impl MilvusIndex {
             bail!("the index holds {}-d vectors but the queries are {dim}-d", self.meta.dim);
         }
         let k = k.min(self.meta.count);
-        let name = self.params.collection.as_str();
+        let stored = self.params.stored_collection();
+        let name = stored.as_str();
         let mut out = Vec::with_capacity(nq);
         for chunk in queries.chunks(SEARCH_BATCH * dim) {
             let req = SearchRequest::builder()
@@ -311,9 +372,10 @@ impl MilvusIndex {
     }
 }
 
-/// Write every row of `rows` into the new collection `params.collection`, index it and load it.
+/// Write every row of `rows` into the build's new collection, index it and load it.
 fn fill(client: &Client, rows: &mut NpyRows, what: &str, params: &MilvusParams, progress: &dyn Progress) -> Result<()> {
-    let name = params.collection.as_str();
+    let stored = params.stored_collection();
+    let name = stored.as_str();
     let (n, dim) = (rows.rows(), rows.dim());
     let block = (INSERT_BYTES / (4 * dim)).max(1);
     let mut buf = Vec::new();
@@ -359,8 +421,26 @@ fn fill(client: &Client, rows: &mut NpyRows, what: &str, params: &MilvusParams, 
     Ok(())
 }
 
-/// A build's id: when and by which process, unique enough to tell two builds apart.
+/// A build's id: when and by which process, unique enough to tell two builds apart; letters,
+/// digits and '_' only, as Milvus names need.
 fn build_id() -> String {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    format!("{:x}-{:x}", now.as_nanos(), std::process::id())
+    format!("{:x}_{:x}", now.as_nanos(), std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_build_has_a_collection_of_its_own() {
+        let p = |build: &str| MilvusParams { uri: String::new(), collection: "docs".into(), ann: MilvusAnn::Flat, build: build.into() };
+        let id = build_id();
+        assert_eq!(p(&id).stored_collection(), format!("docs_rak_{id}"));
+        assert!(id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'), "{id} is no part of a Milvus name");
+        assert_ne!(id, build_id(), "two builds, one id");
+        // Builds made before kept their vectors in the collection itself.
+        assert_eq!(p("18f3a-1c2").stored_collection(), "docs");
+        assert_eq!(p("").stored_collection(), "docs");
+    }
 }
