@@ -686,6 +686,28 @@ fn the_output_folder_is_the_run_s_own_and_overwrite_removes_only_what_it_wrote()
     fails(&run(&mut cmd(&model, &model.join("out"), &[])), &["lies inside the starting model's folder"]);
     fails(&run(&mut cmd(&model, &holder, &["--overwrite-output-dir"])), &["lies inside the output folder"]);
     assert!(!model.join("out").exists() && !model.join("run.json").exists() && !holder.join("run.json").exists());
+    // The model's folder spelled through a folder that does not exist yet.
+    let around = holder.join("new/../model");
+    for extra in [&[][..], &["--overwrite-output-dir"][..]] {
+        fails(&run(&mut cmd(&model, &around, extra)), &["is the starting model's folder"]);
+    }
+    assert!(!holder.join("new").exists() && !model.join("run.json").exists() && !model.join("checkpoint-2").exists());
+
+    // A folder with a run.json and a checkpoint-N that are not host train's.
+    let foreign = dir.path().join("foreign");
+    std::fs::create_dir_all(foreign.join("checkpoint-7")).unwrap();
+    std::fs::write(foreign.join("run.json"), r#"{"name":"sacred"}"#).unwrap();
+    std::fs::write(foreign.join("config.json"), "mine").unwrap();
+    std::fs::write(foreign.join("checkpoint-7/notes.txt"), "mine").unwrap();
+    for extra in [&[][..], &["--overwrite-output-dir"][..]] {
+        fails(&run(&mut cmd(&minilm_dir(), &foreign, extra)), &[p(&foreign), "holds files that no run of host train wrote", "config.json"]);
+    }
+    let mut left: Vec<String> = std::fs::read_dir(&foreign).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    left.sort();
+    assert_eq!(left, ["checkpoint-7", "config.json", "run.json"], "the refused folder was written to");
+    assert_eq!(std::fs::read_to_string(foreign.join("run.json")).unwrap(), r#"{"name":"sacred"}"#);
+    assert_eq!(std::fs::read_to_string(foreign.join("config.json")).unwrap(), "mine");
+    assert_eq!(std::fs::read_dir(foreign.join("checkpoint-7")).unwrap().count(), 1);
 
     // A run of its own: a file beside it is kept; one put into its checkpoint stops the
     // overwrite (naming it) instead of going with the checkpoint.

@@ -727,8 +727,10 @@ impl RunLayout {
         dirs
     }
 
+    /// Whether the folder holds a checkpoint of ours (see [`own_checkpoint`]) or a stage's mark.
     fn has_earlier_run(&self) -> bool {
-        !checkpoints(&self.out).is_empty() || self.episode_dirs().iter().any(|(_, d)| d.join(STAGE_DONE).exists() || !checkpoints(d).is_empty())
+        let own = |dir: &Path| checkpoints(dir).iter().any(|c| own_checkpoint(c));
+        own(&self.out) || self.episode_dirs().iter().any(|(_, d)| d.join(STAGE_DONE).exists() || own(d))
     }
 
     /// Remove what stages `from..` left (checkpoints, marks, mined negatives); with 0, every
@@ -852,7 +854,7 @@ fn check_output_dir(out: &Path, model: &Path) -> Result<()> {
         Err(e) => return Err(e).with_context(|| format!("{}: cannot list the output folder", out.display())),
     };
     let layout = RunLayout { out: out.to_path_buf(), episodes: 0 };
-    if out.join(RUN_FILE).exists() || layout.has_earlier_run() {
+    if own_run_file(&out.join(RUN_FILE)) || layout.has_earlier_run() {
         return Ok(());
     }
     // `.NAME.tmp-PID`: what a killed atomic write of ours leaves.
@@ -864,7 +866,7 @@ fn check_output_dir(out: &Path, model: &Path) -> Result<()> {
             shown.push("...");
         }
         bail!(
-            "the output folder {} holds files that no run of host train wrote ({}; it has no {RUN_FILE}): a run writes its checkpoints and model there and starting over removes them, so it takes only an empty or new folder, or a run's own folder; choose another output folder",
+            "the output folder {} holds files that no run of host train wrote ({}; it has no {RUN_FILE} of host train's): a run writes its checkpoints and model there and starting over removes them, so it takes only an empty or new folder, or a run's own folder; choose another output folder",
             out.display(),
             shown.join(", ")
         );
@@ -872,24 +874,43 @@ fn check_output_dir(out: &Path, model: &Path) -> Result<()> {
     Ok(())
 }
 
-/// `path` made absolute with its links resolved, as far as it exists (the rest appended), so
-/// that two spellings of one folder compare equal even before it is made.
+/// Whether `path` is a `run.json` this toolkit wrote: a JSON object with the keys every version
+/// recorded (`ance_episodes`, a number, and `recipe`, an object). Any file of that name would
+/// otherwise make a folder pass for a run's own, and starting over there write over the rest.
+fn own_run_file(path: &Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(path) else { return false };
+    serde_json::from_str::<Value>(&text).is_ok_and(|v| v["ance_episodes"].is_u64() && v["recipe"].is_object())
+}
+
+/// Whether a `checkpoint-N` folder is the trainer's: it holds the record of what was written
+/// there, or (written before that record) the trainer's state file. A folder of that name alone
+/// proves nothing.
+fn own_checkpoint(dir: &Path) -> bool {
+    dir.join(rak_retrieval::index::WRITTEN_FILE).is_file() || dir.join(crate::trainer::STATE_FILE).is_file()
+}
+
+/// `path` made absolute with its links resolved, as far as it exists (the rest taken by text),
+/// so that two spellings of one folder compare equal even before it is made. Each component is
+/// resolved in turn: `std::path::absolute` keeps `..`, and `new/../model` (with `new` not made
+/// yet) must come out as `model`, not as itself, or it would pass for another folder than the
+/// starting model's. A `..` after a folder that exists is taken after that folder's links are
+/// resolved, as the kernel takes it; after one that does not, by text (it cannot be a link).
 fn resolved(path: &Path) -> PathBuf {
     let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    let mut missing = Vec::new();
-    let mut at = absolute.as_path();
-    loop {
-        if let Ok(real) = std::fs::canonicalize(at) {
-            return missing.iter().rev().fold(real, |p: PathBuf, c| p.join(c));
-        }
-        match (at.parent(), at.file_name()) {
-            (Some(parent), Some(name)) => {
-                missing.push(name.to_os_string());
-                at = parent;
+    let mut at = PathBuf::new();
+    for c in absolute.components() {
+        match c {
+            std::path::Component::CurDir => continue,
+            std::path::Component::ParentDir => {
+                at.pop();
             }
-            _ => return absolute,
+            other => at.push(other),
+        }
+        if let Ok(real) = std::fs::canonicalize(&at) {
+            at = real;
         }
     }
+    at
 }
 
 /// `then` and `now` (which differ) as lines `  key: THEN then, NOW now`; two objects by the keys
