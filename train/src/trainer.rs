@@ -798,12 +798,12 @@ impl<'a> Trainer<'a> {
                 last_logged = step;
             }
             if step.is_multiple_of(self.config.save_steps.max(1)) && step < self.config.max_steps && writes {
-                self.save_checkpoint()?;
+                self.save_checkpoint(progress)?;
             }
         }
         progress.finish();
         if writes {
-            self.save_checkpoint()?;
+            self.save_checkpoint(progress)?;
             self.encoder.save(&self.output_dir)?;
         }
         // The others wait until the model is written: a run is over when its files are.
@@ -816,7 +816,7 @@ impl<'a> Trainer<'a> {
     /// `OUTPUT/checkpoint-STEP/`: the model as the encoder saves it, the optimizer state and
     /// the trainer state, built under a temporary name and renamed (a kill never leaves a
     /// half-written checkpoint that looks whole).
-    pub fn save_checkpoint(&self) -> Result<PathBuf> {
+    pub fn save_checkpoint(&self, progress: &dyn Progress) -> Result<PathBuf> {
         let dir = self.output_dir.join(format!("checkpoint-{}", self.state.step));
         rak_retrieval::index::write_dir_atomically(&dir, |tmp| {
             self.encoder.save(tmp)?;
@@ -824,7 +824,9 @@ impl<'a> Trainer<'a> {
             rak_core::fsutil::write_bytes(&tmp.join(STATE_FILE), serde_json::to_string_pretty(&self.state)?.as_bytes())
         })?;
         if let Some(limit) = self.config.save_total_limit {
-            remove_old_checkpoints(&self.output_dir, self.state.step, limit, self.resumed_from.as_deref())?;
+            for kept in remove_old_checkpoints(&self.output_dir, self.state.step, limit, self.resumed_from.as_deref())? {
+                progress.log(&format!("train: warning: {kept}"));
+            }
         }
         Ok(dir)
     }
@@ -926,7 +928,11 @@ fn remove_stale_checkpoint_temporaries(output_dir: &Path) {
 /// after `step` (left by a run this one resumed before their step) are not counted or
 /// removed: the one just written is never the one to go. Nor is `resumed_from`, whose files
 /// the encoder still reads.
-fn remove_old_checkpoints(output_dir: &Path, step: u64, keep: usize, resumed_from: Option<&Path>) -> Result<()> {
+/// Remove the checkpoints beyond the newest `keep` up to `step`; returns why each that was kept
+/// over the limit was kept. Only a checkpoint that holds nothing but what the trainer wrote is
+/// removed: one the user put files into is kept, with its files, and named (the run goes on:
+/// a checkpoint too many is no reason to lose hours of training).
+fn remove_old_checkpoints(output_dir: &Path, step: u64, keep: usize, resumed_from: Option<&Path>) -> Result<Vec<String>> {
     let same = |a: &Path, b: &Path| a.canonicalize().ok().is_some_and(|a| b.canonicalize().ok().is_some_and(|b| a == b));
     let mut steps: Vec<(u64, PathBuf)> = checkpoints(output_dir)
         .into_iter()
@@ -934,10 +940,13 @@ fn remove_old_checkpoints(output_dir: &Path, step: u64, keep: usize, resumed_fro
         .filter(|(s, p)| *s <= step && !resumed_from.is_some_and(|r| same(r, p)))
         .collect();
     steps.sort();
+    let mut kept = Vec::new();
     for (_, dir) in steps.iter().take(steps.len().saturating_sub(keep.max(1))) {
-        std::fs::remove_dir_all(dir).with_context(|| format!("{}: cannot remove (save_total_limit)", dir.display()))?;
+        if let Err(e) = rak_retrieval::index::remove_written(dir) {
+            kept.push(format!("{e:#} (save_total_limit: the checkpoint is kept)"));
+        }
     }
-    Ok(())
+    Ok(kept)
 }
 
 /// The step of a `checkpoint-N` folder.
@@ -1012,6 +1021,22 @@ mod checkpoint_tests {
         }
         remove_old_checkpoints(&dir, 3, 1, Some(&dir.join("checkpoint-2"))).unwrap();
         assert_eq!(left(&dir), ["checkpoint-10", "checkpoint-2", "checkpoint-3", "checkpoint-9", "checkpoint-final-notes"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn save_total_limit_keeps_a_checkpoint_the_user_put_files_into() {
+        let dir = std::env::temp_dir().join(format!("rak-limit-own-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for step in [1, 2, 3] {
+            rak_retrieval::index::write_dir_atomically(&dir.join(format!("checkpoint-{step}")), |tmp| Ok(std::fs::write(tmp.join(STATE_FILE), "{}")?)).unwrap();
+        }
+        std::fs::write(dir.join("checkpoint-1/my-eval.json"), "mine").unwrap();
+        let kept = remove_old_checkpoints(&dir, 3, 1, None).unwrap();
+        assert_eq!(kept.len(), 1, "{kept:?}");
+        assert!(kept[0].contains("checkpoint-1") && kept[0].contains("my-eval.json") && kept[0].contains("kept"), "{}", kept[0]);
+        assert_eq!(std::fs::read_to_string(dir.join("checkpoint-1/my-eval.json")).unwrap(), "mine");
+        assert!(dir.join("checkpoint-1").join(STATE_FILE).exists() && !dir.join("checkpoint-2").exists() && dir.join("checkpoint-3").exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
