@@ -372,3 +372,66 @@ fn index_builds_replace_only_what_they_wrote() {
     let e = err(build_index(&bm25(), &out, &Quiet));
     assert!(e.contains("extra"), "{e}");
 }
+
+/// Indexes and checkpoints written before `.written.json` existed are adopted when they hold
+/// only what their kind writes (an index: our index.json and its kind's files; a checkpoint: the
+/// trainer's state beside the model, tokenizer and optimizer files), so they can be rebuilt,
+/// replaced or removed; anything else in them still makes them the user's (issue 32).
+#[test]
+fn outputs_of_versions_before_the_record_are_adopted_only_when_they_hold_only_their_kind_s_files() {
+    let dir = tmpdir("idxolder");
+    let (n, d) = (40, 8);
+    let emb = dir.join("emb");
+    npy::write_f32(&emb.join("embeddings.npy"), &vectors(n, d, 5), d).unwrap();
+    npy::write_ids(&emb.join("ids.txt"), &ids(n)).unwrap();
+    let corpus = dir.join("corpus.jsonl");
+    std::fs::write(&corpus, "{\"_id\": \"a\", \"text\": \"x y\"}\n{\"_id\": \"b\", \"text\": \"y z\"}\n").unwrap();
+    let specs = [("flat", IndexSpec::Flat { embeddings: emb.clone() }), ("bm25", IndexSpec::Bm25 { corpus: corpus.clone(), params: Default::default() })];
+    for (name, spec) in &specs {
+        let out = dir.join(name);
+        build_index(spec, &out, &Quiet).unwrap();
+        if *name == "bm25" {
+            drop(index::open(&out).unwrap());
+        }
+        std::fs::remove_file(out.join(index::WRITTEN_FILE)).unwrap();
+        build_index(spec, &out, &Quiet).unwrap_or_else(|e| panic!("{name}: an older index is not rebuilt: {e:#}"));
+        assert!(out.join(index::WRITTEN_FILE).exists());
+        std::fs::remove_file(out.join(index::WRITTEN_FILE)).unwrap();
+        std::fs::write(out.join("notes.txt"), "mine").unwrap();
+        let e = err(build_index(spec, &out, &Quiet));
+        assert!(e.contains("no record of what the toolkit wrote"), "{name}: {e}");
+        assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
+    }
+    // An index.json another program wrote adopts nothing.
+    let theirs = dir.join("theirs");
+    std::fs::create_dir_all(&theirs).unwrap();
+    std::fs::write(theirs.join("index.json"), r#"{"kind":"flat","dim":8,"count":1,"metric":"ip","params":{},"created_by":"someone"}"#).unwrap();
+    std::fs::write(theirs.join("ids.txt"), "a\n").unwrap();
+    assert!(err(index::remove_written(&theirs)).contains("no record"));
+
+    // A checkpoint of an older run (a two-tower one: each tower's files in its subfolder).
+    let ckpt = dir.join("checkpoint-4");
+    for f in ["trainer_state.json", "optimizer.safetensors", "config.json", "model.safetensors", "tokenizer.json", "rak_encoder.json", "1_Pooling/config.json", "query_encoder/config.json", "passage_encoder/vocab.txt"] {
+        std::fs::create_dir_all(ckpt.join(f).parent().unwrap()).unwrap();
+        std::fs::write(ckpt.join(f), "{}").unwrap();
+    }
+    std::fs::write(ckpt.join("modules.json"), r#"[{"path": ""}, {"path": "1_Pooling"}]"#).unwrap();
+    index::check_replaceable(&ckpt).unwrap();
+    for extra in ["my-eval.json", "1_Pooling/notes.txt/x", "query_encoder/notes.txt"] {
+        let path = ckpt.join(extra);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, "mine").unwrap();
+        assert!(err(index::remove_written(&ckpt)).contains("no record"), "{extra}");
+        assert!(path.exists());
+        std::fs::remove_file(&path).unwrap();
+        if extra.ends_with("/x") {
+            std::fs::remove_dir(path.parent().unwrap()).unwrap();
+        }
+    }
+    // Without the trainer's state file it is no checkpoint of ours.
+    std::fs::rename(ckpt.join("trainer_state.json"), dir.join("state")).unwrap();
+    assert!(err(index::remove_written(&ckpt)).contains("no record"));
+    std::fs::rename(dir.join("state"), ckpt.join("trainer_state.json")).unwrap();
+    index::remove_written(&ckpt).unwrap();
+    assert!(!ckpt.exists());
+}

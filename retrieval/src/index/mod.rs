@@ -243,8 +243,11 @@ pub fn check_replaceable(dir: &Path) -> Result<()> {
     }
     let list = dir.join(WRITTEN_FILE);
     let Ok(text) = std::fs::read_to_string(&list) else {
+        if written_before_the_record(dir, &present) {
+            return Ok(());
+        }
         bail!(
-            "{} holds files and no record of what the toolkit wrote there ({WRITTEN_FILE}: it is not an index or checkpoint this toolkit wrote, or an older version wrote it): it is not replaced or removed; choose another output or remove it yourself",
+            "{} holds files and no record of what the toolkit wrote there ({WRITTEN_FILE}: it is not an index or checkpoint this toolkit wrote, or one an older version wrote that holds other files too): it is not replaced or removed; choose another output or remove it yourself",
             dir.display()
         );
     };
@@ -262,6 +265,71 @@ pub fn check_replaceable(dir: &Path) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Whether `dir`, which has no [`WRITTEN_FILE`], is an index or checkpoint an earlier version
+/// wrote before that record existed (`present`: all it holds, as [`list_tree`] lists it): every
+/// entry is one that kind writes. An index: an `index.json` this toolkit wrote (`created_by`)
+/// and the files of its kind; a checkpoint: the trainer's state file beside the model, tokenizer
+/// and optimizer files, and the module folders its `modules.json` names. Without this an older
+/// index could not be rebuilt, nor an older run's checkpoints replaced or removed; anything else
+/// in the folder still makes it the user's.
+fn written_before_the_record(dir: &Path, present: &[String]) -> bool {
+    let other = |rel: &&String| !written_later(rel);
+    if let Ok(meta) = IndexMeta::read(dir) {
+        if !meta.created_by.starts_with("rak-core ") {
+            return false;
+        }
+        let files: &[&str] = match meta.kind.as_str() {
+            "flat" => &["embeddings.npy", "ids.txt"],
+            "hnsw" => &["graph.bin", "vectors.npy", "ids.txt"],
+            "milvus" => &["ids.txt"],
+            "bm25" => &["meta.json", ".managed.json"],
+            _ => return false,
+        };
+        // tantivy's segment files: `<32 hex digits>.<ext>` (and `.<opstamp>.del`).
+        let segment = |rel: &str| {
+            let (stem, ext) = rel.split_once('.').unwrap_or((rel, ""));
+            stem.len() == 32 && stem.bytes().all(|b| b.is_ascii_hexdigit()) && !ext.is_empty() && ext.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.')
+        };
+        return present.iter().filter(other).all(|rel| rel == "index.json" || files.contains(&rel.as_str()) || (meta.kind == "bm25" && segment(rel)));
+    }
+    // The checkpoint files of the trainer (rak-train's OPTIMIZER_FILE, STATE_FILE) and of the
+    // encoders' saves (core/src/encoders: the model, its tokenizer and settings, and what they
+    // copy of a sentence-transformers or T5 checkpoint); a two-tower model's in subfolders.
+    const STATE: &str = "trainer_state.json";
+    const MODEL: &[&str] = &[
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "rak_encoder.json",
+        "modules.json",
+        "sentence_bert_config.json",
+        "config_sentence_transformers.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "vocab.txt",
+        "spiece.model",
+        "generation_config.json",
+    ];
+    if !dir.join(STATE).is_file() {
+        return false;
+    }
+    let modules = |at: &Path| -> Vec<String> {
+        let Ok(text) = std::fs::read_to_string(at.join("modules.json")) else { return Vec::new() };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else { return Vec::new() };
+        v.as_array().into_iter().flatten().filter_map(|m| m["path"].as_str()).filter(|p| !p.is_empty() && !p.contains('/') && *p != "." && *p != "..").map(str::to_string).collect()
+    };
+    let model_entry = |at: &Path, rel: &str| {
+        MODEL.contains(&rel) || modules(at).iter().any(|m| rel == m || rel.strip_prefix(m.as_str()).is_some_and(|r| r.starts_with('/') && !r[1..].contains('/')))
+    };
+    present.iter().filter(other).all(|rel| {
+        if [STATE, "optimizer.safetensors", "query_encoder", "passage_encoder"].contains(&rel.as_str()) || model_entry(dir, rel) {
+            return true;
+        }
+        let (tower, rest) = rel.split_once('/').unwrap_or(("", ""));
+        ["query_encoder", "passage_encoder"].contains(&tower) && model_entry(&dir.join(tower), rest)
+    })
 }
 
 /// Remove a directory [`write_dir_atomically`] wrote, after [`check_replaceable`]: one that
