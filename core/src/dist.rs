@@ -108,11 +108,49 @@ fn store_socket(r: &Rendezvous) -> Result<i32> {
         if !ok || listening == 0 {
             bail!("RAK_DIST_LISTEN_FD={fd} is not a listening socket of this process");
         }
+        // Close-on-exec from here on: the launcher cleared the flag so that this process
+        // inherits it; nothing this process starts should.
+        // SAFETY: sets a descriptor flag of a descriptor this process holds.
+        if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } != 0 {
+            bail!("RAK_DIST_LISTEN_FD={fd}: cannot make it close-on-exec: {}", std::io::Error::last_os_error());
+        }
         return Ok(fd);
     }
     let listener = std::net::TcpListener::bind((r.host.as_str(), r.port))
         .with_context(|| format!("rank 0 cannot listen on MASTER_ADDR {}, MASTER_PORT {} for the rendezvous (MASTER_ADDR must be an address of this machine)", r.host, r.port))?;
+    let bound = listener.local_addr().context("the rendezvous socket's address")?;
+    let local = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok());
+    if let Some(warning) = reachable_store(&r.host, bound.ip(), local, r.world)? {
+        eprintln!("warning: {warning}");
+    }
     Ok(listener.into_raw_fd())
+}
+
+/// Whether the other ranks can reach a store bound to `bound` for `MASTER_ADDR` `host`: a host
+/// name that resolves to loopback on rank 0's machine (Debian and Ubuntu map the machine's own
+/// name to 127.0.1.1 in /etc/hosts) would leave ranks on other machines waiting out the
+/// rendezvous timeout. Refused when `LOCAL_WORLD_SIZE` says some ranks run elsewhere; a
+/// warning when nothing says where they run.
+#[cfg_attr(not(rak_c10d), allow(dead_code))]
+fn reachable_store(host: &str, bound: std::net::IpAddr, local_world: Option<usize>, world: usize) -> Result<Option<String>> {
+    if !bound.is_loopback() || is_loopback_name(host) {
+        return Ok(None);
+    }
+    let what = format!(
+        "MASTER_ADDR {host} resolves to {bound} on rank 0's machine, a loopback address: ranks on other machines cannot reach the rendezvous there; set MASTER_ADDR to an address of this machine that they reach (e.g. from `hostname -I`)"
+    );
+    match local_world {
+        Some(l) if l >= world => Ok(None),
+        Some(_) => bail!("{what}"),
+        None => Ok(Some(format!("{what} (ignore this if every rank runs on this machine)"))),
+    }
+}
+
+/// Whether a `MASTER_ADDR` names loopback itself (an address or `localhost`), not a host name
+/// that happens to resolve to it.
+#[cfg_attr(not(rak_c10d), allow(dead_code))]
+fn is_loopback_name(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost") || host.trim_matches(['[', ']']).parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// A joined process group. Dropping it leaves the group.
@@ -541,6 +579,21 @@ mod tests {
         let r = Rendezvous { host: "127.0.0.1".into(), port: 0, listen_fd: Some(0), rank: 0, world: 1, store_is_client: false, bind: "127.0.0.1".into(), prefix: "x".into(), timeout: Duration::from_secs(5), nccl: false };
         let err = ProcessGroup::join(&r).err().expect("joined on stdin").to_string();
         assert!(err.contains("RAK_DIST_LISTEN_FD=0 is not a listening socket"), "{err}");
+    }
+
+    /// A host name that resolves to loopback is refused when some ranks run on other
+    /// machines (they could never reach the store), a warning when nothing says where they run.
+    #[test]
+    fn a_master_name_that_resolves_to_loopback_is_caught() {
+        let lo: std::net::IpAddr = "127.0.1.1".parse().unwrap();
+        let err = reachable_store("node0", lo, Some(8), 16).unwrap_err().to_string();
+        assert!(err.contains("MASTER_ADDR node0 resolves to 127.0.1.1") && err.contains("hostname -I"), "{err}");
+        assert!(reachable_store("node0", lo, None, 16).unwrap().is_some_and(|w| w.contains("ignore this if every rank runs on this machine")));
+        assert_eq!(reachable_store("node0", lo, Some(16), 16).unwrap(), None, "one machine holds every rank");
+        for literal in ["127.0.0.1", "localhost", "::1", "[::1]"] {
+            assert_eq!(reachable_store(literal, lo, Some(1), 16).unwrap(), None, "{literal} asks for loopback");
+        }
+        assert_eq!(reachable_store("node0", "10.1.2.3".parse().unwrap(), Some(8), 16).unwrap(), None);
     }
 
     #[test]

@@ -223,6 +223,11 @@ fn launch(n: usize) -> Result<Value> {
         if rank == 0 {
             child.env("RAK_DIST_LISTEN_FD", store_fd.to_string());
         }
+        // Every process is on this machine: NCCL's bootstrap sockets (CUDA runs) stay on
+        // loopback too, instead of the first other interface NCCL would pick.
+        if std::env::var_os("NCCL_SOCKET_IFNAME").is_none() {
+            child.env("NCCL_SOCKET_IFNAME", "lo");
+        }
         // SAFETY: only an async-signal-safe call between fork and exec: the process dies with
         // this thread (the launcher's main thread, which outlives every wait), so a launcher
         // that is killed leaves no process training on.
