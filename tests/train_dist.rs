@@ -257,15 +257,18 @@ fn a_killed_process_stops_the_run_and_the_world_size_is_kept() {
     assert_eq!(rank_0.len(), 1, "one process of rank 0 under the launcher");
     let killed_at = std::time::Instant::now();
     assert!(Command::new("kill").args(["-9", &victims[0].to_string()]).status().unwrap().success());
-    // Rank 0 dies too as soon as rank 1 is dead (before the launcher has reaped it, when the
-    // launcher is slow to look): the error must still name rank 1, which failed first. A
-    // launcher that polled its processes in rank order found both dead and named rank 0.
-    let dead = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')));
-    while !dead(victims[0]) {
-        assert!(killed_at.elapsed().as_secs() < 60, "rank 1 outlived SIGKILL");
+    // Rank 0 dies too, right after the launcher has reaped rank 1: the error must still name
+    // rank 1, which failed first. (Killing rank 0 while rank 1 was still a zombie caught a
+    // launcher that polled in rank order, but raced with the launcher's own waiting threads on
+    // a busy machine: either exit could be seen first. The order of exits the launcher sees
+    // is what it reports, and that is what this checks.)
+    while Path::new(&format!("/proc/{}", victims[0])).exists() {
+        assert!(killed_at.elapsed().as_secs() < 60, "rank 1 outlived SIGKILL, or the launcher never reaped it");
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
-    let _ = Command::new("kill").args(["-9", &rank_0[0].to_string()]).status();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    // (The launcher may have stopped it already.)
+    let _ = Command::new("kill").args(["-9", &rank_0[0].to_string()]).stderr(std::process::Stdio::null()).status();
     let status = run.wait().unwrap();
     let err = std::fs::read_to_string(dir.path().join("stderr.txt")).unwrap();
     assert!(!status.success(), "the run went on without rank 1");
