@@ -306,6 +306,16 @@ fn ance_episodes_mine_with_the_model_and_resume_exactly() {
     }
     // Starting over needs saying so.
     fails(&run(&mut train_cmd(&recipe, &killed, &[])), &["--overwrite-output-dir"]);
+    // Starting over a run killed while encoding the corpus for episode 1: the parts it left
+    // were made by another checkpoint than this run's, and go; a file of the user's there stays.
+    let work = killed.join("episode-1/ance");
+    std::fs::create_dir_all(work.join("corpus/parts")).unwrap();
+    std::fs::write(work.join("corpus/parts/manifest.json"), r#"{"checkpoint": "another"}"#).unwrap();
+    std::fs::write(work.join("notes.txt"), "mine").unwrap();
+    let o = run(&mut train_cmd(&recipe, &killed, &["--overwrite-output-dir", "--max-steps", "1"]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(work.join("notes.txt")).unwrap(), "mine");
+    assert!(!work.join("corpus").exists());
 
     // Resuming from a checkpoint of a finished stage retrains what follows it (its negatives
     // are mined again), to the same result.

@@ -168,7 +168,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
                     out.display()
                 );
             }
-            layout.clear_from(0)?;
+            layout.clear_from(0, progress)?;
         }
         Resume::Latest | Resume::At(_) => {
             if let Some(earlier) = layout.recorded_episodes()? {
@@ -187,7 +187,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
             layout.check_recipe(&identity)?;
             // Resuming inside a stage makes everything after it stale.
             if let Some((stage, _)) = &resume_at {
-                layout.clear_after(*stage)?;
+                layout.clear_after(*stage, progress)?;
             }
         }
     }
@@ -538,7 +538,7 @@ fn ance_negatives(
         miner_key["index"] = json!({"milvus": params.ann});
     }
     let key = negatives_key(spec, episode, corpus_sha256, tasks, miner_key);
-    let work = layout.stage(episode).join("ance");
+    let work = layout.stage(episode).join(ANCE_WORK);
     let (rank, world) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.world()));
     // Every process finds the same file: rank 0 saves it only after they all met below.
     if negatives::load(&saved, tasks, t.ance_depth, &key)? {
@@ -579,14 +579,21 @@ fn ance_negatives(
     // The corpus embeddings and index are as large as the corpus; the negatives are kept.
     remove_ance_work(&work, progress);
     if work.exists() {
-        std::fs::remove_dir_all(&work).with_context(|| format!("{}: cannot remove", work.display()))?;
+        // What is left there the toolkit did not name: not ours to remove.
+        progress.log(&format!("train: warning: {} is kept: it holds files the run did not write there", work.display()));
     }
     remove_parts(&layout.negatives_parts(episode))
 }
 
+/// An ANCE episode's work folder in `episode-E/`: the corpus embeddings (`corpus/`) and their
+/// index (`index/`), removed once the negatives are mined.
+const ANCE_WORK: &str = "ance";
+
 /// Remove an ANCE stage's work folder (the corpus embeddings and index) and, when the index
 /// is a Milvus one, its collection (each build has its own, so two runs of one recipe never
-/// share one; best effort: a server that is gone costs a warning).
+/// share one; best effort: a server that is gone costs a warning). Only what the toolkit
+/// names there goes (`corpus/`, `index/` and their temporaries); the folder itself only if
+/// that left it empty.
 fn remove_ance_work(work: &Path, progress: &dyn Progress) {
     let index = work.join("index");
     let milvus = rak_retrieval::index::IndexMeta::read(&index).is_ok_and(|m| m.kind == "milvus");
@@ -595,7 +602,13 @@ fn remove_ance_work(work: &Path, progress: &dyn Progress) {
             progress.log(&format!("train: warning: the ANCE index's Milvus collection was not dropped: {e:#}"));
         }
     }
-    let _ = std::fs::remove_dir_all(work);
+    let ours = |n: &str| ["corpus", "index"].iter().any(|w| n == *w || n.strip_prefix('.').is_some_and(|t| t.starts_with(&format!("{w}.tmp-")) || t.starts_with(&format!("{w}.old-"))));
+    for entry in std::fs::read_dir(work).into_iter().flatten().flatten() {
+        if ours(&entry.file_name().to_string_lossy()) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+    let _ = std::fs::remove_dir(work);
 }
 
 /// With `exclude_gold_pages`, drop the mined negatives that lie on a gold page.
@@ -737,7 +750,7 @@ impl RunLayout {
     /// trace of an earlier run, whatever its number of episodes, except what does not depend
     /// on any stage and is keyed on all it does depend on: the BM25 index (on the corpus) and
     /// episode 0's BM25 negatives (on the corpus, examples and settings).
-    fn clear_from(&self, from: u32) -> Result<()> {
+    fn clear_from(&self, from: u32, progress: &dyn Progress) -> Result<()> {
         // Only a checkpoint that holds nothing but what the trainer wrote into it.
         let remove_dir = rak_retrieval::index::remove_written;
         if from == 0 {
@@ -753,6 +766,9 @@ impl RunLayout {
                 for ckpt in checkpoints(&dir) {
                     remove_dir(&ckpt)?;
                 }
+                // The corpus embeddings of a run killed while mining: made by another
+                // checkpoint than the one this run will mine with, they would stop it.
+                remove_ance_work(&dir.join(ANCE_WORK), progress);
             }
         }
         if let Ok(entries) = std::fs::read_dir(&self.out) {
@@ -768,12 +784,12 @@ impl RunLayout {
     }
 
     /// Resuming in `stage`: it is not done, and later stages and their negatives are stale.
-    fn clear_after(&self, stage: usize) -> Result<()> {
+    fn clear_after(&self, stage: usize, progress: &dyn Progress) -> Result<()> {
         if self.episodes == 0 {
             return Ok(());
         }
         let _ = std::fs::remove_file(self.stage(stage as u32).join(STAGE_DONE));
-        self.clear_from(stage as u32 + 1)
+        self.clear_from(stage as u32 + 1, progress)
     }
 
     fn recorded_episodes(&self) -> Result<Option<u32>> {
