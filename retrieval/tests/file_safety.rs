@@ -435,3 +435,22 @@ fn outputs_of_versions_before_the_record_are_adopted_only_when_they_hold_only_th
     index::remove_written(&ckpt).unwrap();
     assert!(!ckpt.exists());
 }
+
+/// A file put into the old directory while the build ran stops the replacement, and the
+/// finished build is kept where the error says, not thrown away (issue 32).
+#[test]
+fn a_build_refused_at_the_second_check_is_kept() {
+    let dir = tmpdir("idxsecond");
+    let out = dir.join("out");
+    index::write_dir_atomically(&out, |tmp| Ok(std::fs::write(tmp.join("a.txt"), "old")?)).unwrap();
+    let e = err(index::write_dir_atomically(&out, |tmp| {
+        std::fs::write(out.join("notes.txt"), "mine")?;
+        Ok(std::fs::write(tmp.join("a.txt"), "new")?)
+    }));
+    assert!(e.contains("notes.txt") && e.contains("the finished build is kept in"), "{e}");
+    let kept = fsutil::temp_path(&out);
+    assert!(e.contains(&kept.display().to_string()), "{e}");
+    assert_eq!(std::fs::read_to_string(kept.join("a.txt")).unwrap(), "new");
+    assert_eq!(std::fs::read_to_string(out.join("a.txt")).unwrap(), "old");
+    assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
+}

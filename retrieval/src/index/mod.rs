@@ -135,7 +135,8 @@ impl Index {
 /// Build a directory under a temporary sibling name, then rename it to `dir`. An existing `dir`
 /// is replaced only after the new one is complete, and only if it is one this function wrote
 /// and holds nothing else ([`check_replaceable`]): a directory of the user's, or files the user
-/// put into an index or checkpoint, are never removed. Every file in the new directory is
+/// put into an index or checkpoint, are never removed (when they appear during the build, the
+/// finished build is kept under its temporary name, which the error gives). Every file in the new directory is
 /// fsynced before the rename and the parent directory after it (see `rak_core::fsutil`). Then
 /// the leftovers of killed runs that wrote `dir` before (`.NAME.tmp-PID`, `.NAME.old-PID` of
 /// processes that are gone) are removed.
@@ -160,8 +161,9 @@ pub fn write_dir_atomically(dir: &Path, build: impl FnOnce(&Path) -> Result<()>)
     }
     let old: Option<PathBuf> = if dir.exists() {
         if let Err(e) = check_replaceable(dir) {
-            let _ = std::fs::remove_dir_all(&tmp);
-            return Err(e);
+            // Files were put into `dir` while the build ran (which may have taken hours): keep
+            // the finished build for the user rather than throw it away.
+            return Err(e.context(format!("the finished build is kept in {} (move it away: the next build of this output removes it)", tmp.display())));
         }
         let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let old = dir.with_file_name(format!(".{name}.old-{}", std::process::id()));
