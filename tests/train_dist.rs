@@ -339,7 +339,7 @@ fn rank_0_mines_alone_past_the_collective_timeout_and_a_rerun_resumes_the_mining
     };
     // The first run is killed once the first block (of two: one task each) is saved.
     let mut run = command().stdout(std::process::Stdio::null()).stderr(std::fs::File::create(dir.path().join("first.txt")).unwrap()).spawn().unwrap();
-    let first_block = out.join("negatives-episode-0.parts/0-0.json");
+    let first_block = out.join(".negatives-episode-0.parts/0-0.json");
     let started = std::time::Instant::now();
     while !first_block.exists() {
         assert!(started.elapsed().as_secs() < 300 && run.try_wait().unwrap().is_none(), "no block of negatives saved: {}", std::fs::read_to_string(dir.path().join("first.txt")).unwrap());
@@ -365,7 +365,7 @@ fn rank_0_mines_alone_past_the_collective_timeout_and_a_rerun_resumes_the_mining
     let o = command().output().unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("bm25 negatives: 1 of 2 blocks of queries were mined by an earlier run"), "{}", stderr(&o));
-    assert!(out.join("negatives-episode-0.json").exists() && !out.join("negatives-episode-0.parts").exists(), "the blocks are removed once the negatives are saved whole");
+    assert!(out.join("negatives-episode-0.json").exists() && !out.join(".negatives-episode-0.parts").exists(), "the blocks are removed once the negatives are saved whole");
     // The same negatives as one process mining them all at once.
     let one = dir.path().join("one");
     train(&recipe, &model, &one, &["--optim", "adamw", "--max-steps", "1"]);

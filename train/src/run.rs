@@ -8,7 +8,8 @@
 //! final model in `OUT` itself; with ANCE episodes, one folder per stage (`OUT/episode-E/`,
 //! marked `stage_done` when finished) and the last stage's model copied to `OUT`. Beside them:
 //! `negatives-episode-E.json` (each stage's mined negatives; while they are mined,
-//! `negatives-episode-E.parts/` holds them a block of queries at a time), `bm25-index/` (when the recipe
+//! `.negatives-episode-E.parts/` holds them a block of queries at a time; hidden, so that no
+//! digest of `OUT` as a model counts it), `bm25-index/` (when the recipe
 //! names none) and `run.json` (the episode count and the recipe a resume must match).
 
 use crate::data::{corpus_ids, corpus_pages, corpus_texts, load_task, passage_texts, task_sources, LoadReport, TaskData};
@@ -725,7 +726,9 @@ impl RunLayout {
     /// Where the negatives of `episode` are saved a block of queries at a time while they are
     /// mined (`negatives::Parts`), so a rerun resumes the mining; removed once they are saved.
     fn negatives_parts(&self, episode: u32) -> PathBuf {
-        self.out.join(format!("negatives-episode-{episode}.parts"))
+        // A leading dot: `checkpoint_digest` of OUT (its final model) skips hidden entries, and
+        // this folder comes and goes while the model in OUT stays the same.
+        self.out.join(format!(".negatives-episode-{episode}.parts"))
     }
 
     /// `episode-E` folders present, by episode.
@@ -954,6 +957,20 @@ fn same_dir(a: &Path, b: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn negatives_parts_do_not_change_the_digest_of_out() {
+        let out = std::env::temp_dir().join(format!("rak-parts-digest-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        std::fs::create_dir_all(&out).unwrap();
+        std::fs::write(out.join("model.safetensors"), "weights").unwrap();
+        let before = rak_retrieval::digest::checkpoint_digest(&out).unwrap();
+        let parts = RunLayout { out: out.clone(), episodes: 1 }.negatives_parts(1);
+        std::fs::create_dir_all(&parts).unwrap();
+        std::fs::write(parts.join("0-0.json"), "{}").unwrap();
+        assert_eq!(rak_retrieval::digest::checkpoint_digest(&out).unwrap(), before, "{} counts as part of the model", parts.display());
+        std::fs::remove_dir_all(&out).unwrap();
+    }
 
     #[test]
     fn stage_seeds_never_replay_another_seed_s_stage() {
