@@ -238,6 +238,8 @@ fn ance_episodes_mine_with_the_model_and_resume_exactly() {
     let o = run(&mut train_cmd(&recipe, &whole, &[]));
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("mining negatives"), "{}", stderr(&o));
+    // The last stage saved its model into OUT; it is not loaded and saved there again.
+    assert!(!stderr(&o).contains("copying the last stage's model"), "{}", stderr(&o));
 
     let (src0, bm25) = saved_negatives(&whole.join("negatives-episode-0.json"));
     let (src1, ance) = saved_negatives(&whole.join("negatives-episode-1.json"));

@@ -251,6 +251,8 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     ));
 
     let mut model = spec.model.clone();
+    // Whether this process saved the last stage's model into OUT (then it is not copied again).
+    let mut final_saved = false;
     for (episode, stage) in stages.iter().enumerate() {
         let episode = episode as u32;
         if episodes > 0 && stage.join(STAGE_DONE).exists() {
@@ -311,6 +313,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
             if episode == episodes {
                 // Before the stage is marked done, so a kill in between redoes the copy.
                 encoder.save(out)?;
+                final_saved = true;
             }
             rak_core::fsutil::write_bytes(&stage.join(STAGE_DONE), b"")?;
         }
@@ -324,8 +327,9 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         model = stage.clone();
     }
     if episodes > 0 && lead {
-        if !out.join(FINAL_MARK).exists() {
+        if !final_saved && !out.join(FINAL_MARK).exists() {
             // Every stage was done already but the copy never finished: make it from the last stage.
+            progress.log(&format!("train: copying the last stage's model from {} to {}", model.display(), out.display()));
             plugins.encoder(&spec.encoder, &encoder_settings(spec, &model, false))?.save(out)?;
         }
         rak_core::fsutil::write_bytes(&out.join(FINAL_MARK), b"")?;
