@@ -152,7 +152,7 @@ fn bad_training_inputs_are_clear_errors() {
     fails(&run(&mut train_cmd(&recipe, &out, &[&resume[..], &["--optim", "tsage"]].concat())), &["another recipe", "optim: \"adamw\" then, \"tsage\" now"]);
     let other = dir.path().join("other.toml");
     std::fs::write(&other, std::fs::read_to_string(&recipe).unwrap().replace("max_length = 64", "max_length = 32")).unwrap();
-    fails(&run(&mut train_cmd(&other, &out, &resume)), &["another recipe", "encoder_settings", "\"max_length\":32"]);
+    fails(&run(&mut train_cmd(&other, &out, &resume)), &["another recipe", "encoder_settings.max_length: 64 then, 32 now"]);
     let o = run(&mut train_cmd(&recipe, &out, &resume));
     assert!(o.status.success(), "{}", stderr(&o));
     let out = dir.path().join("out-later");
