@@ -27,6 +27,8 @@ fi
 # the checkout: about 10 minutes on 2 cores the first time).
 scripts/llama-server.sh build >/dev/null
 scripts/llama-server.sh model >/dev/null
+# The experiment scripts' own tests (standard library only; seconds).
+python scripts/experiments/test_carve_validation.py
 cargo build --release --workspace
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
