@@ -7,8 +7,10 @@ pub fn letters(n: usize) -> Vec<String> {
 
 /// Verbs that, after a standalone "A" or "I", make it an answer letter ("A is correct", "I
 /// seems right"): English never puts them after the article "a" or the pronoun "I" ("I is",
-/// "a seems"), while any other lower-case word ("A good guess", "I think") reads as one.
-const LETTER_VERBS: [&str; 10] = ["is", "was", "seems", "appears", "looks", "fits", "matches", "answers", "describes", "holds"];
+/// "a seems"), while any other lower-case word ("A good guess", "I think") reads as one. Only
+/// third-person present forms qualify: a past tense such as "was" follows the pronoun ("I was
+/// unsure") as naturally as a letter.
+const LETTER_VERBS: [&str; 9] = ["is", "seems", "appears", "looks", "fits", "matches", "answers", "describes", "holds"];
 
 /// The choice a free-text answer names: the first standalone letter among `letters`
 /// ("B", " B.", "(B)", "Answer: B", "A is correct"); failing that, the one choice whose text
@@ -175,6 +177,19 @@ mod tests {
         let c10: Vec<String> = (0..10).map(|i| format!("option {i}")).collect();
         assert_eq!(parse_choice("I is correct", &l10, &c10), Some(8));
         assert_eq!(parse_choice("I would say B", &l10, &c10), Some(1), "the pronoun I");
+    }
+
+    /// "I was ..." is the pronoun (a past tense follows it as naturally as a letter), with 9+
+    /// choices as with fewer.
+    #[test]
+    fn the_pronoun_i_before_was_is_not_answer_i() {
+        let l10 = letters(10);
+        let c10: Vec<String> = (0..10).map(|i| format!("option {i}")).collect();
+        assert_eq!(parse_choice("I was unsure; B", &l10, &c10), Some(1));
+        assert_eq!(parse_choice("I was not sure, but B", &l10, &c10), Some(1));
+        assert_eq!(parse_choice("I think it is C", &l10, &c10), Some(2));
+        assert_eq!(parse_choice("A is correct", &l10, &c10), Some(0));
+        assert_eq!(parse_choice("I seems right", &l10, &c10), Some(8), "a verb no pronoun takes");
     }
 
     /// SQuAD's official normalize_answer, on the cases its steps differ on.
