@@ -109,10 +109,11 @@ pub fn normalize_answer(s: &str) -> String {
     out.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-/// SQuAD's exact match against any alias (an alias that normalises to nothing matches nothing).
+/// SQuAD's exact match against any alias: the normalised strings are equal. As in its script,
+/// an alias that normalises to nothing ("The") matches an answer that does too (an empty reply).
 pub fn exact_match(answer: &str, aliases: &[String]) -> bool {
     let answer = normalize_answer(answer);
-    aliases.iter().map(|a| normalize_answer(a)).any(|a| !a.is_empty() && a == answer)
+    aliases.iter().any(|a| normalize_answer(a) == answer)
 }
 
 /// PopQA's judgement (REFERENCE §6): some alias, as is, lower-cased or capitalised, is a
@@ -207,7 +208,11 @@ mod tests {
         assert!(!exact_match("The Beatles were a band", &aliases), "exact, not contained");
         assert!(AnswerMatch::PopQa.judge("The Beatles were a band", &aliases));
         assert!(AnswerMatch::Squad.judge("beatles", &aliases));
-        assert!(!AnswerMatch::Squad.judge("", &["the".to_string()]), "an alias that normalises to nothing matches nothing");
+        // SQuAD's script: normalize_answer(prediction) == normalize_answer(ground_truth), so
+        // both empty is a match, and an empty alias matches nothing else.
+        assert!(AnswerMatch::Squad.judge("", &["the".to_string()]), "both normalise to nothing: a match, as in SQuAD's script");
+        assert!(exact_match("A.", &["".to_string()]));
+        assert!(!exact_match("beatles", &["the".to_string()]));
         assert_eq!(AnswerMatch::parse("squad").unwrap(), AnswerMatch::Squad);
         assert!(AnswerMatch::parse("kilt").unwrap_err().to_string().contains("answers.match"));
     }
