@@ -343,6 +343,11 @@ fn index_builds_replace_only_what_they_wrote() {
     assert!(e.contains(&mine.display().to_string()) && e.contains("not replaced"), "{e}");
     assert_eq!(names(&mine), ["notes.txt", "sub"]);
     assert_eq!(names(&dir), ["emb", "mine"], "no temporary folder left beside it");
+    // An HNSW build (hours on a large corpus) is refused before it reads anything: here its
+    // embeddings do not even exist, and the refusal is about the output.
+    let hnsw = IndexSpec::Hnsw { embeddings: dir.join("missing"), params: HnswParams::default(), builder: Default::default() };
+    let e = err(build_index(&hnsw, &mine, &Quiet));
+    assert!(e.contains(&mine.display().to_string()) && e.contains("not replaced"), "{e}");
 
     // An index of ours is replaced; one with a file put into it (even in a subfolder) is not.
     let idx = dir.join("idx");
@@ -416,8 +421,11 @@ fn outputs_of_versions_before_the_record_are_adopted_only_when_they_hold_only_th
         std::fs::write(ckpt.join(f), "{}").unwrap();
     }
     std::fs::write(ckpt.join("modules.json"), r#"[{"path": ""}, {"path": "1_Pooling"}]"#).unwrap();
+    // rak's trainer state (rak-train's TrainerState), not just a file of that name.
+    std::fs::write(ckpt.join("trainer_state.json"), RAK_STATE).unwrap();
     index::check_replaceable(&ckpt).unwrap();
-    for extra in ["my-eval.json", "1_Pooling/notes.txt/x", "query_encoder/notes.txt"] {
+    // A file the user put into a module folder is not one a save copied there.
+    for extra in ["my-eval.json", "1_Pooling/notes.txt", "1_Pooling/notes.txt/x", "query_encoder/notes.txt"] {
         let path = ckpt.join(extra);
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(&path, "mine").unwrap();
@@ -432,9 +440,20 @@ fn outputs_of_versions_before_the_record_are_adopted_only_when_they_hold_only_th
     std::fs::rename(ckpt.join("trainer_state.json"), dir.join("state")).unwrap();
     assert!(err(index::remove_written(&ckpt)).contains("no record"));
     std::fs::rename(dir.join("state"), ckpt.join("trainer_state.json")).unwrap();
+    // Nor with Hugging Face's trainer state of the same name.
+    std::fs::write(ckpt.join("trainer_state.json"), HF_STATE).unwrap();
+    assert!(err(index::remove_written(&ckpt)).contains("no record"));
+    assert!(ckpt.join("model.safetensors").exists());
+    std::fs::write(ckpt.join("trainer_state.json"), RAK_STATE).unwrap();
     index::remove_written(&ckpt).unwrap();
     assert!(!ckpt.exists());
 }
+
+/// The keys of rak-train's `TrainerState` (rak-train's tests check that its states pass
+/// `index::is_trainer_state`).
+const RAK_STATE: &str = r#"{"step": 4, "sampler": {"Taco": {}}, "skipped_steps": 0, "episode": 0, "config": {}, "world_size": 1}"#;
+/// A Hugging Face Trainer checkpoint's `trainer_state.json`.
+const HF_STATE: &str = r#"{"global_step": 10, "log_history": []}"#;
 
 /// A file put into the old directory while the build ran stops the replacement, and the
 /// finished build is kept where the error says, not thrown away (issue 32).
@@ -443,12 +462,20 @@ fn a_build_refused_at_the_second_check_is_kept() {
     let dir = tmpdir("idxsecond");
     let out = dir.join("out");
     index::write_dir_atomically(&out, |tmp| Ok(std::fs::write(tmp.join("a.txt"), "old")?)).unwrap();
-    let e = err(index::write_dir_atomically(&out, |tmp| {
+    let typed = index::write_dir_atomically(&out, |tmp| {
         std::fs::write(out.join("notes.txt"), "mine")?;
         Ok(std::fs::write(tmp.join("a.txt"), "new")?)
-    }));
+    })
+    .unwrap_err();
+    let e = format!("{typed:#}");
     assert!(e.contains("notes.txt") && e.contains("the finished build is kept in"), "{e}");
     let kept = fsutil::temp_path(&out);
+    // Told from other errors by its type: a Milvus build then keeps its collection.
+    assert_eq!(typed.downcast_ref::<index::KeptBuild>().map(|k| k.at.clone()), Some(kept.clone()));
+    // A refusal before the build is no kept build.
+    let before = index::write_dir_atomically(&out, |_| Ok(())).unwrap_err();
+    assert!(before.downcast_ref::<index::KeptBuild>().is_none(), "{before:#}");
+    assert!(kept.exists(), "the kept build stays through a refused build");
     assert!(e.contains(&kept.display().to_string()), "{e}");
     assert_eq!(std::fs::read_to_string(kept.join("a.txt")).unwrap(), "new");
     assert_eq!(std::fs::read_to_string(out.join("a.txt")).unwrap(), "old");

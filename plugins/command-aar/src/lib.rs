@@ -18,6 +18,9 @@
 //! resume its training on CUDA); a white-box source's device and dtype are in the score key
 //! (the same checkpoint scores differently on the CPU and on CUDA in bf16), so scores begun on
 //! one device are not resumed on another: refused as other inputs, or redone with --overwrite.
+//! A white-box run from before they were there keeps its stages when it ran on today's
+//! defaults: its recorded keys, the score key inside the later stages' ones included, are
+//! upgraded (`score::keep_older_white_box_scores`).
 //! 1. `retrieve` ([`retrieve`]): the source task's queries with gold; the starting retriever's
 //!    top `max(N, negatives_depth)` for each (top N in REPLUG's mode, which has no negatives).
 //! 2. `score` ([`score`]): the source LM scores the top N: white-box (`--source DIR`, the `fid`
@@ -193,6 +196,7 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
     // are in the score key (see the module docs).
     let train_key = json!({"select": select_key, "train": cfg.train});
     let final_key = json!({"train": train_key});
+    score::keep_older_white_box_scores(&stages, &[("score", &score_key), ("select", &select_key), ("train", &train_key), ("final", &final_key)])?;
     let (scores, score_report, score_how) = score::run(cfg, host, &stages, &score_key, &queries)?;
     log_stage(host, "score", score_how)?;
     // Before the long stages, so a run that cannot be compared says so early.

@@ -47,7 +47,6 @@ const SOURCE_FILE: &str = "source.json";
 /// Run (or resume, or skip) the stage; the scores by query, its report, and how it started.
 pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[Retrieved]) -> Result<(HashMap<String, Scores>, Value, &'static str)> {
     let folder = stages.folder("score");
-    keep_older_white_box_scores(stages, key)?;
     let how = match stages.begin("score", key)? {
         // k = 0 asks no source and writes no records.
         Start::Done(report) if cfg.aar.k == 0 => return Ok((HashMap::new(), report, "done earlier")),
@@ -223,15 +222,26 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
     Ok((scores, report, how))
 }
 
+/// Where each stage's key holds the score key: the later stages' keys contain the earlier ones'.
+const SCORE_KEY_IN: [(&str, &[&str]); 4] = [("score", &[]), ("select", &["score"]), ("train", &["select", "score"]), ("final", &["train", "select", "score"])];
+
 /// A white-box run from before the score key held the device and dtype keeps its scores when
 /// today's key is its own on the defaults (see `Config::upgrade_source_key`), instead of every
-/// such run's scores being "other inputs".
-fn keep_older_white_box_scores(stages: &Stages, key: &Value) -> Result<()> {
-    stages.upgrade_key("score", key, |then| {
-        let mut upgraded = then.clone();
-        upgraded["source"] = Config::upgrade_source_key(&then["source"])?;
-        Some(upgraded)
-    })
+/// such run's scores being "other inputs". The score key inside the later stages' recorded keys
+/// is upgraded the same way (`keys`: today's key of each stage by name), or a rerun of a run
+/// past scoring would be refused at the select stage. Called before any stage begins.
+pub fn keep_older_white_box_scores(stages: &Stages, keys: &[(&str, &Value)]) -> Result<()> {
+    for (name, key) in keys {
+        let inner = SCORE_KEY_IN.iter().find(|(n, _)| n == name).map(|(_, p)| *p).with_context(|| format!("no score key in the {name} stage's key"))?;
+        stages.upgrade_key(name, key, |then| {
+            let mut upgraded = then.clone();
+            let score_key = inner.iter().try_fold(&mut upgraded, |v, k| v.get_mut(*k))?;
+            let source = Config::upgrade_source_key(&score_key["source"])?;
+            score_key["source"] = source;
+            Some(upgraded)
+        })?;
+    }
+    Ok(())
 }
 
 /// What one session of the stage scored, and how fast.
@@ -571,11 +581,47 @@ mod tests {
         assert!(matches!(stages.begin("score", &old).unwrap(), Start::Fresh));
         stages.finish("score", &json!({"scored": 1})).unwrap();
         let cuda = source(json!({"device": "cuda", "dtype": "float32"}));
-        keep_older_white_box_scores(&stages, &cuda).unwrap();
+        keep_older_white_box_scores(&stages, &[("score", &cuda)]).unwrap();
         assert!(stages.begin("score", &cuda).is_err(), "CPU-default scores taken as CUDA's");
         let now = source(json!({"device": "cpu", "dtype": "float32"}));
-        keep_older_white_box_scores(&stages, &now).unwrap();
+        keep_older_white_box_scores(&stages, &[("score", &now)]).unwrap();
         assert!(matches!(stages.begin("score", &now).unwrap(), Start::Done(_)));
+        let _ = std::fs::remove_dir_all(&out);
+    }
+
+    /// An older white-box run finished past scoring: the score key inside the select, train and
+    /// final stages' keys is upgraded too, so a plain rerun finds every stage done instead of
+    /// refusing the select stage as run with other inputs.
+    #[test]
+    fn an_older_white_box_run_keeps_its_later_stages() {
+        let out = std::env::temp_dir().join(format!("aar-later-keys-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        let stages = Stages::new(out.join("stages"), false).unwrap();
+        let keys = |source: Value| {
+            let score = json!({"top_n_sha256": "t", "n": 10, "source": source});
+            let select = json!({"retrieve": {"r": 1}, "score": score, "k": 4, "seed": 1});
+            let train = json!({"select": select, "train": {"max_steps": 5}});
+            let fin = json!({"train": train});
+            [("score", score), ("select", select), ("train", train), ("final", fin)]
+        };
+        let source = json!({"kind": "white-box", "reader": "fid", "model_sha256": "sha", "prompt": "p", "batch_size": 8, "settings": {"batch_size": 8}});
+        for (name, key) in keys(source.clone()) {
+            assert!(matches!(stages.begin(name, &key).unwrap(), Start::Fresh));
+            stages.finish(name, &json!({"stage": name})).unwrap();
+        }
+        let mut today_source = source;
+        today_source["device"] = json!("cpu");
+        today_source["dtype"] = json!("float32");
+        let today = keys(today_source);
+        let by_name: Vec<(&str, &Value)> = today.iter().map(|(n, k)| (*n, k)).collect();
+        keep_older_white_box_scores(&stages, &by_name).unwrap();
+        for (name, key) in &today {
+            match stages.begin(name, key) {
+                Ok(Start::Done(report)) => assert_eq!(report["stage"], *name),
+                Ok(_) => panic!("the {name} stage was not done"),
+                Err(e) => panic!("the {name} stage: {e:#}"),
+            }
+        }
         let _ = std::fs::remove_dir_all(&out);
     }
 

@@ -252,7 +252,11 @@ impl MilvusIndex {
             npy::write_ids(&tmp.join("ids.txt"), ids)?;
             meta.write(tmp)
         }) {
-            let _ = client.drop(name);
+            // A build kept under its temporary name (files appeared in `dir` meanwhile) still
+            // points at this collection: it is kept with it.
+            if e.downcast_ref::<super::KeptBuild>().is_none() {
+                let _ = client.drop(name);
+            }
             return Err(e);
         }
         // Only now that this build is complete and its folder written: the build it replaces.

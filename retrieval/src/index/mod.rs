@@ -163,7 +163,7 @@ pub fn write_dir_atomically(dir: &Path, build: impl FnOnce(&Path) -> Result<()>)
         if let Err(e) = check_replaceable(dir) {
             // Files were put into `dir` while the build ran (which may have taken hours): keep
             // the finished build for the user rather than throw it away.
-            return Err(e.context(format!("the finished build is kept in {} (move it away: the next build of this output removes it)", tmp.display())));
+            return Err(e.context(KeptBuild { at: tmp }));
         }
         let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let old = dir.with_file_name(format!(".{name}.old-{}", std::process::id()));
@@ -188,6 +188,20 @@ pub fn write_dir_atomically(dir: &Path, build: impl FnOnce(&Path) -> Result<()>)
     // index until the new one is in place.
     fsutil::remove_stale_temps(dir);
     Ok(())
+}
+
+/// The error of [`write_dir_atomically`] when files appeared in the old directory while the
+/// build ran: the finished build is kept at `at` (found with `downcast_ref`), so what it refers
+/// to outside the folder (a Milvus collection) must be kept too.
+#[derive(Debug)]
+pub struct KeptBuild {
+    pub at: PathBuf,
+}
+
+impl std::fmt::Display for KeptBuild {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the finished build is kept in {} (move it away: the next build of this output removes it)", self.at.display())
+    }
 }
 
 /// In every directory [`write_dir_atomically`] writes: the paths (relative, `/`-separated) of
@@ -272,8 +286,9 @@ pub fn check_replaceable(dir: &Path) -> Result<()> {
 /// Whether `dir`, which has no [`WRITTEN_FILE`], is an index or checkpoint an earlier version
 /// wrote before that record existed (`present`: all it holds, as [`list_tree`] lists it): every
 /// entry is one that kind writes. An index: an `index.json` this toolkit wrote (`created_by`)
-/// and the files of its kind; a checkpoint: the trainer's state file beside the model, tokenizer
-/// and optimizer files, and the module folders its `modules.json` names. Without this an older
+/// and the files of its kind; a checkpoint: rak's trainer state file ([`is_trainer_state`])
+/// beside the model, tokenizer and optimizer files, and the module folders its `modules.json`
+/// names with a module's files in them. Without this an older
 /// index could not be rebuilt, nor an older run's checkpoints replaced or removed; anything else
 /// in the folder still makes it the user's.
 fn written_before_the_record(dir: &Path, present: &[String]) -> bool {
@@ -314,7 +329,7 @@ fn written_before_the_record(dir: &Path, present: &[String]) -> bool {
         "spiece.model",
         "generation_config.json",
     ];
-    if !dir.join(STATE).is_file() {
+    if !is_trainer_state(&dir.join(STATE)) {
         return false;
     }
     let modules = |at: &Path| -> Vec<String> {
@@ -322,8 +337,12 @@ fn written_before_the_record(dir: &Path, present: &[String]) -> bool {
         let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else { return Vec::new() };
         v.as_array().into_iter().flatten().filter_map(|m| m["path"].as_str()).filter(|p| !p.is_empty() && !p.contains('/') && *p != "." && *p != "..").map(str::to_string).collect()
     };
+    // What a sentence-transformers module folder holds (`1_Pooling/config.json`, a `2_Dense/`'s
+    // config and weights; `2_Normalize/` is empty): any other name there is a file the user put
+    // in, not one a save copied.
+    const MODULE: &[&str] = &["config.json", "model.safetensors", "pytorch_model.bin"];
     let model_entry = |at: &Path, rel: &str| {
-        MODEL.contains(&rel) || modules(at).iter().any(|m| rel == m || rel.strip_prefix(m.as_str()).is_some_and(|r| r.starts_with('/') && !r[1..].contains('/')))
+        MODEL.contains(&rel) || modules(at).iter().any(|m| rel == m || rel.strip_prefix(m.as_str()).and_then(|r| r.strip_prefix('/')).is_some_and(|f| MODULE.contains(&f)))
     };
     present.iter().filter(other).all(|rel| {
         if [STATE, "optimizer.safetensors", "query_encoder", "passage_encoder"].contains(&rel.as_str()) || model_entry(dir, rel) {
@@ -331,6 +350,17 @@ fn written_before_the_record(dir: &Path, present: &[String]) -> bool {
         }
         let (tower, rest) = rel.split_once('/').unwrap_or(("", ""));
         ["query_encoder", "passage_encoder"].contains(&tower) && model_entry(&dir.join(tower), rest)
+    })
+}
+
+/// Whether `path` is a `trainer_state.json` that rak-train's trainer wrote (its `TrainerState`:
+/// `step`, `sampler`, `skipped_steps`, `episode`, `config`). Hugging Face's trainer writes a
+/// file of the same name into its checkpoints (`global_step`, `log_history`, ...): the name
+/// alone would make such a folder pass for one of ours, and a run write into it.
+pub fn is_trainer_state(path: &Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(path) else { return false };
+    serde_json::from_str::<serde_json::Value>(&text).is_ok_and(|v| {
+        ["step", "skipped_steps", "episode"].iter().all(|k| v[*k].is_u64()) && !v["sampler"].is_null() && v["config"].is_object()
     })
 }
 

@@ -70,6 +70,9 @@ fn read_ids_for(dir: &Path, rows: usize) -> Result<Vec<String>> {
 /// collection (a block of rows in memory at a time); HNSW holds the matrix once (the graph is
 /// built on the copy the index keeps); BM25 streams the corpus one passage at a time.
 pub fn build_index(spec: &IndexSpec, output: &Path, progress: &dyn Progress) -> Result<IndexMeta> {
+    // Before the build, which may take hours (an HNSW graph, a Milvus collection filled): an
+    // output that is not the toolkit's to replace is refused now, not once the work is done.
+    crate::index::check_replaceable(output)?;
     Ok(match spec {
         IndexSpec::Flat { embeddings } => {
             let npy_path = embeddings.join("embeddings.npy");
