@@ -114,6 +114,13 @@ fn st_loads_the_trained_model(work: &Path, model: &Path) {
     assert!((before - st).abs().max().double_value(&[]) > 1e-4, "the trained model differs from the start");
 }
 
+/// The names in `dir`, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
 fn fails(o: &Output, needles: &[&str]) {
     let err = stderr(o);
     assert_eq!(o.status.code(), Some(1), "{err}");
@@ -238,8 +245,11 @@ fn ance_episodes_mine_with_the_model_and_resume_exactly() {
     let o = run(&mut train_cmd(&recipe, &whole, &[]));
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("mining negatives"), "{}", stderr(&o));
-    // The last stage saved its model into OUT; it is not loaded and saved there again.
-    assert!(!stderr(&o).contains("copying the last stage's model"), "{}", stderr(&o));
+    // The last stage saved its model into OUT before marking the stage done; it is not loaded
+    // and saved there again after (that save would be newer than the mark).
+    let modified = |p: &Path| std::fs::metadata(p).unwrap().modified().unwrap();
+    let (saved, marked) = (modified(&whole.join("model.safetensors")), modified(&whole.join("episode-1/stage_done")));
+    assert!(saved <= marked, "OUT's model was written again after the last stage was done ({saved:?} > {marked:?})");
 
     let (src0, bm25) = saved_negatives(&whole.join("negatives-episode-0.json"));
     let (src1, ance) = saved_negatives(&whole.join("negatives-episode-1.json"));
@@ -309,11 +319,25 @@ fn ance_episodes_mine_with_the_model_and_resume_exactly() {
     // Starting over needs saying so.
     fails(&run(&mut train_cmd(&recipe, &killed, &[])), &["--overwrite-output-dir"]);
     // Starting over a run killed while encoding the corpus for episode 1: the parts it left
-    // were made by another checkpoint than this run's, and go; a file of the user's there stays.
+    // were made by another checkpoint than this run's, and go; a file of the user's there stays,
+    // in the work folder or in its corpus/ or index/ (then the encode refuses, naming it).
     let work = killed.join("episode-1/ance");
     std::fs::create_dir_all(work.join("corpus/parts")).unwrap();
+    std::fs::create_dir_all(work.join("index")).unwrap();
     std::fs::write(work.join("corpus/parts/manifest.json"), r#"{"checkpoint": "another"}"#).unwrap();
-    std::fs::write(work.join("notes.txt"), "mine").unwrap();
+    std::fs::write(work.join("corpus/embeddings.npy"), "stale").unwrap();
+    for mine in ["notes.txt", "corpus/notes.txt", "index/notes.txt"] {
+        std::fs::write(work.join(mine), "mine").unwrap();
+    }
+    let o = run(&mut train_cmd(&recipe, &killed, &["--overwrite-output-dir", "--max-steps", "1"]));
+    fails(&o, &["notes.txt", "did not write"]);
+    assert!(stderr(&o).contains("the ANCE index is kept") && stderr(&o).contains("corpus is kept"), "{}", stderr(&o));
+    for mine in ["notes.txt", "corpus/notes.txt", "index/notes.txt"] {
+        assert_eq!(std::fs::read_to_string(work.join(mine)).unwrap(), "mine", "{mine}");
+    }
+    assert!(!work.join("corpus/parts").exists() && !work.join("corpus/embeddings.npy").exists());
+    std::fs::remove_dir_all(work.join("corpus")).unwrap();
+    std::fs::remove_dir_all(work.join("index")).unwrap();
     let o = run(&mut train_cmd(&recipe, &killed, &["--overwrite-output-dir", "--max-steps", "1"]));
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(work.join("notes.txt")).unwrap(), "mine");
@@ -720,6 +744,17 @@ fn the_output_folder_is_the_run_s_own_and_overwrite_removes_only_what_it_wrote()
     assert_eq!(std::fs::read_to_string(foreign.join("run.json")).unwrap(), r#"{"name":"sacred"}"#);
     assert_eq!(std::fs::read_to_string(foreign.join("config.json")).unwrap(), "mine");
     assert_eq!(std::fs::read_dir(foreign.join("checkpoint-7")).unwrap().count(), 1);
+
+    // Hugging Face's Trainer output: its checkpoints hold a trainer_state.json too, in its shape.
+    let hf = dir.path().join("hf");
+    std::fs::create_dir_all(hf.join("checkpoint-10")).unwrap();
+    std::fs::write(hf.join("checkpoint-10/trainer_state.json"), r#"{"global_step":10,"log_history":[]}"#).unwrap();
+    std::fs::write(hf.join("checkpoint-10/model.safetensors"), "theirs").unwrap();
+    for extra in [&[][..], &["--overwrite-output-dir"][..], &["--resume-from-checkpoint", "latest"][..]] {
+        fails(&run(&mut cmd(&minilm_dir(), &hf, extra)), &[p(&hf), "holds files that no run of host train wrote", "checkpoint-10"]);
+    }
+    assert_eq!(names(&hf), ["checkpoint-10"], "the refused folder was written to");
+    assert_eq!(names(&hf.join("checkpoint-10")), ["model.safetensors", "trainer_state.json"]);
 
     // A run of its own: a file beside it is kept; one put into its checkpoint stops the
     // overwrite (naming it) instead of going with the checkpoint.

@@ -488,12 +488,19 @@ fn still_waiting(what: &str) -> impl FnMut(std::time::Duration) + '_ {
     move |waited| eprintln!("train: still waiting for rank 0 to {what} ({} min)", waited.as_secs() / 60)
 }
 
-/// A mining pass's saved blocks, once its negatives are saved whole.
+/// A mining pass's saved blocks, once its negatives are saved whole; and those an earlier
+/// version's run left under the name without the leading dot (`negatives-episode-E.parts/`),
+/// which would otherwise stay in OUT, counted in its model's digest.
 fn remove_parts(dir: &Path) -> Result<()> {
-    match std::fs::remove_dir_all(dir) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e).with_context(|| format!("{}: cannot remove", dir.display())),
-        _ => Ok(()),
+    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let older = dir.with_file_name(name.trim_start_matches('.'));
+    for dir in [dir, older.as_path()] {
+        match std::fs::remove_dir_all(dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e).with_context(|| format!("{}: cannot remove", dir.display())),
+            _ => {}
+        }
     }
+    Ok(())
 }
 
 /// The run's own BM25 index of the corpus, rebuilt when the corpus it was built from (its
@@ -596,20 +603,36 @@ const ANCE_WORK: &str = "ance";
 
 /// Remove an ANCE stage's work folder (the corpus embeddings and index) and, when the index
 /// is a Milvus one, its collection (each build has its own, so two runs of one recipe never
-/// share one; best effort: a server that is gone costs a warning). Only what the toolkit
-/// names there goes (`corpus/`, `index/` and their temporaries); the folder itself only if
-/// that left it empty.
+/// share one; best effort: a server that is gone costs a warning). Only what the toolkit wrote
+/// there goes: the index as [`rak_retrieval::index::remove_written`] removes one, the files
+/// `encode` writes in `corpus/`, and their temporaries; a file of the user's in either is kept
+/// and named in a warning, and so is the folder.
 fn remove_ance_work(work: &Path, progress: &dyn Progress) {
-    let index = work.join("index");
-    let milvus = rak_retrieval::index::IndexMeta::read(&index).is_ok_and(|m| m.kind == "milvus");
-    if milvus {
-        if let Err(e) = rak_retrieval::index::MilvusIndex::drop_collection(&index) {
-            progress.log(&format!("train: warning: the ANCE index's Milvus collection was not dropped: {e:#}"));
+    use rak_retrieval::index;
+    let built = work.join("index");
+    match index::check_replaceable(&built) {
+        Ok(()) => {
+            // Dropped only with the folder: a kept folder still names its collection.
+            if index::IndexMeta::read(&built).is_ok_and(|m| m.kind == "milvus") {
+                if let Err(e) = index::MilvusIndex::drop_collection(&built) {
+                    progress.log(&format!("train: warning: the ANCE index's Milvus collection was not dropped: {e:#}"));
+                }
+            }
+            if let Err(e) = index::remove_written(&built) {
+                progress.log(&format!("train: warning: {e:#}"));
+            }
         }
+        Err(e) => progress.log(&format!("train: warning: the ANCE index is kept: {e:#}")),
     }
-    let ours = |n: &str| ["corpus", "index"].iter().any(|w| n == *w || n.strip_prefix('.').is_some_and(|t| t.starts_with(&format!("{w}.tmp-")) || t.starts_with(&format!("{w}.old-"))));
+    let corpus = work.join("corpus");
+    let kept = rak_retrieval::pipeline::encode::remove_output(&corpus);
+    if !kept.is_empty() {
+        progress.log(&format!("train: warning: {} is kept: it holds files the run did not write there ({})", corpus.display(), kept.join(", ")));
+    }
+    // What killed atomic writes of ours leave, ours by name.
+    let temporary = |n: &str| ["corpus", "index"].iter().any(|w| n.strip_prefix('.').and_then(|t| t.strip_prefix(*w)).is_some_and(|t| t.starts_with(".tmp-") || t.starts_with(".old-")));
     for entry in std::fs::read_dir(work).into_iter().flatten().flatten() {
-        if ours(&entry.file_name().to_string_lossy()) {
+        if temporary(&entry.file_name().to_string_lossy()) {
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }
@@ -840,8 +863,8 @@ impl RunLayout {
             // The trainer's settings, recorded since issue 32: a run recorded before has its
             // checkpoints' check only.
             .filter(|(k, _)| k.as_str() != "train" || earlier.contains_key("train"))
-            // A key an older version did not record counts as absent (null), not as changed.
-            .filter(|(k, v)| earlier.get(k.as_str()).unwrap_or(&Value::Null) != *v)
+            // A key an older version did not record counts as absent (null), not as changed
+            // (inside a section too: see `differing`).
             .flat_map(|(k, v)| differing(k, earlier.get(k.as_str()).unwrap_or(&Value::Null), v))
             .collect();
         if !differences.is_empty() {
@@ -906,10 +929,11 @@ fn own_run_file(path: &Path) -> bool {
 }
 
 /// Whether a `checkpoint-N` folder is the trainer's: it holds the record of what was written
-/// there, or (written before that record) the trainer's state file. A folder of that name alone
-/// proves nothing.
+/// there, or (written before that record) this trainer's state file, by its keys: Hugging
+/// Face's trainer writes a `trainer_state.json` into its `checkpoint-N` folders too. A folder
+/// of that name alone proves nothing.
 fn own_checkpoint(dir: &Path) -> bool {
-    dir.join(rak_retrieval::index::WRITTEN_FILE).is_file() || dir.join(crate::trainer::STATE_FILE).is_file()
+    dir.join(rak_retrieval::index::WRITTEN_FILE).is_file() || rak_retrieval::index::is_trainer_state(&dir.join(crate::trainer::STATE_FILE))
 }
 
 /// `path` made absolute with its links resolved, as far as it exists (the rest taken by text),
@@ -936,17 +960,22 @@ fn resolved(path: &Path) -> PathBuf {
     at
 }
 
-/// `then` and `now` (which differ) as lines `  key: THEN then, NOW now`; two objects by the keys
-/// that differ (`train.learning_rate`), so that one changed setting is not lost in a section.
+/// How `then` and `now` differ, as lines `  key: THEN then, NOW now` (none when they are the
+/// same); two objects by the keys that differ (`train.learning_rate`), so that one changed
+/// setting is not lost in a section. A key missing on one side counts as null there, as at the
+/// top level: a setting added in a later version (recorded as null when unset) does not make
+/// the runs recorded before it unresumable.
 fn differing(key: &str, then: &Value, now: &Value) -> Vec<String> {
     match (then.as_object(), now.as_object()) {
         (Some(a), Some(b)) => {
             let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            let at = |o: &serde_json::Map<String, Value>, k: &str| o.get(k).cloned().unwrap_or(Value::Null);
             keys.into_iter()
-                .filter(|k| a.get(k.as_str()) != b.get(k.as_str()))
-                .map(|k| format!("  {key}.{k}: {} then, {} now", a.get(k.as_str()).unwrap_or(&Value::Null), b.get(k.as_str()).unwrap_or(&Value::Null)))
+                .filter(|k| at(a, k) != at(b, k))
+                .map(|k| format!("  {key}.{k}: {} then, {} now", at(a, k), at(b, k)))
                 .collect()
         }
+        _ if then == now => Vec::new(),
         _ => vec![format!("  {key}: {then} then, {now} now")],
     }
 }
@@ -973,6 +1002,29 @@ mod tests {
         std::fs::create_dir_all(&parts).unwrap();
         std::fs::write(parts.join("0-0.json"), "{}").unwrap();
         assert_eq!(rak_retrieval::digest::checkpoint_digest(&out).unwrap(), before, "{} counts as part of the model", parts.display());
+        // An earlier version's blocks, under the name without the dot, go with the hidden ones.
+        let older = out.join("negatives-episode-1.parts");
+        std::fs::create_dir_all(&older).unwrap();
+        std::fs::write(older.join("0-0.json"), "{}").unwrap();
+        remove_parts(&parts).unwrap();
+        assert!(!parts.exists() && !older.exists());
+        assert_eq!(rak_retrieval::digest::checkpoint_digest(&out).unwrap(), before);
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+
+    #[test]
+    fn a_key_missing_in_a_recorded_section_counts_as_null() {
+        let out = std::env::temp_dir().join(format!("rak-recipe-null-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        std::fs::create_dir_all(&out).unwrap();
+        std::fs::write(out.join(RUN_FILE), json!({"ance_episodes": 0, "recipe": {"train": {"seed": 7}, "data": "d"}}).to_string()).unwrap();
+        let layout = RunLayout { out: out.clone(), episodes: 0 };
+        // A setting recorded later, unset (null), is no change; a set one, or a changed one, is.
+        layout.check_recipe(&json!({"train": {"seed": 7, "added_later": null}, "data": "d"})).unwrap();
+        let e = format!("{:#}", layout.check_recipe(&json!({"train": {"seed": 7, "added_later": true}, "data": "d"})).unwrap_err());
+        assert!(e.contains("train.added_later: null then, true now"), "{e}");
+        let e = format!("{:#}", layout.check_recipe(&json!({"train": {"seed": 8}, "data": "e"})).unwrap_err());
+        assert!(e.contains("train.seed: 7 then, 8 now") && e.contains("data: \"d\" then, \"e\" now"), "{e}");
         std::fs::remove_dir_all(&out).unwrap();
     }
 

@@ -923,15 +923,14 @@ fn remove_stale_checkpoint_temporaries(output_dir: &Path) {
     }
 }
 
-/// Removes all but the newest `keep` checkpoints of `output_dir` up to `step` (the one just
-/// written), the oldest first, so that a kill in between leaves the newest ones. Checkpoints
-/// after `step` (left by a run this one resumed before their step) are not counted or
-/// removed: the one just written is never the one to go. Nor is `resumed_from`, whose files
-/// the encoder still reads.
-/// Remove the checkpoints beyond the newest `keep` up to `step`; returns why each that was kept
-/// over the limit was kept. Only a checkpoint that holds nothing but what the trainer wrote is
-/// removed: one the user put files into is kept, with its files, and named (the run goes on:
-/// a checkpoint too many is no reason to lose hours of training).
+/// Remove all but the newest `keep` checkpoints of `output_dir` up to `step` (the one just
+/// written), the oldest first, so that a kill in between leaves the newest ones; returns why
+/// each that was kept over the limit was kept. Checkpoints after `step` (left by a run this one
+/// resumed before their step) are not counted or removed: the one just written is never the
+/// one to go. Nor is `resumed_from`, whose files the encoder still reads. Only a checkpoint that
+/// holds nothing but what the trainer wrote is removed: one the user put files into is kept,
+/// with its files, and named (the run goes on: a checkpoint too many is no reason to lose hours
+/// of training).
 fn remove_old_checkpoints(output_dir: &Path, step: u64, keep: usize, resumed_from: Option<&Path>) -> Result<Vec<String>> {
     let same = |a: &Path, b: &Path| a.canonicalize().ok().is_some_and(|a| b.canonicalize().ok().is_some_and(|b| a == b));
     let mut steps: Vec<(u64, PathBuf)> = checkpoints(output_dir)
@@ -1037,6 +1036,114 @@ mod checkpoint_tests {
         assert!(kept[0].contains("checkpoint-1") && kept[0].contains("my-eval.json") && kept[0].contains("kept"), "{}", kept[0]);
         assert_eq!(std::fs::read_to_string(dir.join("checkpoint-1/my-eval.json")).unwrap(), "mine");
         assert!(dir.join("checkpoint-1").join(STATE_FILE).exists() && !dir.join("checkpoint-2").exists() && dir.join("checkpoint-3").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[cfg(test)]
+mod group_tests {
+    use super::*;
+    use crate::data::Example;
+
+    /// Neither encodes nor steps: [`Trainer::group_texts`] only reads the examples and texts.
+    struct NoEncoder;
+    impl Encoder for NoEncoder {
+        fn encode(&mut self, _: &[&str], _: Role, _: Option<&str>, _: bool) -> Result<Tensor> {
+            bail!("not used")
+        }
+        fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
+            Ok(Vec::new())
+        }
+        fn info(&self) -> Result<Value> {
+            Ok(Value::Null)
+        }
+        fn save(&self, _: &Path) -> Result<()> {
+            bail!("not used")
+        }
+    }
+    struct NoOptimizer;
+    impl Optimizer for NoOptimizer {
+        fn begin_step(&mut self, _: Vec<(String, Tensor)>, _: StepContext) -> Result<()> {
+            bail!("not used")
+        }
+        fn task_gradients(&mut self, _: &str, _: f64, _: Vec<(String, Tensor)>) -> Result<()> {
+            bail!("not used")
+        }
+        fn finish_step(&mut self) -> Result<Value> {
+            bail!("not used")
+        }
+        fn state(&self) -> Result<Vec<(String, Tensor)>> {
+            Ok(Vec::new())
+        }
+        fn load_state(&mut self, _: Vec<(String, Tensor)>) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    fn config(mask_positive_copies: bool) -> TrainerConfig {
+        TrainerConfig {
+            learning_rate: 1e-5,
+            batch_size: 1,
+            hard_negatives: 1,
+            sampler: SamplerKind::Taco { temperature: 1.0 },
+            max_steps: 1,
+            warmup_ratio: 0.0,
+            max_grad_norm: None,
+            seed: 3,
+            logging_steps: 1,
+            save_steps: 1,
+            save_total_limit: None,
+            task_names: false,
+            layerwise_lr_decay: false,
+            max_skipped_steps: 0,
+            score_scale: 1.0,
+            bf16: false,
+            in_batch_negatives: Default::default(),
+            task_loss_weight: Default::default(),
+            loss: LossKind::Nce,
+            lm_temperature: None,
+            mask_positive_copies,
+        }
+    }
+
+    /// With `mask_positive_copies`, a query's group carries the texts of all its gold passages
+    /// (the one drawn and the other), so that either met elsewhere in the batch is masked; the
+    /// parity test hands these lists in by hand, this checks the trainer fills them.
+    #[test]
+    fn a_group_lists_every_positive_s_text_when_copies_are_masked() {
+        let ex = Example { query_id: "q".into(), query: "query".into(), positives: vec!["p1".into(), "p2".into()], negatives: vec!["n".into()], answers: vec![], lm_scores: vec![] };
+        let texts: HashMap<String, String> = [("p1", "first gold"), ("p2", "second gold"), ("n", "negative")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let tasks = vec![TaskData { name: "t".into(), examples: vec![ex] }];
+        let out = std::env::temp_dir().join(format!("rak-group-{}", std::process::id()));
+        for mask in [true, false] {
+            let (mut enc, mut opt) = (NoEncoder, NoOptimizer);
+            let trainer = Trainer::new(config(mask), &mut enc, &mut opt, tasks.clone(), texts.clone(), &out).unwrap();
+            let g = trainer.group_texts(&SubBatch { task: 0, examples: vec![0] }).unwrap();
+            assert_eq!(g.passages.len(), 2);
+            assert!(["first gold", "second gold"].contains(&g.passages[0].as_str()) && g.passages[1] == "negative", "{:?}", g.passages);
+            if mask {
+                assert_eq!(g.positive_texts, vec![vec!["first gold".to_string(), "second gold".to_string()]]);
+            } else {
+                assert!(g.positive_texts.is_empty(), "{:?}", g.positive_texts);
+            }
+        }
+    }
+
+    /// What the trainer writes as its state is what `is_trainer_state` takes for one (it is how
+    /// an older checkpoint, or a run's folder, is told from Hugging Face's, which has a file of
+    /// the same name).
+    #[test]
+    fn the_trainer_s_state_is_recognised_as_its_own() {
+        let (mut enc, mut opt) = (NoEncoder, NoOptimizer);
+        let ex = Example { query_id: "q".into(), query: "query".into(), positives: vec!["p".into()], negatives: vec!["n".into()], answers: vec![], lm_scores: vec![] };
+        let trainer = Trainer::new(config(false), &mut enc, &mut opt, vec![TaskData { name: "t".into(), examples: vec![ex] }], HashMap::new(), Path::new(".")).unwrap();
+        let dir = std::env::temp_dir().join(format!("rak-state-shape-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(STATE_FILE);
+        std::fs::write(&path, serde_json::to_string_pretty(&trainer.state).unwrap()).unwrap();
+        assert!(rak_retrieval::index::is_trainer_state(&path));
+        std::fs::write(&path, r#"{"global_step":10,"log_history":[]}"#).unwrap();
+        assert!(!rak_retrieval::index::is_trainer_state(&path));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -326,6 +326,39 @@ fn remove_parts(out: &Path) {
     let _ = std::fs::remove_dir(&dir);
 }
 
+/// Remove what `encode` writes in `out` (`embeddings.npy`, `ids.txt`, `encode.json`, its lock,
+/// `parts/` as [`remove_parts`] does, and their temporary files), then `out` itself if that
+/// emptied it. Anything else there is someone else's and kept: its names (relative to `out`)
+/// are returned, for the caller to warn about.
+pub fn remove_output(out: &Path) -> Vec<String> {
+    const WRITTEN: [&str; 3] = ["embeddings.npy", "ids.txt", "encode.json"];
+    let Ok(entries) = std::fs::read_dir(out) else { return Vec::new() };
+    let mut kept = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let file = e.file_type().is_ok_and(|t| t.is_file());
+        if name == "parts" && e.file_type().is_ok_and(|t| t.is_dir()) {
+            remove_parts(out);
+            if let Ok(left) = std::fs::read_dir(parts_dir(out)) {
+                kept.extend(left.flatten().map(|l| format!("parts/{}", l.file_name().to_string_lossy())));
+            }
+            continue;
+        }
+        // `.embeddings.npy.partial`, `.embeddings.npy.join-PID`, `.ids.txt.tmp-PID`, ...
+        let temporary = |w: &str| name.strip_prefix('.').and_then(|t| t.strip_prefix(w)).is_some_and(|t| t.starts_with('.'));
+        let ours = WRITTEN.contains(&name.as_str()) || name == ".encode.lock" || WRITTEN.iter().any(|w| temporary(*w));
+        if ours && file {
+            let _ = std::fs::remove_file(e.path());
+        } else {
+            kept.push(name);
+        }
+    }
+    kept.sort();
+    // Fails, and keeps the folder, when something else is left in it.
+    let _ = std::fs::remove_dir(out);
+    kept
+}
+
 /// Open (creating) `path` for locking.
 fn lock_file(path: &Path) -> std::io::Result<File> {
     OpenOptions::new().create(true).truncate(false).write(true).open(path)
