@@ -15,9 +15,11 @@
 //! skips the queries it has records for, except records with failed items, which are asked
 //! again (their answered items come from the connector's cache); the latest record wins.
 //! `--retry-failed` does the same for a finished stage. The source (`source.json`) is recorded
-//! with the first answered item, so a server that was down at the first run pins nothing; when
-//! its `describe` failed, what is known is pinned (unverified, the configured model name), and
-//! a later run whose describe names another model is refused (see `decide_source`). A gone
+//! with the first answered item, so a server that was down at the first run pins nothing; a
+//! `describe` that failed at the start is asked again then, and only if it still fails is what
+//! is known pinned (unverified, the configured model name); a later run whose describe names
+//! another model than the configured one is refused, and with none configured the model it
+//! names is pinned with a notice (see `decide_source`). A gone
 //! server stops the stage once every worker's last query met it, answered items of those queries (from the cache) notwithstanding.
 
 use crate::config::{fill, Config, Source};
@@ -130,7 +132,7 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
             let conn = host.connector(connector, &serde_json::Value::Object(cfg.source_settings.clone()))?;
             let source_file = folder.join(SOURCE_FILE);
             let scored_before = latest.values().any(|r| r["scores"].as_array().is_some_and(|v| v.iter().any(|x| !x.is_null())));
-            let to_record = Mutex::new(check_source(&conn, cfg, &source_file, scored_before)?);
+            let to_record = Mutex::new(check_source(host, &conn, cfg, &source_file, scored_before)?);
             // Queries not recorded, or recorded with failed items (asked again).
             let pending: Vec<&Retrieved> = queries.iter().filter(|q| latest.get(&q.id).is_none_or(has_failures)).collect();
             if pending.len() < queries.len() {
@@ -162,7 +164,8 @@ pub fn run(cfg: &Config, host: &Host, stages: &Stages, key: &Value, queries: &[R
                                 // down at the start never pins a source that answered nothing.
                                 let mut pending_source = to_record.lock().unwrap_or_else(|e| e.into_inner());
                                 if pending_source.is_some() && record["scores"].as_array().is_some_and(|v| v.iter().any(|x| !x.is_null())) {
-                                    let now = pending_source.take().unwrap_or_default();
+                                    let pending = pending_source.take().unwrap_or_default();
+                                    let now = pin_at_first_answer(pending, !scored_before, || conn.complete(json!({"op": "describe"})));
                                     rak_core::fsutil::write_bytes(&source_file, now.to_string().as_bytes())?;
                                 }
                                 drop(pending_source);
@@ -293,14 +296,42 @@ fn has_failures(r: &Value) -> bool {
 /// (the connector's `describe`, without the port). Recorded with the stage's first answered
 /// item; a resume against another model is refused rather than mixing two sources' scores.
 /// What to record (none when recorded already).
-fn check_source(conn: &rak_core::plugin::HostConnector, cfg: &Config, path: &Path, scored_before: bool) -> Result<Option<Value>> {
+fn check_source(host: &Host, conn: &rak_core::plugin::HostConnector, cfg: &Config, path: &Path, scored_before: bool) -> Result<Option<Value>> {
     let recorded = match std::fs::read_to_string(path) {
         Ok(text) => Some(serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(e).with_context(|| format!("{}: cannot read", path.display())),
     };
     let configured = cfg.source_settings.get("model").and_then(Value::as_str).filter(|m| !m.trim().is_empty());
-    decide_source(recorded, conn.complete(json!({"op": "describe"})), configured, scored_before, path)
+    let (record, notice) = decide_source(recorded, conn.complete(json!({"op": "describe"})), configured, scored_before, path)?;
+    if let Some(notice) = notice {
+        host.log(&notice)?;
+    }
+    Ok(record)
+}
+
+/// The source's identity in a `describe` reply: its model and server; none when it failed or
+/// names no model.
+fn identity(described: &Result<Value>) -> Option<Value> {
+    match described {
+        Ok(d) if d.get("error").is_none() && d.get("model").is_some_and(|m| !m.is_null()) => Some(json!({"model": d["model"], "server": d["server"]})),
+        _ => None,
+    }
+}
+
+/// What is pinned with the stage's first answered item: `pending`, decided at the start, except
+/// that on a stage with no scores before this run (`fresh_stage`) an unverified one is asked
+/// for again: the server has just answered, so it is up, and a describe that failed at the start
+/// (a transient failure, or the server still loading) most likely answers now. Only if it still
+/// fails is `unverified` pinned. On a stage with earlier scores, the unverified record stands:
+/// those scores were not this describe's model's for certain.
+fn pin_at_first_answer(pending: Value, fresh_stage: bool, describe: impl FnOnce() -> Result<Value>) -> Value {
+    if fresh_stage && pending["unverified"] == json!(true) {
+        if let Some(id) = identity(&describe()) {
+            return id;
+        }
+    }
+    pending
 }
 
 /// [`check_source`]'s decision from the identity recorded earlier and what `describe` answered
@@ -312,28 +343,28 @@ fn check_source(conn: &rak_core::plugin::HostConnector, cfg: &Config, path: &Pat
 /// (the replies do not say which model answered, so the name the requests sent is all there
 /// is). A later run whose describe fails goes on; one whose describe names a model is refused
 /// unless that model is the configured name the earlier items were asked with (then its
-/// identity is pinned from there on), and always when no name was configured: nothing then
-/// shows the earlier items came from that model. A verified identity recorded earlier is never
-/// confirmed by a failed describe (the resume waits for one that answers). A missing or `null`
-/// record (an earlier version's, after a failed describe) with scores already recorded is the
-/// same unverified case; without scores nothing was pinned, and what describes now is.
-fn decide_source(recorded: Option<Value>, described: Result<Value>, configured: Option<&str>, scored_before: bool, path: &Path) -> Result<Option<Value>> {
-    let now = match &described {
-        Ok(d) if d.get("error").is_none() && d.get("model").is_some_and(|m| !m.is_null()) => Some(json!({"model": d["model"], "server": d["server"]})),
-        _ => None,
-    };
+/// identity is pinned from there on). When no name was configured (the shipped black-box
+/// recipes send `model = ""`), the first model a later describe names is accepted and pinned,
+/// with a notice (the second value) that the scores so far cannot be tied to a model: refusing
+/// would block every resume for good over one transient describe failure. A verified identity
+/// recorded earlier is never confirmed by a failed describe (the resume waits for one that
+/// answers). A missing or `null` record (an earlier version's, after a failed describe) with
+/// scores already recorded is the same unverified case; without scores nothing was pinned, and
+/// what describes now is.
+fn decide_source(recorded: Option<Value>, described: Result<Value>, configured: Option<&str>, scored_before: bool, path: &Path) -> Result<(Option<Value>, Option<String>)> {
+    let now = identity(&described);
     let unverified = |name: Option<&str>| json!({"unverified": true, "configured_model": name});
     let recorded = recorded.filter(|r| !r.is_null());
     match (recorded, now) {
-        (None, now) if !scored_before => Ok(Some(now.unwrap_or_else(|| unverified(configured)))),
+        (None, now) if !scored_before => Ok((Some(now.unwrap_or_else(|| unverified(configured))), None)),
         // Scores without a record: an earlier version's run whose describe failed.
-        (None, None) => Ok(Some(unverified(configured))),
+        (None, None) => Ok((Some(unverified(configured)), None)),
         (None, Some(now)) => from_unverified(&unverified(configured), now, path),
         (Some(then), now) if then["unverified"] == json!(true) => match now {
-            None => Ok(None),
+            None => Ok((None, None)),
             Some(now) => from_unverified(&then, now, path),
         },
-        (Some(then), Some(now)) if then == now => Ok(None),
+        (Some(then), Some(now)) if then == now => Ok((None, None)),
         (Some(then), Some(now)) => bail!(
             "{}: this stage was begun with the source {then}, which is now {now}; point --base-url at the same model, or rerun with --overwrite after changing a source setting to score everything again",
             path.display()
@@ -352,17 +383,26 @@ fn decide_source(recorded: Option<Value>, described: Result<Value>, configured: 
 }
 
 /// A source that describes itself as `now`, resuming a stage whose earlier items were scored
-/// while it could not (`then`, unverified): the same only if `now` is the model those items
-/// were asked for by name; then its identity is pinned.
-fn from_unverified(then: &Value, now: Value, path: &Path) -> Result<Option<Value>> {
+/// while it could not (`then`, unverified): pinned if `now` is the model those items were asked
+/// for by name, refused if they were asked for another, and pinned with a notice if they were
+/// asked for none (nothing says which model answered them; see [`decide_source`]).
+fn from_unverified(then: &Value, now: Value, path: &Path) -> Result<(Option<Value>, Option<String>)> {
     match then["configured_model"].as_str() {
-        Some(name) if now["model"].as_str() == Some(name) => Ok(Some(now)),
-        name => bail!(
-            "{}: this stage's earlier items were scored while the source could not say what model it is ({}), and it now says {now}; \
+        Some(name) if now["model"].as_str() == Some(name) => Ok((Some(now), None)),
+        None => {
+            let notice = format!(
+                "aar-train: score: {}: this stage's earlier items were scored while the source could not say what model it is, and no model was \
+                 configured by name; it now says {now}, which is pinned from here on. The scores so far cannot be tied to a model: they are taken as \
+                 this one's (if they may be another's, rerun with --overwrite after changing a source setting to score everything again)",
+                path.display()
+            );
+            Ok((Some(now), Some(notice)))
+        }
+        Some(name) => bail!(
+            "{}: this stage's earlier items were scored while the source could not say what model it is (the requests named {name:?}), and it now says {now}; \
              nothing shows they came from that model, and their scores are not mixed with another model's. \
              Rerun with --overwrite after changing a source setting to score everything again (or, if you know it is the same model, remove {} to accept it)",
             path.display(),
-            name.map_or_else(|| "no model was configured by name".to_string(), |n| format!("the requests named {n:?}")),
             path.display()
         ),
     }
@@ -524,11 +564,11 @@ mod tests {
         let failed = || Err(anyhow::anyhow!("connection refused"));
         let id = json!({"model": "m1", "server": "127.0.0.1"});
         // First run: what describe said.
-        assert_eq!(decide_source(None, ok(), None, false, path).unwrap(), Some(id.clone()));
+        assert_eq!(decide_source(None, ok(), None, false, path).unwrap(), (Some(id.clone()), None));
         // An earlier version's null (a failed describe recorded) before any score: re-pinned.
-        assert_eq!(decide_source(Some(Value::Null), ok(), None, false, path).unwrap(), Some(id.clone()));
+        assert_eq!(decide_source(Some(Value::Null), ok(), None, false, path).unwrap(), (Some(id.clone()), None));
         // A resume: the same source goes on; another is refused; one that cannot say waits.
-        assert_eq!(decide_source(Some(id.clone()), ok(), None, true, path).unwrap(), None);
+        assert_eq!(decide_source(Some(id.clone()), ok(), None, true, path).unwrap(), (None, None));
         let e = decide_source(Some(id.clone()), Ok(json!({"model": "m2", "server": "127.0.0.1"})), None, true, path).unwrap_err().to_string();
         assert!(e.contains("which is now"), "{e}");
         let e = decide_source(Some(id), failed(), None, true, path).unwrap_err().to_string();
@@ -536,8 +576,8 @@ mod tests {
     }
 
     /// Items scored while describe failed came from some model: what is known of it is pinned
-    /// (unverified, the configured name), and a later run whose describe names another model,
-    /// or any when no name was configured, is refused rather than mixing two models' scores.
+    /// (unverified, the configured name), and a later run whose describe names another model
+    /// than the configured one is refused rather than mixing two models' scores.
     #[test]
     fn scores_asked_while_describe_failed_pin_the_configured_model() {
         let path = Path::new("source.json");
@@ -545,24 +585,58 @@ mod tests {
         let says = |m: &str| Ok(json!({"model": m, "server": "127.0.0.1"}));
         let pinned = |m: Option<&str>| json!({"unverified": true, "configured_model": m});
         // First run: the describe fails (or answers an error); what is known is pinned.
-        assert_eq!(decide_source(None, failed(), Some("a"), false, path).unwrap(), Some(pinned(Some("a"))));
-        assert_eq!(decide_source(None, Ok(json!({"error": {"kind": "unreachable", "message": "x"}})), None, false, path).unwrap(), Some(pinned(None)));
+        assert_eq!(decide_source(None, failed(), Some("a"), false, path).unwrap(), (Some(pinned(Some("a"))), None));
+        assert_eq!(decide_source(None, Ok(json!({"error": {"kind": "unreachable", "message": "x"}})), None, false, path).unwrap(), (Some(pinned(None)), None));
         // A resume whose describe fails again goes on as it was.
-        assert_eq!(decide_source(Some(pinned(Some("a"))), failed(), Some("a"), true, path).unwrap(), None);
+        assert_eq!(decide_source(Some(pinned(Some("a"))), failed(), Some("a"), true, path).unwrap(), (None, None));
         // One whose describe names the model the items were asked for: pinned from then on.
-        assert_eq!(decide_source(Some(pinned(Some("a"))), says("a"), Some("a"), true, path).unwrap(), Some(json!({"model": "a", "server": "127.0.0.1"})));
-        // Another model, or any when no name was configured: refused.
+        let a = json!({"model": "a", "server": "127.0.0.1"});
+        assert_eq!(decide_source(Some(pinned(Some("a"))), says("a"), Some("a"), true, path).unwrap(), (Some(a), None));
+        // Another model than the one configured: refused.
         let e = decide_source(Some(pinned(Some("a"))), says("b"), Some("a"), true, path).unwrap_err().to_string();
         assert!(e.contains("source.json") && e.contains("\"a\"") && e.contains("\"b\""), "{e}");
-        let e = decide_source(Some(pinned(None)), says("b"), None, true, path).unwrap_err().to_string();
-        assert!(e.contains("no model was configured"), "{e}");
-        // An earlier version's run: scores recorded, no identity (its describe failed). Not
-        // pinned to whatever answers now.
-        let e = decide_source(None, says("b"), None, true, path).unwrap_err().to_string();
-        assert!(e.contains("could not say"), "{e}");
+        // An earlier version's run (scores recorded, no identity) asked for a configured model
+        // is refused another one.
         let e = decide_source(Some(Value::Null), says("b"), Some("a"), true, path).unwrap_err().to_string();
         assert!(e.contains("could not say"), "{e}");
-        assert_eq!(decide_source(None, failed(), Some("a"), true, path).unwrap(), Some(pinned(Some("a"))));
+        assert_eq!(decide_source(None, failed(), Some("a"), true, path).unwrap(), (Some(pinned(Some("a"))), None));
+    }
+
+    /// The shipped black-box recipes configure no model name (`model = ""`): a stage whose
+    /// describe failed once is not refused on every later resume. The first model a later
+    /// describe names is pinned, with a notice that the earlier scores cannot be tied to it.
+    #[test]
+    fn an_unverified_stage_with_no_configured_model_pins_the_next_model_described() {
+        let path = Path::new("source.json");
+        let b = json!({"model": "b", "server": "127.0.0.1"});
+        let says_b = || Ok(json!({"model": "b", "server": "127.0.0.1"}));
+        let unverified = json!({"unverified": true, "configured_model": null});
+        for recorded in [Some(unverified.clone()), None, Some(Value::Null)] {
+            let (record, notice) = decide_source(recorded.clone(), says_b(), None, true, path).unwrap();
+            assert_eq!(record, Some(b.clone()), "{recorded:?}");
+            let notice = notice.expect("a notice");
+            assert!(notice.contains("source.json") && notice.contains("cannot be tied to a model") && notice.contains("\"b\""), "{notice}");
+        }
+        // Once pinned, the resume after it goes on, and another model is refused.
+        assert_eq!(decide_source(Some(b.clone()), says_b(), None, true, path).unwrap(), (None, None));
+        assert!(decide_source(Some(b), Ok(json!({"model": "c", "server": "127.0.0.1"})), None, true, path).is_err());
+    }
+
+    /// A describe that failed at the start of a fresh stage is asked again with the first
+    /// answered item (the server is up then): what it says is pinned, `unverified` only if it
+    /// still fails. A stage with earlier scores keeps its unverified record, and a verified
+    /// one is never asked again.
+    #[test]
+    fn the_first_answer_asks_a_failed_describe_again() {
+        let unverified = json!({"unverified": true, "configured_model": null});
+        let id = json!({"model": "m1", "server": "127.0.0.1"});
+        let says = || Ok(json!({"model": "m1", "server": "127.0.0.1", "requested": ""}));
+        assert_eq!(pin_at_first_answer(unverified.clone(), true, says), id);
+        assert_eq!(pin_at_first_answer(unverified.clone(), true, || Err(anyhow::anyhow!("refused"))), unverified);
+        assert_eq!(pin_at_first_answer(unverified.clone(), true, || Ok(json!({"error": {"kind": "x"}}))), unverified);
+        assert_eq!(pin_at_first_answer(unverified.clone(), false, says), unverified, "earlier scores are not tied to it");
+        let other = json!({"model": "m0", "server": "127.0.0.1"});
+        assert_eq!(pin_at_first_answer(other.clone(), true, || panic!("a verified identity is not asked again")), other);
     }
 
     /// An older white-box run's score key (no device or dtype) is today's on the defaults:
