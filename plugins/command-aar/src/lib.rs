@@ -41,7 +41,9 @@
 //!    which only it reads, is in no key.
 //! 4. `train`: the host's `train` service on those examples, `loss = "multi_positive"` (or
 //!    `"lm_supervised"`, the KL of REPLUG, in its mode), in `OUT/stages/train` (resumed from
-//!    its checkpoints).
+//!    its checkpoints). The `[model]` setting `bf16` (bf16 weights, which the retrieve stage
+//!    may encode with) is left out of the training recipe, with a notice: training keeps
+//!    float32 weights, and the train service refuses bf16 ones.
 //! 5. `final`: the trained model saved into `OUT` itself, which `host search --model OUT` and
 //!    `host augment --encoder-model OUT` use directly: saved under `stages/final/model/`, then
 //!    moved in over the last final stage's entries only (recorded in `stages/model_files.json`),
@@ -480,9 +482,16 @@ fn train_stage(cfg: &Config, host: &Host, stages: &Stages, key: &Value, examples
         })
         .collect();
     let earlier = has_checkpoint(&folder);
+    let (settings, bf16_left_out) = training_settings(&cfg.encoder_settings);
+    if bf16_left_out {
+        host.log(
+            "aar-train: train: the [model] setting bf16 (bf16 weights) is for encoding, as the retrieve stage did; \
+             training keeps float32 weights, so it is left out of the training recipe",
+        )?;
+    }
     let mut request = json!({
         "recipe": {
-            "model": {"encoder": cfg.encoder, "path": cfg.model, "settings": cfg.encoder_settings},
+            "model": {"encoder": cfg.encoder, "path": cfg.model, "settings": settings},
             "data": {"corpus": cfg.corpus, "task_dir": cfg.task_dir, "tasks": [cfg.task], "split": cfg.split},
             "train": cfg.train,
         },
@@ -502,6 +511,14 @@ fn train_stage(cfg: &Config, host: &Host, stages: &Stages, key: &Value, examples
     let reply = host.train(request)?;
     stages.finish("train", &reply)?;
     Ok((reply, how))
+}
+
+/// The encoder settings the training recipe gets: `[model] settings` less `bf16`, and whether
+/// it held one. That setting casts the weights themselves, fine for encoding the corpus but not
+/// for training (bf16 weights and AdamW moments lose updates; the train service refuses it),
+/// which would otherwise fail only after retrieve, score and select had run.
+fn training_settings(settings: &serde_json::Map<String, Value>) -> (Value, bool) {
+    (without(settings, &["bf16"]), settings.contains_key("bf16"))
 }
 
 fn has_checkpoint(dir: &Path) -> bool {
@@ -533,6 +550,19 @@ fn final_stage(cfg: &Config, host: &Host, stages: &Stages, key: &Value) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `bf16` in `[model] settings` (encoding in bf16) stays out of the training recipe, which
+    /// refuses it; the other settings go through.
+    #[test]
+    fn bf16_is_left_out_of_the_training_settings() {
+        let settings = json!({"bf16": true, "max_length": 64, "device": "cuda"}).as_object().unwrap().clone();
+        let (sent, left_out) = training_settings(&settings);
+        assert!(left_out);
+        assert_eq!(sent, json!({"max_length": 64, "device": "cuda"}));
+        let (sent, left_out) = training_settings(json!({"max_length": 64}).as_object().unwrap());
+        assert!(!left_out);
+        assert_eq!(sent, json!({"max_length": 64}));
+    }
 
     /// torchrun's WORLD_SIZE > 1 is refused; unset, empty (as the trainer's rendezvous reads
     /// it) or 1 is one process.
