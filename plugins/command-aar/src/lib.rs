@@ -533,7 +533,11 @@ fn final_stage(cfg: &Config, host: &Host, stages: &Stages, key: &Value) -> Resul
         Start::Fresh => "ran",
     };
     let trained = stages.folder("train");
-    let encoder = host.encoder(&cfg.encoder, &cfg.encoder_settings_for(&trained))?;
+    // Loaded as it was trained, in float32: a `bf16` setting (for retrieval's encoding) would
+    // cast the trained weights and save them in bf16.
+    let (mut settings, _) = training_settings(&cfg.encoder_settings);
+    settings["model"] = json!(trained);
+    let encoder = host.encoder(&cfg.encoder, &settings)?;
     // Saved whole beside the stages first, then moved into OUT over the last model's entries
     // (which stay until then: a redo that fails leaves the last complete model).
     let saved = stages.folder("final").join("model");
