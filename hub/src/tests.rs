@@ -1,0 +1,211 @@
+//! The resolver against caches laid out as huggingface_hub lays them out (blobs, snapshots
+//! of links into them, refs, `.no_exist` marks), built here from small files.
+
+use super::*;
+use std::collections::HashMap;
+
+const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
+const OTHER: &str = "89abcdef0123456789abcdef0123456789abcdef";
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("rak-hub-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn env_at(cache: &Path, offline: bool) -> HubEnv {
+    // A port nothing listens on: "online" tests that reach for the Hub fail at once.
+    HubEnv { cache: cache.into(), cache_from: "test".into(), endpoint: "http://127.0.0.1:9".into(), offline, token: None }
+}
+
+/// `files` (name, content) as blobs under `repo/blobs/` with `snapshots/commit/NAME` linking
+/// to them (relative links, as huggingface_hub writes), and `refs/REF` naming the commit.
+fn lay_out(repo: &Path, commit: &str, refs: &[&str], files: &[(&str, &str)]) {
+    for (name, content) in files {
+        let blob = format!("{:x}", fxhash(content.as_bytes()));
+        std::fs::create_dir_all(repo.join("blobs")).unwrap();
+        std::fs::write(repo.join("blobs").join(&blob), content).unwrap();
+        let link = repo.join("snapshots").join(commit).join(name);
+        std::fs::create_dir_all(link.parent().unwrap()).unwrap();
+        let depth = name.matches('/').count() + 2;
+        let target = format!("{}blobs/{blob}", "../".repeat(depth));
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(target, &link).unwrap();
+    }
+    for r in refs {
+        let path = repo.join("refs").join(r);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, commit).unwrap();
+    }
+}
+
+fn fxhash(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x100000001b3))
+}
+
+fn mark_absent(repo: &Path, commit: &str, names: &[&str]) {
+    for n in names {
+        let p = repo.join(".no_exist").join(commit).join(n);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, "").unwrap();
+    }
+}
+
+const MODEL: &[(&str, &str)] = &[("config.json", "{\"model_type\": \"bert\"}"), ("tokenizer.json", "{}"), ("model.safetensors", "weights")];
+
+#[test]
+fn names_are_told_apart() {
+    let dir = tmp("names");
+    assert_eq!(classify(&dir), Name::Local(dir.clone()));
+    assert_eq!(classify(Path::new("google/flan-t5-base")), Name::Hub { id: "google/flan-t5-base".into(), alias: None });
+    assert_eq!(classify(Path::new("FLAN-T5-base")), Name::Hub { id: "google/flan-t5-base".into(), alias: Some("flan-t5-base".into()) });
+    assert_eq!(classify(Path::new("t5-base")), Name::Hub { id: "google-t5/t5-base".into(), alias: Some("t5-base".into()) });
+    for path in ["./model", "/no/such/dir", "~/m", "a/b/c", "models/", "../x"] {
+        match classify(Path::new(path)) {
+            Name::NotAModel(why) => assert!(why.contains("no such folder"), "{path}: {why}"),
+            other => panic!("{path}: {other:?}"),
+        }
+    }
+    for bad in ["org/na me", "org/-x", "org/a--b", "org/a..b"] {
+        assert!(matches!(classify(Path::new(bad)), Name::NotAModel(ref w) if w.contains("nor a Hugging Face Hub id")), "{bad}");
+    }
+    match classify(Path::new("openai")) {
+        Name::NotAModel(why) => assert!(why.contains("no model name this toolkit knows") && why.contains("flan-t5-base"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn environment_is_read_as_huggingface_hub_reads_it() {
+    let vars = |pairs: &[(&str, &str)]| {
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        HubEnv::from_vars(move |k| m.get(k).cloned()).unwrap()
+    };
+    let e = vars(&[("HOME", "/h")]);
+    assert_eq!(e.cache, PathBuf::from("/h/.cache/huggingface/hub"));
+    assert_eq!(e.endpoint, "https://huggingface.co");
+    assert!(!e.offline);
+    let e = vars(&[("HOME", "/h"), ("HF_HOME", "/hf"), ("HF_ENDPOINT", "http://127.0.0.1:5/"), ("HF_HUB_OFFLINE", "true")]);
+    assert_eq!(e.cache, PathBuf::from("/hf/hub"));
+    assert_eq!(e.endpoint, "http://127.0.0.1:5");
+    assert!(e.offline);
+    let e = vars(&[("HF_HOME", "/hf"), ("HF_HUB_CACHE", "/c"), ("HF_HUB_OFFLINE", "0")]);
+    assert_eq!(e.cache, PathBuf::from("/c"));
+    assert!(!e.offline);
+    assert_eq!(e.repo_folder("org/name"), PathBuf::from("/c/models--org--name"));
+}
+
+#[test]
+fn a_cached_snapshot_of_links_into_blobs_resolves_by_ref_tag_and_commit() {
+    let cache = tmp("cache");
+    let repo = cache.join("models--org--m");
+    lay_out(&repo, COMMIT, &["main", "v1.0"], MODEL);
+    mark_absent(&repo, COMMIT, OPTIONAL);
+    lay_out(&repo, OTHER, &["dev"], &[("config.json", "{\"model_type\": \"bert\", \"other\": 1}"), ("tokenizer.json", "{}"), ("model.safetensors", "other weights")]);
+    mark_absent(&repo, OTHER, OPTIONAL);
+    for offline in [true, false] {
+        let env = env_at(&cache, offline);
+        let r = resolve_in(Path::new("org/m"), None, &env).unwrap();
+        assert_eq!(r.path, repo.join("snapshots").join(COMMIT));
+        let h = r.hub.as_ref().unwrap();
+        assert_eq!((h.id.as_str(), h.revision.as_str(), h.commit.as_str()), ("org/m", "main", COMMIT));
+        assert!(h.downloaded.is_empty() && h.notes.is_empty(), "{h:?}");
+        assert_eq!(std::fs::read(r.path.join("model.safetensors")).unwrap(), b"weights", "read through the link");
+        assert_eq!(resolve_in(Path::new("org/m"), Some("v1.0"), &env).unwrap().path, r.path, "a tag");
+        assert_eq!(resolve_in(Path::new("org/m"), Some(OTHER), &env).unwrap().path, repo.join("snapshots").join(OTHER), "a commit");
+        assert_eq!(resolve_in(Path::new("org/m"), Some("dev"), &env).unwrap().path, repo.join("snapshots").join(OTHER), "a branch");
+        let rec = r.record();
+        assert_eq!(rec["hub_id"], "org/m");
+        assert_eq!(rec["commit"], COMMIT);
+    }
+    // A local folder wins, and takes no revision.
+    let local = cache.join("org/m");
+    std::fs::create_dir_all(&local).unwrap();
+    assert_eq!(resolve_in(&local, None, &env_at(&cache, true)).unwrap(), Resolved { path: local.clone(), hub: None });
+    assert!(resolve_in(&local, Some("main"), &env_at(&cache, true)).unwrap_err().to_string().contains("is a local folder"));
+    std::fs::remove_dir_all(&cache).unwrap();
+}
+
+#[test]
+fn offline_the_error_names_the_missing_files_where_it_looked_and_the_fetch_command() {
+    let cache = tmp("offline");
+    let repo = cache.join("models--org--m");
+    // No weights, and a sentence-transformers modules.json whose pooling config is missing.
+    let modules = r#"[{"idx":0,"name":"0","path":"","type":"sentence_transformers.models.Transformer"},
+                      {"idx":1,"name":"1","path":"1_Pooling","type":"sentence_transformers.models.Pooling"},
+                      {"idx":2,"name":"2","path":"2_Normalize","type":"sentence_transformers.models.Normalize"}]"#;
+    lay_out(&repo, COMMIT, &["main"], &[("config.json", "{}"), ("tokenizer.json", "{}"), ("modules.json", modules)]);
+    let env = env_at(&cache, true);
+    let e = resolve_in(Path::new("org/m"), None, &env).unwrap_err().to_string();
+    assert!(e.contains("HF_HUB_OFFLINE"), "{e}");
+    assert!(e.contains("missing: model.safetensors, 1_Pooling/config.json"), "{e}");
+    assert!(e.contains(&repo.join("snapshots").join(COMMIT).display().to_string()), "{e}");
+    assert!(e.contains("hf download org/m --revision main"), "{e}");
+    // A revision never fetched, and a repo never fetched.
+    let e = resolve_in(Path::new("org/m"), Some("v2"), &env).unwrap_err().to_string();
+    assert!(e.contains("no refs/v2") && e.contains("--revision v2"), "{e}");
+    let e = resolve_in(Path::new("flan-t5-base"), None, &env).unwrap_err().to_string();
+    assert!(e.contains("google/flan-t5-base") && e.contains("models--google--flan-t5-base (not there)") && e.contains("models--flan-t5-base (not there)"), "{e}");
+    assert!(e.contains("hf download google/flan-t5-base --revision main"), "{e}");
+    // Completed: the snapshot resolves.
+    lay_out(&repo, COMMIT, &[], &[("model.safetensors", "w"), ("1_Pooling/config.json", "{\"pooling_mode_mean_tokens\": true}")]);
+    let r = resolve_in(Path::new("org/m"), None, &env).unwrap();
+    assert!(r.hub.unwrap().notes.is_empty(), "modules.json is there: no note");
+    std::fs::remove_dir_all(&cache).unwrap();
+}
+
+#[test]
+fn offline_a_snapshot_without_modules_json_is_used_with_a_note_unless_the_cache_says_the_repo_lacks_it() {
+    let cache = tmp("note");
+    let repo = cache.join("models--org--m");
+    lay_out(&repo, COMMIT, &["main"], MODEL);
+    let env = env_at(&cache, true);
+    let h = resolve_in(Path::new("org/m"), None, &env).unwrap().hub.unwrap();
+    assert_eq!(h.notes.len(), 1, "{h:?}");
+    assert!(h.notes[0].contains("modules.json") && h.notes[0].contains("hf download org/m"), "{:?}", h.notes);
+    mark_absent(&repo, COMMIT, &["modules.json"]);
+    assert!(resolve_in(Path::new("org/m"), None, &env).unwrap().hub.unwrap().notes.is_empty());
+    std::fs::remove_dir_all(&cache).unwrap();
+}
+
+#[test]
+fn shards_and_the_folder_older_transformers_wrote_for_a_bare_name() {
+    let cache = tmp("shards");
+    // `t5-base` cached under its bare name, sharded.
+    let repo = cache.join("models--t5-base");
+    let index = r#"{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}"#;
+    lay_out(&repo, COMMIT, &["main"], &[("config.json", "{\"model_type\": \"t5\"}"), ("tokenizer.json", "{}"), (WEIGHTS_INDEX, index), ("model-00001-of-00002.safetensors", "1")]);
+    let env = env_at(&cache, true);
+    let e = resolve_in(Path::new("t5-base"), None, &env).unwrap_err().to_string();
+    assert!(e.contains("missing: model-00002-of-00002.safetensors"), "{e}");
+    lay_out(&repo, COMMIT, &[], &[("model-00002-of-00002.safetensors", "2")]);
+    let r = resolve_in(Path::new("t5-base"), None, &env).unwrap();
+    assert_eq!(r.path, repo.join("snapshots").join(COMMIT));
+    let h = r.hub.unwrap();
+    assert_eq!(h.id, "t5-base");
+    assert!(h.notes.is_empty(), "a T5 model gets no modules.json note: {:?}", h.notes);
+    // A bare name the table does not know, cached as huggingface_hub would: a model.
+    let gpt = cache.join("models--tiny");
+    lay_out(&gpt, COMMIT, &["main"], MODEL);
+    assert!(names_a_model(Path::new("tiny"), &env));
+    assert!(!names_a_model(Path::new("openai"), &env));
+    assert_eq!(resolve_in(Path::new("tiny"), None, &env).unwrap().path, gpt.join("snapshots").join(COMMIT));
+    std::fs::remove_dir_all(&cache).unwrap();
+}
+
+#[test]
+fn online_an_unreachable_hub_gives_the_offline_error_with_the_reason() {
+    let cache = tmp("unreachable");
+    let env = env_at(&cache, false);
+    let t = std::time::Instant::now();
+    let e = resolve_in(Path::new("org/m"), Some("v1"), &env).unwrap_err().to_string();
+    assert!(e.contains("cannot be reached") && e.contains("http://127.0.0.1:9"), "{e}");
+    assert!(e.contains("hf download org/m --revision v1"), "{e}");
+    assert!(t.elapsed().as_secs() < 10, "fails fast");
+    // A revision that would leave refs/ is refused before any request.
+    let e = resolve_in(Path::new("org/m"), Some("../../x"), &env).unwrap_err().to_string();
+    assert!(e.contains("not a branch, tag or commit"), "{e}");
+    std::fs::remove_dir_all(&cache).unwrap();
+}
