@@ -156,6 +156,16 @@ impl Handle {
     }
 }
 
+/// A callback lent for one streaming call ([`modules::ConnectorMod::stream`]): `chunk(ctx,
+/// piece)` hands over one piece, valid for that call only; it returns `false` when the
+/// receiver wants no more (its client went away).
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy)]
+pub struct ChunkSink {
+    pub ctx: *mut c_void,
+    pub chunk: extern "C" fn(ctx: *mut c_void, piece: abi_stable::std_types::RStr<'_>) -> bool,
+}
+
 /// Which tower of a dual encoder a text goes through.
 #[repr(u8)]
 #[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -6,7 +6,7 @@
 //! come back as messages. Add new functions only at the end, after the current last field:
 //! hosts see them as `Option`s and old plugins keep loading.
 
-use super::{Handle, NamedTensor, Role, TensorPtr};
+use super::{ChunkSink, Handle, NamedTensor, Role, TensorPtr};
 use abi_stable::library::RootModule;
 use abi_stable::sabi_types::VersionStrings;
 use abi_stable::std_types::{ROption, RResult, RSlice, RStr, RString, RVec};
@@ -116,6 +116,11 @@ pub struct ConnectorMod {
     pub complete: extern "C" fn(h: Handle, request: RStr<'_>) -> Res<RString>,
     #[sabi(last_prefix_field)]
     pub destroy: extern "C" fn(h: Handle),
+    /// Optional (added after the first release; older plugins lack it): `complete` for a
+    /// request whose reply comes in pieces (a streamed completion). Each piece goes to `sink`
+    /// as it arrives, on the calling thread, in order; a sink that returns `false` asks the
+    /// plugin to stop reading. Returns the JSON summary `complete` would (status, error).
+    pub stream: extern "C" fn(h: Handle, request: RStr<'_>, sink: ChunkSink) -> Res<RString>,
 }
 
 /// The services the host offers a command plugin: a prefix-type module, so services can be

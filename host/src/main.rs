@@ -44,6 +44,8 @@ enum Cmd {
     Augment(commands::augment::AugmentArgs),
     /// Evaluate TREC runs against qrels: R-precision (page, passage), recall, MRR, nDCG, answer accuracy.
     Eval(commands::eval::EvalArgs),
+    /// Serve a retriever over HTTP: /v1/embeddings, /search, and an OpenAI-compatible proxy to a target LM that retrieves passages into each request.
+    Serve(commands::serve::ServeArgs),
     /// A subcommand provided by a command plugin.
     #[command(external_subcommand)]
     External(Vec<String>),
@@ -114,6 +116,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Eval(args) => {
             let out = commands::eval::run(&args)?;
             println!("{}", serde_json::to_string_pretty(&out)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Serve(args) => {
+            commands::serve::run(&Registry::discover(&sources)?, &args)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::External(args) => external(&sources, args),

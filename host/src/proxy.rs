@@ -186,6 +186,21 @@ impl Connector for ConnectorProxy {
     fn complete(&self, request: Value) -> Result<Value> {
         self.origin.json("complete", (self.module.complete())(self.handle, request.to_string().as_str().into()))
     }
+
+    fn stream(&self, request: Value, sink: &mut dyn FnMut(&str) -> bool) -> Result<Value> {
+        let Some(stream) = self.module.stream() else {
+            bail!("{} cannot stream replies (built before streaming was added to the connector ABI)", self.origin.0)
+        };
+        // The sink crosses as a pointer to this frame's `&mut dyn FnMut`, used only during the call.
+        extern "C" fn piece(ctx: *mut std::ffi::c_void, data: RStr<'_>) -> bool {
+            let sink = unsafe { &mut *(ctx as *mut &mut dyn FnMut(&str) -> bool) };
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink(data.as_str()))).unwrap_or(false)
+        }
+        let mut sink = sink;
+        let ctx = &mut sink as *mut &mut dyn FnMut(&str) -> bool as *mut std::ffi::c_void;
+        let r = stream(self.handle, request.to_string().as_str().into(), rak_core::abi::ChunkSink { ctx, chunk: piece });
+        self.origin.json("stream", r)
+    }
 }
 
 /// Settings the host's commands fill in for every encoder or reader (`--model`, `--device`,

@@ -267,6 +267,13 @@ extern "C" fn connector_complete<T: Connector + PluginInfo>(h: Handle, r: RStr<'
     with_ref(h, "complete", |c: &T| Ok(c.complete(parse_json(&r, "request")?)?.to_string().into()))
 }
 
+extern "C" fn connector_stream<T: Connector + PluginInfo>(h: Handle, r: RStr<'_>, sink: crate::abi::ChunkSink) -> Res<RString> {
+    with_ref(h, "stream", |c: &T| {
+        let mut send = |piece: &str| (sink.chunk)(sink.ctx, piece.into());
+        Ok(c.stream(parse_json(&r, "request")?, &mut send)?.to_string().into())
+    })
+}
+
 /// The root module of a connector plugin.
 pub fn connector_module<T: Connector + PluginInfo>() -> ConnectorModRef {
     ConnectorModRef(
@@ -275,6 +282,7 @@ pub fn connector_module<T: Connector + PluginInfo>() -> ConnectorModRef {
             create: create::<T>,
             complete: connector_complete::<T>,
             destroy: destroy::<T>,
+            stream: connector_stream::<T>,
         })
         .static_as_prefix(),
     )

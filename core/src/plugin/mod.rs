@@ -217,6 +217,13 @@ pub trait Reader: Send {
 /// from several threads at once.
 pub trait Connector: Send + Sync {
     fn complete(&self, request: Value) -> Result<Value>;
+    /// A request whose reply comes in pieces (`"stream": true`): each piece goes to `sink` as
+    /// it arrives; `sink` returns `false` to stop early. Returns what `complete` would (a
+    /// status, or `{"error": ...}`). Connectors that cannot stream refuse.
+    fn stream(&self, request: Value, sink: &mut dyn FnMut(&str) -> bool) -> Result<Value> {
+        let _ = (request, sink);
+        anyhow::bail!("this connector cannot stream replies")
+    }
 }
 
 /// A `host <name>` subcommand. `host` offers the toolkit's services (encoders, indexes,

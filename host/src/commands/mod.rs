@@ -7,6 +7,7 @@ pub mod encode;
 pub mod eval;
 pub mod index;
 pub mod search;
+pub mod serve;
 pub mod train;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};

@@ -50,6 +50,8 @@ pub enum ErrorKind {
     Unreachable,
     /// The server answered, but not in a shape this connector understands.
     BadReply,
+    /// A forwarded request (`forward`, `stream`: one try, no retries) ran past `timeout_s`.
+    Timeout,
 }
 
 impl ErrorKind {
@@ -60,6 +62,7 @@ impl ErrorKind {
             ErrorKind::RetriesExhausted => "retries_exhausted",
             ErrorKind::Unreachable => "unreachable",
             ErrorKind::BadReply => "bad_reply",
+            ErrorKind::Timeout => "timeout",
         }
     }
 }
@@ -82,6 +85,9 @@ impl ApiError {
 
     pub fn to_json(&self) -> Value {
         let mut v = json!({"kind": self.kind.name(), "message": self.message});
+        if let Some(status) = self.status {
+            v["status"] = json!(status);
+        }
         if let Some(n) = self.prompt_tokens {
             v["prompt_tokens"] = json!(n);
         }
@@ -399,6 +405,101 @@ impl Http {
                 }
             }
         }
+    }
+
+    /// One try of a request forwarded as it came (a proxy's: `host serve`): no retries, no
+    /// cache, so a failing upstream is reported at once. The reply's status and JSON body,
+    /// refusals (4xx) included; a server error, a dropped connection or a timeout is an error.
+    pub fn forward(&self, path: &str, body: &str) -> Result<(u16, Value), ApiError> {
+        let resp = self.send_once(path, body)?;
+        let status = resp.status().as_u16();
+        let text = self.read_capped(path, resp)?;
+        self.forwarded_reply(path, status, &text).map(|v| (status, v))
+    }
+
+    /// [`Http::forward`] for a streamed reply (server-sent events): each event's `data`
+    /// goes to `sink` as it arrives (`[DONE]` included); a refusal comes back whole as in
+    /// `forward`. Returns the status; a sink that says stop ends the read.
+    pub fn forward_stream(&self, path: &str, body: &str, sink: &mut dyn FnMut(&str) -> bool) -> Result<(u16, Value), ApiError> {
+        let resp = self.send_once(path, body)?;
+        let status = resp.status().as_u16();
+        if !resp.status().is_success() {
+            let text = self.read_capped(path, resp)?;
+            return self.forwarded_reply(path, status, &text).map(|v| (status, v));
+        }
+        let mut reader = std::io::BufReader::new(resp);
+        let mut line = String::new();
+        let mut read = 0u64;
+        loop {
+            line.clear();
+            match std::io::BufRead::read_line(&mut reader, &mut line) {
+                Ok(0) => break,
+                Ok(n) => read += n as u64,
+                Err(e) => return Err(self.read_error(path, &e)),
+            }
+            if read > self.max_body {
+                return Err(ApiError::new(ErrorKind::BadReply, format!("{path}: a streamed reply longer than max_response_bytes ({} bytes)", self.max_body)));
+            }
+            let Some(data) = line.trim_end_matches(['\r', '\n']).strip_prefix("data:") else { continue };
+            let data = data.strip_prefix(' ').unwrap_or(data);
+            if self.quotes_key(data) {
+                return Err(ApiError::new(ErrorKind::BadReply, format!("{path}: a streamed piece quotes the API key; the stream is cut")));
+            }
+            if !sink(data) {
+                break;
+            }
+        }
+        Ok((status, Value::Null))
+    }
+
+    fn send_once(&self, path: &str, body: &str) -> Result<reqwest::blocking::Response, ApiError> {
+        let _pass = self.gate.enter();
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        let mut req = self.client.post(format!("{}{path}", self.base)).header(reqwest::header::CONTENT_TYPE, "application/json").body(body.to_string());
+        if let Some(auth) = &self.auth {
+            req = req.header(reqwest::header::AUTHORIZATION, auth.clone());
+        }
+        req.send().map_err(|e| {
+            self.stats.failures.fetch_add(1, Ordering::Relaxed);
+            let kind = if e.is_timeout() {
+                ErrorKind::Timeout
+            } else if e.is_connect() {
+                ErrorKind::Unreachable
+            } else {
+                ErrorKind::RetriesExhausted
+            };
+            self.scrubbed(ApiError::new(kind, format!("{path}: {}", describe(&e))))
+        })
+    }
+
+    fn read_capped(&self, path: &str, resp: reqwest::blocking::Response) -> Result<String, ApiError> {
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::Read::take(resp, self.max_body.saturating_add(1)), &mut bytes).map_err(|e| self.read_error(path, &e))?;
+        if bytes.len() as u64 > self.max_body {
+            return Err(ApiError::new(ErrorKind::BadReply, format!("{path}: a reply larger than max_response_bytes ({} bytes)", self.max_body)));
+        }
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    fn read_error(&self, path: &str, e: &std::io::Error) -> ApiError {
+        let timed_out = e.kind() == std::io::ErrorKind::TimedOut || describe_io(e).contains("timed out");
+        let kind = if timed_out { ErrorKind::Timeout } else { ErrorKind::RetriesExhausted };
+        self.scrubbed(ApiError::new(kind, format!("{path}: the reply was cut: {}", describe_io(e))))
+    }
+
+    /// A forwarded reply's body as JSON: a success or a refusal (4xx) is handed back; a server
+    /// error (5xx) or a body that is not JSON is an error.
+    fn forwarded_reply(&self, path: &str, status: u16, text: &str) -> Result<Value, ApiError> {
+        if self.quotes_key(text) {
+            return Err(ApiError::new(ErrorKind::BadReply, format!("{path}: HTTP {status} with a body that quotes the API key; it is not passed on")));
+        }
+        let parsed = serde_json::from_str::<Value>(text);
+        if status >= 500 || status == 429 || status == 408 {
+            let mut e = classify(status, parsed.as_ref().unwrap_or(&Value::Null), &self.scrub(text.to_string()));
+            e.kind = ErrorKind::RetriesExhausted;
+            return Err(e);
+        }
+        parsed.map_err(|e| ApiError::new(ErrorKind::BadReply, format!("{path}: HTTP {status} with a body that is not JSON ({e}): {}", self.quote(text, 200))))
     }
 
     /// A server may quote the request back (a proxy echoing headers, a 401 naming the key):

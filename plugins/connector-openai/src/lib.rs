@@ -306,10 +306,49 @@ impl Connector for OpenAi {
             "continuation_logprob" => self.continuation_logprob(&request),
             "stats" => return Ok(self.http.stats.to_json()),
             "describe" => return Ok(json!({"model": self.served, "requested": self.model, "model_from": self.model_from, "server": self.http.key_server()})),
-            other => bail!("unknown op {other:?} (known: complete, choice_logprobs, continuation_logprob, stats, describe)"),
+            "forward" => return Ok(self.forward(&request, None)),
+            other => bail!("unknown op {other:?} (known: complete, choice_logprobs, continuation_logprob, stats, describe, forward)"),
         };
         // Replies are quoted into some messages; none may carry the key out.
         Ok(out.unwrap_or_else(|e| json!({"error": self.http.scrubbed(e).to_json()})))
+    }
+
+    fn stream(&self, request: Value, sink: &mut dyn FnMut(&str) -> bool) -> Result<Value> {
+        match request["op"].as_str().unwrap_or("forward") {
+            "forward" => Ok(self.forward(&request, Some(sink))),
+            other => bail!("op {other:?} cannot stream (only forward can)"),
+        }
+    }
+}
+
+impl OpenAi {
+    /// `forward` `{path: "chat/completions" | "completions", body}` → `{status, body}`: an
+    /// OpenAI request passed on as it is, with this connector's model, key and timeout, tried
+    /// once (a proxy in front of the target reports a failing upstream at once rather than
+    /// after the retry budget). With a sink, `body.stream` is set and each server-sent event's
+    /// data goes to the sink; the reply then has no body.
+    fn forward(&self, request: &Value, sink: Option<&mut dyn FnMut(&str) -> bool>) -> Value {
+        let path = match request["path"].as_str() {
+            Some("chat/completions") => "/v1/chat/completions",
+            Some("completions") => "/v1/completions",
+            other => return json!({"error": {"kind": "rejected", "message": format!("forward: path {other:?}: expected \"chat/completions\" or \"completions\"")}}),
+        };
+        let mut body = request["body"].clone();
+        let Some(fields) = body.as_object_mut() else {
+            return json!({"error": {"kind": "rejected", "message": "forward: the request needs an object \"body\""}});
+        };
+        fields.insert("model".into(), json!(self.model));
+        fields.insert("stream".into(), json!(sink.is_some()));
+        let text = body.to_string();
+        let out = match sink {
+            Some(sink) => self.http.forward_stream(path, &text, sink),
+            None => self.http.forward(path, &text),
+        };
+        match out {
+            Ok((status, body)) if body.is_null() => json!({"status": status}),
+            Ok((status, body)) => json!({"status": status, "body": body}),
+            Err(e) => json!({"error": self.http.scrubbed(e).to_json()}),
+        }
     }
 }
 

@@ -1,0 +1,240 @@
+//! `host serve`: a retriever (and optionally a target LM) behind an OpenAI-compatible HTTP
+//! server. This module turns flags and an augment recipe into what `rak_serve` serves: the
+//! encoder and connector from plugins, the open index, the corpus and the passage layout.
+
+use super::encode::{encoder_settings, ModelArgs};
+use crate::augment::config::{AugmentConfig, PassageConfig};
+use crate::augment::prompt::Template;
+use crate::registry::Registry;
+use anyhow::{bail, Context, Result};
+use rak_retrieval::data::{beir, Passage};
+use rak_retrieval::index::{self, Index};
+use serde_json::json;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Index directory (from `host index build`: flat, hnsw, bm25 or milvus).
+    #[arg(long)]
+    pub index: PathBuf,
+    /// Encoder plugin for a dense index and /v1/embeddings.
+    #[arg(long)]
+    pub encoder: Option<String>,
+    /// The encoder's model (a folder, or a Hugging Face id).
+    #[arg(long)]
+    pub model: Option<String>,
+    #[command(flatten)]
+    pub model_args: ModelArgs,
+    /// Passages JSONL ({"_id","title","text"}) the index was built from (default: the
+    /// recipe's [retrieval] corpus).
+    #[arg(long)]
+    pub corpus: Option<PathBuf>,
+    /// Connector plugin of the target LM behind /v1/chat/completions and /v1/completions
+    /// (default: the recipe's [target] name, when --base-url or a recipe is given).
+    #[arg(long)]
+    pub target: Option<String>,
+    /// The target's server root (overrides the recipe's target.settings.base_url).
+    #[arg(long)]
+    pub base_url: Option<String>,
+    /// The target's model (default: the one its server serves).
+    #[arg(long)]
+    pub target_model: Option<String>,
+    /// An augment recipe (configs/augment/*.toml): its [target] settings, [retrieval] corpus,
+    /// k and task, and [passages] layout.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Environment variable holding the API key every route but /health and / then requires
+    /// (`Authorization: Bearer KEY`).
+    #[arg(long)]
+    pub api_key_env: Option<String>,
+    /// Passages retrieved per request when it does not say (default: the recipe's k, else 3).
+    #[arg(long)]
+    pub k: Option<usize>,
+    /// The most passages one request may ask for.
+    #[arg(long, default_value_t = 100)]
+    pub max_k: usize,
+    /// The task queries are encoded for when a request names none (default: the recipe's).
+    #[arg(long)]
+    pub task: Option<String>,
+    /// Task names the page offers (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub tasks: Vec<String>,
+    /// The name the embedding model is served under (default: the model folder's name, or
+    /// the Hub id as given).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Largest request body, in bytes (larger: 413).
+    #[arg(long, default_value_t = 2 << 20)]
+    pub max_body_bytes: usize,
+    /// Seconds a request may take (a stream: until its first piece); past it: 504.
+    #[arg(long, default_value_t = 60.0)]
+    pub request_timeout_s: f64,
+    /// Requests waiting for the encoder at most (beyond: 429 with Retry-After).
+    #[arg(long, default_value_t = 512)]
+    pub queue_size: usize,
+    /// Tokens the encoder takes in one round, over all the requests batched together.
+    #[arg(long, default_value_t = 16384)]
+    pub max_batch_tokens: usize,
+    /// Milliseconds a round waits for more requests (0: takes what is queued).
+    #[arg(long, default_value_t = 0)]
+    pub batch_wait_ms: u64,
+    /// Texts in one /v1/embeddings or /search request at most.
+    #[arg(long, default_value_t = 2048)]
+    pub max_inputs: usize,
+    /// Requests to the target at once (more wait their turn).
+    #[arg(long, default_value_t = 16)]
+    pub target_concurrency: usize,
+    /// HNSW candidate list size at search time (a Milvus IVF_FLAT index: clusters searched).
+    #[arg(long)]
+    pub ef_search: Option<usize>,
+}
+
+pub fn run(registry: &Registry, args: &ServeArgs) -> Result<()> {
+    // Every argument is checked before anything slow (the index, the corpus, the model) loads.
+    let cfg = args.config.as_ref().map(|p| AugmentConfig::read(p)).transpose()?;
+    if !(args.request_timeout_s.is_finite() && args.request_timeout_s > 0.0) {
+        bail!("--request-timeout-s must be a positive number of seconds");
+    }
+    let api_key = match &args.api_key_env {
+        Some(var) => match std::env::var(var) {
+            Ok(k) if !k.trim().is_empty() => Some(k.trim().to_string()),
+            _ => bail!("--api-key-env names {var}, which is not set (or empty) in the environment"),
+        },
+        None => None,
+    };
+    let corpus_path = args
+        .corpus
+        .clone()
+        .or_else(|| cfg.as_ref().and_then(|c| c.retrieval.corpus.clone()))
+        .context("no corpus: give --corpus (the passages JSONL the index was built from) or a recipe with [retrieval] corpus")?;
+    let k = args.k.or(cfg.as_ref().and_then(|c| c.retrieval.k)).unwrap_or(3);
+    if k > args.max_k {
+        bail!("--k {k} is more than --max-k {}", args.max_k);
+    }
+    let task = args.task.clone().or_else(|| cfg.as_ref().and_then(|c| c.retrieval.task.clone()));
+    let passages = cfg.as_ref().map(|c| &c.passages);
+    let format_passages = passage_layout(passages.unwrap_or(&PassageConfig::default()))?;
+    let target_name = match (&args.target, &cfg, &args.base_url) {
+        (Some(t), _, _) => Some(t.clone()),
+        (None, Some(c), _) => c.target.name.clone(),
+        (None, None, Some(_)) => Some("openai".to_string()),
+        (None, None, None) => None,
+    };
+    if let Some(name) = &target_name {
+        match registry.kind_of(name) {
+            Some("connector") => {}
+            Some(other) => bail!("--target {name}: a {other} plugin; host serve's target is a connector (an LM behind HTTP)"),
+            None => bail!("--target {name}: no plugin of that name (see `host plugins list`)"),
+        }
+    }
+
+    let mut index = index::open(&args.index)?;
+    match (&mut index, args.ef_search) {
+        (Index::Hnsw(h), Some(ef)) => h.set_ef_search(ef)?,
+        (Index::Milvus(m), Some(ef)) => m.set_ef_search(ef),
+        (_, Some(_)) => bail!("--ef-search is for HNSW and Milvus indexes; {} is {}", args.index.display(), index.meta().kind),
+        _ => {}
+    }
+    let dense = !matches!(index, Index::Bm25(_));
+    let encoder = match (&args.encoder, &args.model) {
+        (Some(name), Some(model)) => Some(registry.encoder(name, &encoder_settings(std::path::Path::new(model), &args.model_args)?)?),
+        (None, None) if !dense => None,
+        (None, _) if dense => bail!("{} is a {} index: give --encoder and --model to encode queries", args.index.display(), index.meta().kind),
+        _ => bail!("give --encoder and --model together"),
+    };
+    let model_name = args.served_model_name.clone().or_else(|| args.model.as_ref().map(|m| served_name(m))).unwrap_or_else(|| "bm25".into());
+    eprintln!("host serve: loading the corpus {}", corpus_path.display());
+    let corpus = beir::load_corpus(&corpus_path)?;
+    if corpus.len() != index.meta().count {
+        eprintln!(
+            "host serve: warning: {} holds {} passages but the index {}; passages missing from the corpus are served without text",
+            corpus_path.display(),
+            corpus.len(),
+            index.meta().count
+        );
+    }
+
+    let (connector, target_model) = match &target_name {
+        Some(name) => {
+            let mut settings = cfg.as_ref().map(|c| c.target_settings()).transpose()?.unwrap_or_else(|| json!({}));
+            if let Some(url) = &args.base_url {
+                settings["base_url"] = json!(url);
+            }
+            if settings.get("base_url").is_none() {
+                bail!("the target needs --base-url (or target.settings.base_url in the recipe)");
+            }
+            if let Some(m) = &args.target_model {
+                settings["model"] = json!(m);
+            }
+            if name == "openai" {
+                settings["concurrency"] = json!(args.target_concurrency);
+                settings["timeout_s"] = json!(args.request_timeout_s);
+            }
+            let c = registry.connector(name, &settings)?;
+            let described = c.complete(json!({"op": "describe"})).ok();
+            let model = described.as_ref().and_then(|d| d["requested"].as_str().or(d["model"].as_str())).map(str::to_string).unwrap_or_else(|| name.clone());
+            (Some(c), Some(model))
+        }
+        None => (None, None),
+    };
+
+    let opts = rak_serve::Options {
+        host: args.host.clone(),
+        port: args.port,
+        api_key,
+        max_body_bytes: args.max_body_bytes,
+        request_timeout: Duration::from_secs_f64(args.request_timeout_s),
+        default_k: k,
+        max_k: args.max_k,
+        max_inputs: args.max_inputs,
+        default_task: task.clone(),
+        tasks: if args.tasks.is_empty() { task.into_iter().collect() } else { args.tasks.clone() },
+        model_name,
+        batch: rak_serve::BatchOptions {
+            queue_capacity: args.queue_size,
+            max_batch_tokens: args.max_batch_tokens,
+            max_batch_texts: args.model_args.batch_size,
+            max_wait: Duration::from_millis(args.batch_wait_ms),
+        },
+    };
+    let backend = rak_serve::Backend { encoder, index, corpus, connector, target_model, format_passages };
+    rak_serve::serve(opts, backend, |addr| {
+        // One line on stdout for scripts and tests; the log goes to stderr.
+        println!("{}", json!({"listening": format!("http://{addr}")}));
+        let _ = std::io::stdout().flush();
+    })
+}
+
+/// The passages as prompts show them: the header, each passage by the template (its text cut
+/// to max_chars), joined and followed by the separator, as `host augment` lays them out.
+fn passage_layout(p: &PassageConfig) -> Result<Box<dyn Fn(&[&Passage]) -> String + Send + Sync>> {
+    let template = Template::parse(&p.template, &["title", "text"], "passages.template")?;
+    let (header, separator, max_chars) = (p.header.clone(), p.separator.clone(), p.max_chars);
+    Ok(Box::new(move |passages: &[&Passage]| {
+        let shown: Vec<String> = passages
+            .iter()
+            .map(|d| {
+                let text: String = if max_chars > 0 { d.text.chars().take(max_chars).collect() } else { d.text.clone() };
+                template.render(&[("title", &d.title), ("text", &text)])
+            })
+            .collect();
+        format!("{header}{}{separator}", shown.join(&separator))
+    }))
+}
+
+/// A model's served name: a local folder's name, or the Hub id as given.
+fn served_name(model: &str) -> String {
+    let path = std::path::Path::new(model);
+    if path.is_dir() {
+        if let Some(name) = path.canonicalize().ok().as_deref().and_then(|p| p.file_name()).and_then(|n| n.to_str()) {
+            return name.to_string();
+        }
+    }
+    model.to_string()
+}

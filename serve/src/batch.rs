@@ -1,0 +1,179 @@
+//! Dynamic batching of encoder work, as text-embeddings-inference does: every route's texts
+//! go into one bounded queue; one thread owns the encoder and takes from the queue as many
+//! requests as fit a token budget (waiting at most `max_wait` for more), encodes them
+//! together in length-sorted batches, and hands each request its rows. A full queue refuses
+//! at once (the caller answers 429), so a burst never grows memory without bound.
+//!
+//! Batching changes no vector: an encoder's output for a text does not depend on its
+//! batchmates (what `host encode`'s length-sorted batches rely on too).
+
+use crate::metrics::Metrics;
+use rak_core::abi::Role;
+use rak_core::plugin::Encoder;
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+
+/// How the batcher groups work.
+#[derive(Debug, Clone)]
+pub struct BatchOptions {
+    /// Requests waiting at most (beyond it: 429).
+    pub queue_capacity: usize,
+    /// Tokens in one round of encoding (several requests); one larger request runs alone.
+    pub max_batch_tokens: usize,
+    /// Texts in one encoder call.
+    pub max_batch_texts: usize,
+    /// How long the first request of a round waits for company (zero: take what is queued).
+    pub max_wait: Duration,
+}
+
+/// Rows of one request, in its input order, and their width.
+pub type Rows = Result<(Vec<Vec<f32>>, usize), String>;
+
+struct Job {
+    texts: Vec<String>,
+    role: Role,
+    task: Option<String>,
+    reply: oneshot::Sender<Rows>,
+}
+
+/// The queue's sending side; cloned into every request.
+#[derive(Clone)]
+pub struct Batcher {
+    tx: SyncSender<Job>,
+    metrics: Arc<Metrics>,
+}
+
+/// The queue was full.
+pub struct QueueFull;
+
+impl Batcher {
+    /// Start the thread that owns `encoder`. It ends when every `Batcher` is dropped.
+    pub fn start(encoder: Box<dyn Encoder>, opts: BatchOptions, metrics: Arc<Metrics>) -> (Batcher, std::thread::JoinHandle<()>) {
+        let (tx, rx) = sync_channel(opts.queue_capacity.max(1));
+        let m = metrics.clone();
+        let thread = std::thread::Builder::new()
+            .name("rak-serve-encoder".into())
+            .spawn(move || run(encoder, rx, opts, m))
+            .expect("spawning the encoder thread");
+        (Batcher { tx, metrics }, thread)
+    }
+
+    /// Queue `texts` for encoding; the rows arrive on the receiver.
+    pub fn submit(&self, texts: Vec<String>, role: Role, task: Option<String>) -> Result<oneshot::Receiver<Rows>, QueueFull> {
+        let (reply, rx) = oneshot::channel();
+        self.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
+        match self.tx.try_send(Job { texts, role, task, reply }) {
+            Ok(()) => Ok(rx),
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+                Err(QueueFull)
+            }
+        }
+    }
+}
+
+fn run(mut encoder: Box<dyn Encoder>, rx: Receiver<Job>, opts: BatchOptions, metrics: Arc<Metrics>) {
+    // A request taken from the queue that did not fit the last round's budget.
+    let mut carried: Option<(Job, usize)> = None;
+    loop {
+        let first = match carried.take() {
+            Some(job) => job,
+            None => match rx.recv() {
+                Ok(job) => taken(&mut *encoder, job, &metrics),
+                Err(_) => return,
+            },
+        };
+        let mut tokens = first.1;
+        let mut round = vec![first.0];
+        let deadline = Instant::now() + opts.max_wait;
+        while tokens < opts.max_batch_tokens {
+            let next = match rx.try_recv() {
+                Ok(job) => job,
+                Err(_) => match deadline.checked_duration_since(Instant::now()) {
+                    Some(left) if !left.is_zero() => match rx.recv_timeout(left) {
+                        Ok(job) => job,
+                        Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+                    },
+                    _ => break,
+                },
+            };
+            let (job, n) = taken(&mut *encoder, next, &metrics);
+            if tokens + n > opts.max_batch_tokens {
+                carried = Some((job, n));
+                break;
+            }
+            tokens += n;
+            round.push(job);
+        }
+        // A panic here would leave every later request waiting forever: it fails the round's
+        // requests instead (the encoder plugin's own panics already come back as errors).
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| encode_round(&mut *encoder, &round, &opts, &metrics)));
+        let results = outcome.unwrap_or_else(|_| round.iter().map(|_| Err("the encoder thread panicked on this batch".to_string())).collect());
+        for (job, rows) in round.into_iter().zip(results) {
+            let _ = job.reply.send(rows);
+        }
+    }
+}
+
+/// A job off the queue, with its token count (characters when the encoder cannot say).
+fn taken(encoder: &mut dyn Encoder, job: Job, metrics: &Metrics) -> (Job, usize) {
+    metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+    let texts: Vec<&str> = job.texts.iter().map(String::as_str).collect();
+    let n = match encoder.token_lengths(&texts, job.role, job.task.as_deref()) {
+        Ok(Some(lengths)) if lengths.len() == texts.len() => lengths.iter().sum(),
+        _ => texts.iter().map(|t| t.len() / 4 + 1).sum(),
+    };
+    (job, n)
+}
+
+/// Encode every text of a round, grouped by (role, task) and sorted by length within a group;
+/// each job's rows, or the error of a batch that held one of its texts.
+fn encode_round(encoder: &mut dyn Encoder, round: &[Job], opts: &BatchOptions, metrics: &Metrics) -> Vec<Rows> {
+    let mut rows: Vec<Vec<Option<Vec<f32>>>> = round.iter().map(|j| vec![None; j.texts.len()]).collect();
+    let mut failed: Vec<Option<String>> = vec![None; round.len()];
+    let mut dims: Vec<usize> = vec![0; round.len()];
+    let mut groups: BTreeMap<(u8, Option<&str>), Vec<(usize, usize)>> = BTreeMap::new();
+    for (j, job) in round.iter().enumerate() {
+        for t in 0..job.texts.len() {
+            groups.entry((job.role as u8, job.task.as_deref())).or_default().push((j, t));
+        }
+    }
+    for ((_, task), mut members) in groups {
+        let role = round[members[0].0].role;
+        members.sort_by_key(|&(j, t)| std::cmp::Reverse(round[j].texts[t].len()));
+        for chunk in members.chunks(opts.max_batch_texts.max(1)) {
+            let texts: Vec<&str> = chunk.iter().map(|&(j, t)| round[j].texts[t].as_str()).collect();
+            metrics.observe_batch(texts.len());
+            let encoded = encoder
+                .encode(&texts, role, task, false)
+                .and_then(|emb| rak_retrieval::pipeline::encode::embedding_rows(&emb, texts.len()));
+            match encoded {
+                Ok(flat) => {
+                    let dim = flat.len() / texts.len();
+                    for (r, &(j, t)) in chunk.iter().enumerate() {
+                        rows[j][t] = Some(flat[r * dim..(r + 1) * dim].to_vec());
+                        dims[j] = dim;
+                    }
+                }
+                Err(e) => {
+                    let msg = format!("{e:#}");
+                    for &(j, _) in chunk {
+                        failed[j] = Some(msg.clone());
+                    }
+                }
+            }
+        }
+    }
+    rows.into_iter()
+        .zip(failed)
+        .zip(dims)
+        .map(|((rows, failed), dim)| match failed {
+            Some(e) => Err(e),
+            None => Ok((rows.into_iter().map(|r| r.unwrap_or_default()).collect(), dim)),
+        })
+        .collect()
+}

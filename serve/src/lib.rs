@@ -1,0 +1,241 @@
+//! `host serve`: a trained retriever behind HTTP. Routes:
+//! - `POST /v1/embeddings` (OpenAI's shapes; queries or passages by `input_type` or a
+//!   `-query`/`-passage` model suffix), `POST /search` (top-k passages with text and score);
+//! - `POST /v1/chat/completions`, `POST /v1/completions`: the request passed on to the
+//!   target LM through a connector plugin, after retrieving passages for the last user
+//!   message and placing them before it (`"stream": true` passes the target's events through);
+//! - `GET /v1/models`, `GET /info`, `GET /health`, `GET /metrics` (Prometheus), `GET /` (a
+//!   page to try it).
+//!
+//! The library knows nothing of plugins or recipes: `host serve` hands it an encoder, an open
+//! index, the corpus, a connector and the passage layout, made by the same services the other
+//! commands use. Encoding runs on one thread that owns the encoder ([`batch`]); searches and
+//! target calls run on tokio's blocking pool; the HTTP side is axum on a multi-threaded tokio
+//! runtime.
+
+mod api;
+mod batch;
+mod chat;
+mod metrics;
+mod routes;
+
+pub use batch::BatchOptions;
+
+use anyhow::{Context, Result};
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use futures_util::FutureExt;
+use metrics::Metrics;
+use rak_core::plugin::{Connector, Encoder};
+use rak_retrieval::data::{Corpus, Passage};
+use rak_retrieval::index::Index;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How the server runs.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Address to bind (127.0.0.1 unless told otherwise).
+    pub host: String,
+    /// Port (0: any free one; the address bound is printed).
+    pub port: u16,
+    /// Every route but `/health` and `/` requires `Authorization: Bearer KEY`.
+    pub api_key: Option<String>,
+    /// Largest request body read (larger: 413).
+    pub max_body_bytes: usize,
+    /// How long one request may take (past it: 504); for a stream, until its first piece.
+    pub request_timeout: Duration,
+    /// Passages retrieved per query when a request does not say.
+    pub default_k: usize,
+    /// Most passages one request may ask for.
+    pub max_k: usize,
+    /// Most texts in one embeddings request (OpenAI's limit is 2048).
+    pub max_inputs: usize,
+    /// The task a query is encoded for when a request names none.
+    pub default_task: Option<String>,
+    /// Task names shown on the page.
+    pub tasks: Vec<String>,
+    /// The name the embedding model is served under (`/v1/models`, `model` in requests).
+    pub model_name: String,
+    pub batch: BatchOptions,
+}
+
+/// What the server serves; made by the caller.
+pub struct Backend {
+    /// Needed for dense indexes and `/v1/embeddings`; a BM25 index needs none.
+    pub encoder: Option<Box<dyn Encoder>>,
+    pub index: Index,
+    /// Passage titles and texts by id (`/search` and the prompts).
+    pub corpus: Corpus,
+    /// The target LM for the completion routes.
+    pub connector: Option<Box<dyn Connector>>,
+    /// The target's model name (for `/v1/models`).
+    pub target_model: Option<String>,
+    /// The passages as a prompt shows them, before the user's message.
+    pub format_passages: Box<dyn Fn(&[&Passage]) -> String + Send + Sync>,
+}
+
+/// Shared by every request.
+pub(crate) struct AppState {
+    opts: Options,
+    batcher: Option<batch::Batcher>,
+    index: Index,
+    corpus: Corpus,
+    connector: Option<Arc<dyn Connector>>,
+    target_model: Option<String>,
+    format_passages: Box<dyn Fn(&[&Passage]) -> String + Send + Sync>,
+    metrics: Arc<Metrics>,
+    next_id: AtomicU64,
+}
+
+type Shared = Arc<AppState>;
+
+/// Serve until SIGTERM or SIGINT, then stop accepting, finish what is in flight and return.
+/// `on_ready` gets the bound address once the server listens.
+pub fn serve(opts: Options, backend: Backend, on_ready: impl FnOnce(SocketAddr) + Send) -> Result<()> {
+    let metrics = Arc::new(Metrics::default());
+    let (batcher, encoder_thread) = match backend.encoder {
+        Some(encoder) => {
+            let (b, t) = batch::Batcher::start(encoder, opts.batch.clone(), metrics.clone());
+            (Some(b), Some(t))
+        }
+        None => (None, None),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("rak-serve").build().context("starting the async runtime")?;
+    let addr = format!("{}:{}", opts.host, opts.port);
+    let state = Arc::new(AppState {
+        opts,
+        batcher,
+        index: backend.index,
+        corpus: backend.corpus,
+        connector: backend.connector.map(Arc::from),
+        target_model: backend.target_model,
+        format_passages: backend.format_passages,
+        metrics,
+        next_id: AtomicU64::new(1),
+    });
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+        on_ready(listener.local_addr()?);
+        axum::serve(listener, router(state)).with_graceful_shutdown(shutdown_signal()).await.context("the server failed")
+    })?;
+    // The last `Batcher` went with the router: the encoder thread finishes its round and ends.
+    if let Some(t) = encoder_thread {
+        let _ = t.join();
+    }
+    Ok(())
+}
+
+fn router(state: Shared) -> Router {
+    Router::new()
+        .route("/", get(routes::page))
+        .route("/health", get(routes::health))
+        .route("/metrics", get(routes::metrics))
+        .route("/info", get(routes::info))
+        .route("/v1/models", get(routes::models))
+        .route("/v1/embeddings", post(routes::embeddings))
+        .route("/search", post(routes::search))
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(chat::completions))
+        .fallback(routes::not_found)
+        .layer(axum::middleware::from_fn_with_state(state.clone(), around_request))
+        .with_state(state)
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = term => {},
+        _ = tokio::signal::ctrl_c() => {},
+    }
+    log_line(&serde_json::json!({"event": "shutdown", "message": "stopping: no new connections; finishing the requests in flight"}));
+}
+
+/// Around every request: its id, the key check, panics turned into 500s, the metrics and one
+/// log line (never the key, never a body).
+async fn around_request(State(state): State<Shared>, req: Request, next: Next) -> Response {
+    let start = Instant::now();
+    let id = format!("req-{}", state.next_id.fetch_add(1, Ordering::Relaxed));
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let route = route_label(&path);
+    let mut resp = if let Err(e) = authorize(&state, &req, &path) {
+        e.into_response()
+    } else {
+        match std::panic::AssertUnwindSafe(next.run(req)).catch_unwind().await {
+            Ok(resp) => resp,
+            Err(_) => api::ApiError::internal(format!("internal error while answering {path} (request {id}); the server keeps running")).into_response(),
+        }
+    };
+    if let Ok(v) = header::HeaderValue::from_str(&id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let status = resp.status().as_u16();
+    state.metrics.observe_request(&route, status, secs);
+    log_line(&serde_json::json!({"id": id, "method": method.as_str(), "path": path, "status": status, "ms": (secs * 1e4).round() / 10.0}));
+    resp
+}
+
+fn authorize(state: &AppState, req: &Request, path: &str) -> Result<(), api::ApiError> {
+    let Some(key) = &state.opts.api_key else { return Ok(()) };
+    // The page holds no data (it asks for the key and sends it with its calls); /health is for
+    // load balancers.
+    if path == "/health" || path == "/" {
+        return Ok(());
+    }
+    let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        Some(g) if constant_time_eq(g.trim().as_bytes(), key.as_bytes()) => Ok(()),
+        Some(_) => Err(api::ApiError::new(StatusCode::UNAUTHORIZED, "authentication_error", "the API key given is not this server's")),
+        None => Err(api::ApiError::new(StatusCode::UNAUTHORIZED, "authentication_error", "this server requires an API key: send `Authorization: Bearer KEY`")),
+    }
+}
+
+/// Equality whose time does not depend on where the first difference is (only the length
+/// shows).
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// The metrics label of a path: its route, or `other` (unknown paths must not grow the
+/// metrics without bound).
+fn route_label(path: &str) -> &'static str {
+    const ROUTES: [&str; 9] = ["/", "/health", "/metrics", "/info", "/v1/models", "/v1/embeddings", "/search", "/v1/chat/completions", "/v1/completions"];
+    ROUTES.iter().find(|r| **r == path).copied().unwrap_or("other")
+}
+
+/// One structured log line on stderr, with the time.
+pub(crate) fn log_line(v: &serde_json::Value) {
+    let mut v = v.clone();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+    v["ts"] = serde_json::json!((now * 1000.0).round() / 1000.0);
+    eprintln!("{v}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::constant_time_eq;
+
+    #[test]
+    fn keys_are_compared_whole() {
+        assert!(constant_time_eq(b"secret-key", b"secret-key"));
+        assert!(!constant_time_eq(b"secret-ke", b"secret-key"));
+        assert!(!constant_time_eq(b"secret-keyy", b"secret-key"));
+        assert!(!constant_time_eq(b"", b"secret-key"));
+        assert!(!constant_time_eq(b"Secret-key", b"secret-key"));
+    }
+}
