@@ -341,7 +341,11 @@ impl Services<'_> {
         let spec = rak_train::run::RunSpec {
             encoder: r.encoder.or(recipe.model.encoder.clone()).context("train: no encoder: give \"encoder\" or recipe.model.encoder")?,
             optim: r.optim.or(recipe.train.optim.clone()).context("train: no optimizer: give \"optim\" or recipe.train.optim")?,
-            model: r.model.or(recipe.model.path.clone()).context("train: no model: give \"model\" or recipe.model.path")?,
+            model: crate::commands::encode::resolve_model(
+                &r.model.or(recipe.model.path.clone()).context("train: no model: give \"model\" or recipe.model.path")?,
+                recipe.model.revision.as_deref(),
+                "train",
+            )?,
             recipe,
             output_dir: r.output_dir,
             device: r.device.unwrap_or_else(|| "cpu".into()),

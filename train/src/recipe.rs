@@ -24,7 +24,10 @@ pub struct Recipe {
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
     pub encoder: Option<String>,
+    /// A checkpoint folder, a Hugging Face Hub id or a known bare name (`rak_hub`).
     pub path: Option<PathBuf>,
+    /// The branch, tag or commit of a Hub model (default: main).
+    pub revision: Option<String>,
     /// Extra encoder settings (e.g. `task_markers`, `max_length`).
     #[serde(default)]
     pub settings: serde_json::Map<String, Value>,

@@ -9,7 +9,7 @@
 //! why; rerunning asks them again). A target whose server goes away stops the run (exit 1)
 //! once every worker's last item found no server, the answers so far kept.
 
-use super::encode::{encoder_settings, ModelArgs};
+use super::encode::{encoder_settings, resolve_model, ModelArgs};
 use crate::augment::config::{AugmentConfig, Task, TaskPrompts};
 use crate::augment::results::{OutputLock, Results};
 use crate::augment::{ask_connector, ask_reader, render_demos, Passage, Prepared, Probe};
@@ -61,7 +61,7 @@ pub struct AugmentArgs {
     /// Encoder plugin for a dense retriever.
     #[arg(long)]
     pub encoder: Option<String>,
-    /// Encoder checkpoint for a dense retriever.
+    /// Encoder checkpoint for a dense retriever: a folder, a Hugging Face Hub id or a known bare name.
     #[arg(long)]
     pub encoder_model: Option<PathBuf>,
     /// The corpus passages are read from.
@@ -111,6 +111,11 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
     }
     if reader {
         settings["device"] = json!(args.device);
+        // A reader's checkpoint, as every model the toolkit takes: a folder, a Hub id or a
+        // known bare name (a connector's `model` is the name its server knows, left as is).
+        if let Some(m) = settings["model"].as_str().map(String::from) {
+            settings["model"] = json!(resolve_model(Path::new(&m), None, "host augment")?);
+        }
     }
 
     let mut items = load_probes(task, &args.input)?;
@@ -353,7 +358,8 @@ fn retrieve(registry: &Registry, args: &AugmentArgs, cfg: &AugmentConfig, spec: 
                 .clone()
                 .or(cfg.retrieval.encoder_model.clone())
                 .context("a dense retriever needs --encoder-model (or retrieval.encoder_model)")?;
-            let margs = ModelArgs { batch_size: 64, max_length: None, device: args.device.clone(), bf16: false, encoder_settings: None };
+            let model = resolve_model(&model, None, "host augment")?;
+            let margs = ModelArgs { batch_size: 64, max_length: None, device: args.device.clone(), bf16: false, encoder_settings: None, revision: None };
             let mut encoder = registry.encoder(&enc, &encoder_settings(&model, &margs)?)?;
             search_queries(&index, Some(encoder.as_mut()), &queries, &opts, &Quiet)?
         }

@@ -17,7 +17,8 @@ pub struct EncodeArgs {
     /// Encoder plugin (dpr, taser, taco, ...).
     #[arg(long)]
     pub encoder: String,
-    /// Model checkpoint directory.
+    /// Model checkpoint: a folder, a Hugging Face Hub id (ORG/NAME, from the Hub cache or
+    /// downloaded into it) or a well-known bare name (all-MiniLM-L6-v2).
     #[arg(long)]
     pub model: PathBuf,
     /// Input JSONL: BEIR corpus lines ({"_id","title","text"}) or queries ({"_id","text"}).
@@ -64,6 +65,20 @@ pub struct ModelArgs {
     /// Extra encoder settings as a JSON object.
     #[arg(long)]
     pub encoder_settings: Option<String>,
+    /// The branch, tag or commit of a Hugging Face Hub `--model` (default: main).
+    #[arg(long)]
+    pub revision: Option<String>,
+}
+
+/// The checkpoint folder `--model` names: a folder that exists, else a Hugging Face Hub id or
+/// known bare name resolved through the Hub cache (downloaded into it when missing and
+/// online); see `rak_hub`. A Hub model is announced on stderr, prefixed by `who`.
+pub fn resolve_model(model: &Path, revision: Option<&str>, who: &str) -> Result<PathBuf> {
+    let r = rak_hub::resolve(model, revision, who)?;
+    if r.hub.is_some() {
+        eprintln!("{who}: model {}", r.describe());
+    }
+    Ok(r.path)
 }
 
 /// Encoder settings for checkpoint `model` from the common flags plus `--encoder-settings`.
@@ -89,7 +104,8 @@ pub fn encoder_settings(model: &Path, m: &ModelArgs) -> Result<Value> {
 }
 
 pub fn run(registry: &Registry, args: &EncodeArgs) -> Result<()> {
-    let settings = encoder_settings(&args.model, &args.model_args)?;
+    let model = resolve_model(&args.model, args.model_args.revision.as_deref(), "host encode")?;
+    let settings = encoder_settings(&model, &args.model_args)?;
     let shard = shard_of(args.shard_id, args.shard_num, |name| std::env::var(name).ok())?;
     if let Some(from) = shard.from {
         eprintln!("host encode: shard {} of {} (from {from})", shard.id, shard.num);

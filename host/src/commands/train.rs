@@ -26,9 +26,14 @@ pub struct TrainArgs {
     /// Encoder plugin (dpr, taser, taco, ...); default: the recipe's.
     #[arg(long)]
     pub encoder: Option<String>,
-    /// Starting checkpoint directory; default: the recipe's.
+    /// Starting checkpoint: a folder, a Hugging Face Hub id or a known bare name; default: the
+    /// recipe's `[model] path`.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// The branch, tag or commit of a Hub `--model` (default: the recipe's `[model] revision`,
+    /// else main).
+    #[arg(long)]
+    pub revision: Option<String>,
     /// Optimizer plugin (adamw, tsage, ...); default: the recipe's.
     #[arg(long)]
     pub optim: Option<String>,
@@ -121,7 +126,11 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
     let spec = RunSpec {
         encoder: args.encoder.clone().or(recipe.model.encoder.clone()).context("no encoder: give --encoder or model.encoder")?,
         optim: args.optim.clone().or(recipe.train.optim.clone()).context("no optimizer: give --optim or train.optim")?,
-        model: args.model.clone().or(recipe.model.path.clone()).context("no model: give --model or model.path")?,
+        model: super::encode::resolve_model(
+            &args.model.clone().or(recipe.model.path.clone()).context("no model: give --model or model.path")?,
+            args.revision.as_deref().or(recipe.model.revision.as_deref()),
+            "host train",
+        )?,
         recipe,
         output_dir: args.output_dir.clone(),
         device,

@@ -6,12 +6,13 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
 
-pub const USAGE: &str = "usage: host aar-train --source DIR|CONNECTOR --encoder E --model DIR --config FILE.toml --output-dir OUT \
+pub const USAGE: &str = "usage: host aar-train --source MODEL|CONNECTOR --encoder E --model MODEL --config FILE.toml --output-dir OUT \
 [--max-queries N] [--base-url URL] [--seed N] [--device cpu|cuda] [--overwrite] [--retry-failed] [--compare-with RUN ...]
 
-  --source DIR        white-box source: a local T5 / Flan-T5 checkpoint read by the `fid` reader
-  --source openai     black-box source: a connector plugin (openai: any OpenAI-compatible server)
-  --encoder, --model  the starting retriever (encoder plugin and checkpoint)
+  --source MODEL      white-box source, whatever the recipe's source.kind: a T5 / Flan-T5 checkpoint read by the `fid` reader,
+                      as a folder, a Hugging Face Hub id (google/flan-t5-base) or a known name (flan-t5-base)
+  --source openai     black-box source, whatever the recipe's source.kind: a connector plugin (openai: any OpenAI-compatible server)
+  --encoder, --model  the starting retriever (encoder plugin and checkpoint: a folder, a Hub id or a known name)
   --config            the recipe: [source], [data], [aar], [train], [model] (configs/aar/)
   --output-dir        the run's folder: the final model, analysis.json, and stages/ (resumable; summary.json)
   --max-queries       a fixed subset of the source task's queries (evenly spaced over the file)
@@ -116,8 +117,10 @@ struct Recipe {
 struct SourceSection {
     /// `white-box` (a reader over a local checkpoint) or `black-box` (a connector).
     kind: Option<String>,
-    /// White-box: the checkpoint directory.
+    /// White-box: the checkpoint (a folder, a Hub id or a known name).
     model: Option<PathBuf>,
+    /// White-box: the branch, tag or commit of a Hub model (default: main).
+    revision: Option<String>,
     reader: Option<String>,
     connector: Option<String>,
     /// The reader's or the connector's settings.
@@ -203,6 +206,7 @@ impl Default for AarSection {
 struct ModelSection {
     encoder: Option<String>,
     path: Option<PathBuf>,
+    revision: Option<String>,
     #[serde(default)]
     settings: Map<String, Value>,
 }
@@ -216,6 +220,43 @@ pub enum Source {
     BlackBox { connector: String, prompt: String, continuation: String, workers: usize },
 }
 
+/// What the flags and the recipe are checked against before any work: the host's plugins, and
+/// how a model's name becomes a folder.
+pub struct Checks<'a> {
+    /// (kind, name) of each plugin the host found.
+    pub plugins: Vec<(String, String)>,
+    /// The Hugging Face settings (`--source`'s bare names the cache holds are models).
+    pub hub: rak_hub::HubEnv,
+    /// A model's name (and revision) → its folder (`rak_hub::resolve_in`).
+    #[allow(clippy::type_complexity)]
+    pub resolve: &'a dyn Fn(&Path, Option<&str>) -> Result<rak_hub::Resolved>,
+}
+
+impl Checks<'_> {
+    fn has(&self, kind: &str, name: &str) -> bool {
+        self.plugins.iter().any(|(k, n)| k == kind && n == name)
+    }
+
+    fn kind_of(&self, name: &str) -> Option<&str> {
+        self.plugins.iter().find(|(_, n)| n == name).map(|(k, _)| k.as_str())
+    }
+
+    fn names(&self, kind: &str) -> Vec<&str> {
+        self.plugins.iter().filter(|(k, _)| k == kind).map(|(_, n)| n.as_str()).collect()
+    }
+
+    /// Refuse a plugin the host does not have, before any work.
+    fn require(&self, kind: &str, name: &str, what: &str) -> Result<()> {
+        if self.has(kind, name) {
+            return Ok(());
+        }
+        match self.kind_of(name) {
+            Some(other) => bail!("{what} {name:?} is a {other} plugin, not a {kind}"),
+            None => bail!("{what}: no {kind} plugin named {name:?} (the host has: {}; see `host plugins list`)", self.names(kind).join(", ")),
+        }
+    }
+}
+
 /// Everything a run needs, flags applied.
 #[derive(Debug)]
 pub struct Config {
@@ -224,6 +265,12 @@ pub struct Config {
     pub source_settings: Map<String, Value>,
     pub encoder: String,
     pub model: PathBuf,
+    /// Where the retriever and a white-box source came from, when from the Hugging Face Hub
+    /// (id, revision, commit: `rak_hub::Resolved::record`).
+    pub model_hub: Option<Value>,
+    pub source_hub: Option<Value>,
+    /// What the user should know about how the flags and the recipe were read.
+    pub notices: Vec<String>,
     pub encoder_settings: Map<String, Value>,
     pub corpus: PathBuf,
     pub task_dir: PathBuf,
@@ -253,8 +300,9 @@ pub fn schema() -> Value {
     json!({
         "usage": USAGE,
         "recipe": {
-            "source.kind": {"type": "string", "default": null, "help": "white-box (a reader over a local checkpoint) or black-box (a connector); --source DIR means white-box, --source NAME a connector"},
-            "source.model": {"type": "path", "default": null, "help": "white-box: the T5 / Flan-T5 checkpoint (--source DIR)"},
+            "source.kind": {"type": "string", "default": null, "help": "white-box (a reader over a T5 checkpoint) or black-box (a connector); --source MODEL (a folder, a Hub id, a known name) means white-box, --source CONNECTOR black-box, whatever this says"},
+            "source.model": {"type": "path", "default": null, "help": "white-box: the T5 / Flan-T5 checkpoint: a folder, a Hugging Face Hub id (google/flan-t5-base) or a known name (flan-t5-base) (--source MODEL)"},
+            "source.revision": {"type": "string", "default": "main", "help": "white-box: the branch, tag or commit of a Hub model"},
             "source.reader": {"type": "string", "default": "fid", "help": "white-box: the reader plugin (its passage_preferences)"},
             "source.connector": {"type": "string", "default": "openai", "help": "black-box: the connector plugin (its continuation_logprob)"},
             "source.settings": {"type": "object", "default": {}, "help": "the reader's or the connector's settings (host plugins inspect on its file); --base-url sets base_url"},
@@ -278,7 +326,7 @@ pub fn schema() -> Value {
             "aar.negatives_per_query": {"type": "int", "default": d.negatives_per_query, "help": "negatives per query in each training step (the trainer's hard_negatives)"},
             "aar.passage_chars": {"type": "int", "default": d.passage_chars, "help": "characters of each passage the source reads"},
             "train": {"type": "object", "help": "a host train recipe's [train] section (learning_rate, per_device_train_batch_size, max_steps, optim, ...); mode aar: loss multi_positive, hard_negatives aar.negatives_per_query; mode replug: loss lm_supervised, hard_negatives 0, lm_temperature β"},
-            "model": {"type": "object", "help": "the retriever's [model] section as host train reads it: encoder, path, settings (max_length, ...)"},
+            "model": {"type": "object", "help": "the retriever's [model] section as host train reads it: encoder, path (a folder, a Hub id or a known name), revision (of a Hub model), settings (max_length, ...)"},
         },
         "stages": [
             {"name": "retrieve", "does": "the starting retriever's top max(N, negatives_depth) per query (top N in replug mode) (encode_corpus, a flat index, search)", "files": "stages/retrieve/retrieved.jsonl"},
@@ -291,14 +339,14 @@ pub fn schema() -> Value {
 }
 
 impl Config {
-    pub fn resolve(flags: Flags) -> Result<Config> {
+    pub fn resolve(flags: Flags, ctx: &Checks) -> Result<Config> {
         let path = flags.config.clone().context(format!("--config is required\n{USAGE}"))?;
         let text = std::fs::read_to_string(&path).with_context(|| format!("{}: cannot read", path.display()))?;
         let recipe: Recipe = toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        Self::from_recipe(recipe, flags, &path)
+        Self::from_recipe(recipe, flags, &path, ctx)
     }
 
-    fn from_recipe(r: Recipe, flags: Flags, path: &Path) -> Result<Config> {
+    fn from_recipe(r: Recipe, flags: Flags, path: &Path, ctx: &Checks) -> Result<Config> {
         let output_dir = flags.output_dir.clone().context("--output-dir is required")?;
         let aar = r.aar;
         match aar.mode.as_str() {
@@ -345,39 +393,85 @@ impl Config {
             bail!("{}: aar.passage_chars must be positive", path.display());
         }
 
-        let s = r.source;
+        let mut s = r.source;
+        let mut notices = Vec::new();
         let given = flags.source.as_deref();
-        // --source DIR: white-box; --source NAME: a connector.
+        // --source decides the kind, whatever the recipe's: a folder, or a model the Hub knows
+        // by that name, is white-box; a connector plugin's name black-box.
         let kind = match (given, s.kind.as_deref()) {
             (Some(v), _) if Path::new(v).is_dir() => "white-box",
-            // A connector's name is a plain word; a path that is not a folder is a mistake.
-            (Some(v), _) if v.contains('/') || v.starts_with('.') || v.starts_with('~') || Path::new(v).exists() => {
-                bail!("--source {v:?}: no such folder (a white-box source is a checkpoint folder; a black-box one a connector name, as openai)")
+            (Some(v), _) if ctx.has("connector", v) => "black-box",
+            (Some(v), _) if rak_hub::names_a_model(Path::new(v), &ctx.hub) => "white-box",
+            (Some(v), _) => {
+                let as_model = match rak_hub::classify(Path::new(v)) {
+                    rak_hub::Name::NotAModel(why) => why,
+                    _ => "no model".into(),
+                };
+                match ctx.kind_of(v) {
+                    Some(other) => bail!("--source {v:?}: a {other} plugin; a source is a connector plugin (black-box) or a model (white-box)"),
+                    None => bail!(
+                        "--source {v:?}: no connector plugin of that name (the host has: {}), and as a model: {as_model}",
+                        ctx.names("connector").join(", ")
+                    ),
+                }
             }
-            (Some(_), _) => "black-box",
             (None, Some(k @ ("white-box" | "black-box"))) => k,
             (None, Some(other)) => bail!("{}: source.kind {other:?}: expected \"white-box\" or \"black-box\"", path.display()),
-            (None, None) => bail!("no source: give --source DIR (white-box) or --source openai (black-box), or source.kind in {}", path.display()),
+            (None, None) => bail!("no source: give --source MODEL (white-box) or --source openai (black-box), or source.kind in {}", path.display()),
         };
+        // A --source of the other kind than the recipe's: the recipe's settings for its own kind
+        // (a connector's or a reader's) are left out, with a notice.
+        if let (Some(v), Some(recipe_kind)) = (given, s.kind.as_deref()) {
+            if recipe_kind != kind {
+                let mut left = Vec::new();
+                let mut drop = |name: &str, present: bool| {
+                    if present {
+                        left.push(format!("source.{name}"));
+                    }
+                };
+                drop("settings", !s.settings.is_empty());
+                if kind == "white-box" {
+                    drop("connector", s.connector.take().is_some());
+                    drop("template", s.template.take().is_some());
+                    drop("continuation", s.continuation.take().is_some());
+                    drop("workers", s.workers.take().is_some());
+                } else {
+                    drop("model", s.model.take().is_some());
+                    drop("revision", s.revision.take().is_some());
+                    drop("reader", s.reader.take().is_some());
+                    drop("reader_template", s.reader_template.take().is_some());
+                    drop("batch_size", s.batch_size.take().is_some());
+                }
+                s.settings.clear();
+                notices.push(format!(
+                    "--source {v} is a {kind} source and {} says {recipe_kind}: the recipe's {recipe_kind} settings are left out{}",
+                    path.display(),
+                    if left.is_empty() { String::new() } else { format!(" ({})", left.join(", ")) }
+                ));
+            }
+        }
         let mut source_settings = s.settings;
         if kind == "white-box" && aar.replug() {
             // REPLUG's Q is a softmax of log-likelihoods; a reader's cross-attention preferences
             // are averaged attention weights, not log-likelihoods.
             bail!("{}: aar.mode = \"replug\" needs a black-box source (the log-likelihood of the answer); a white-box source's scores are cross-attention preferences", path.display());
         }
-        let source = if kind == "white-box" {
-            let model = match given {
+        // The plugins first (cheap), then the models (which may be downloaded).
+        let m = r.model;
+        let encoder = flags.encoder.clone().or(m.encoder).context("no encoder: give --encoder or model.encoder")?;
+        ctx.require("encoder", &encoder, "--encoder")?;
+        let mut source = if kind == "white-box" {
+            let reader = s.reader.clone().unwrap_or_else(|| "fid".into());
+            ctx.require("reader", &reader, "source.reader")?;
+            let name = match given {
                 Some(v) => PathBuf::from(v),
-                None => s.model.clone().with_context(|| format!("{}: a white-box source needs source.model (or --source DIR)", path.display()))?,
+                None => s.model.clone().with_context(|| format!("{}: a white-box source needs source.model (or --source MODEL)", path.display()))?,
             };
-            if !model.is_dir() {
-                bail!("source model {}: not a directory (a white-box source is a local T5 / Flan-T5 checkpoint)", model.display());
-            }
             if s.template.is_some() || s.continuation.is_some() {
                 bail!("{}: source.template and source.continuation are for black-box sources; a white-box source reads source.reader_template after each passage", path.display());
             }
             if flags.base_url.is_some() {
-                bail!("--base-url is for black-box sources; --source {} is a white-box checkpoint", model.display());
+                bail!("--base-url is for black-box sources; --source {} is a white-box checkpoint", name.display());
             }
             let prompt = s.reader_template.clone().unwrap_or_else(|| DEFAULT_READER_TEMPLATE.into());
             check_template(&prompt, &["question"], "source.reader_template")?;
@@ -398,8 +492,8 @@ impl Config {
             if let Some(d) = &flags.device {
                 source_settings.insert("device".into(), json!(d));
             }
-            source_settings.insert("model".into(), json!(model));
-            Source::WhiteBox { reader: s.reader.clone().unwrap_or_else(|| "fid".into()), model, prompt, batch_size }
+            // The name is resolved last, after every cheap check (a Hub model may be downloaded).
+            Source::WhiteBox { reader, model: name, prompt, batch_size }
         } else {
             if s.reader_template.is_some() {
                 bail!("{}: source.reader_template is for white-box sources; a black-box source reads source.template", path.display());
@@ -425,12 +519,11 @@ impl Config {
                 Some(name) => name.to_string(),
                 None => s.connector.clone().unwrap_or_else(|| "openai".into()),
             };
+            ctx.require("connector", &connector, "the black-box source")?;
             Source::BlackBox { connector, prompt, continuation, workers }
         };
 
-        let m = r.model;
-        let encoder = flags.encoder.clone().or(m.encoder).context("no encoder: give --encoder or model.encoder")?;
-        let model = flags.model.clone().or(m.path).context("no starting retriever: give --model or model.path")?;
+        let model_name = flags.model.clone().or(m.path).context("no starting retriever: give --model or model.path")?;
         let mut encoder_settings = m.settings;
         if let Some(d) = &flags.device {
             encoder_settings.insert("device".into(), json!(d));
@@ -471,11 +564,33 @@ impl Config {
         if max_queries == Some(0) {
             bail!("max_queries must be at least 1");
         }
+
+        // Last, after every cheap check: the models' names (a Hub model may be downloaded).
+        let resolved = (ctx.resolve)(&model_name, m.revision.as_deref()).with_context(|| format!("the starting retriever (--model) {}", model_name.display()))?;
+        let model_hub = resolved.hub.is_some().then(|| resolved.record());
+        if resolved.hub.is_some() {
+            notices.push(format!("retriever: {}", resolved.describe()));
+        }
+        let model = resolved.path;
+        let mut source_hub = None;
+        if let Source::WhiteBox { model: source_model, .. } = &mut source {
+            let name = source_model.clone();
+            let resolved = (ctx.resolve)(&name, s.revision.as_deref()).with_context(|| format!("the white-box source (--source) {}", name.display()))?;
+            if resolved.hub.is_some() {
+                notices.push(format!("source: {}", resolved.describe()));
+                source_hub = Some(resolved.record());
+            }
+            source_settings.insert("model".into(), json!(resolved.path));
+            *source_model = resolved.path;
+        }
         Ok(Config {
             source,
             source_settings,
             encoder,
             model,
+            model_hub,
+            source_hub,
+            notices,
             encoder_settings,
             corpus: d.corpus,
             task_dir: d.task_dir,
@@ -631,6 +746,18 @@ mod tests {
         }
     }
 
+    /// Names taken as folders as they are (the models are not read here).
+    fn as_given(name: &Path, _: Option<&str>) -> Result<rak_hub::Resolved> {
+        Ok(rak_hub::Resolved { path: name.to_path_buf(), hub: None })
+    }
+
+    fn ctx() -> Checks<'static> {
+        let plugins = [("encoder", "dpr"), ("reader", "fid"), ("connector", "openai")].iter().map(|(k, n)| (k.to_string(), n.to_string())).collect();
+        let cache = std::env::temp_dir().join("aar-config-no-hf-cache");
+        let hub = rak_hub::HubEnv { cache, cache_from: "test".into(), endpoint: "http://127.0.0.1:9".into(), offline: true, token: None };
+        Checks { plugins, hub, resolve: &as_given }
+    }
+
     fn recipe(extra: &str) -> Recipe {
         toml::from_str(&format!("[data]\ncorpus = \"c.jsonl\"\ntask_dir = \"t\"\ntask = \"squad\"\n{extra}")).unwrap()
     }
@@ -645,7 +772,7 @@ mod tests {
     #[test]
     fn flags_override_the_recipe_and_aar_sets_the_trainer() {
         let f = flags(&["--source", "openai", "--encoder", "dpr", "--model", "m", "--output-dir", "o", "--seed", "7", "--base-url", "http://x:1", "--max-queries=5"]);
-        let c = Config::from_recipe(recipe("[source]\nsettings = { base_url = \"http://y\" }\n[train]\nseed = 3\n"), f, Path::new("r.toml")).unwrap();
+        let c = Config::from_recipe(recipe("[source]\nsettings = { base_url = \"http://y\" }\n[train]\nseed = 3\n"), f, Path::new("r.toml"), &ctx()).unwrap();
         assert_eq!(c.seed, 7);
         assert_eq!(c.train["seed"], 7);
         assert_eq!(c.train["loss"], "multi_positive");
@@ -655,7 +782,7 @@ mod tests {
         assert!(matches!(c.source, Source::BlackBox { ref connector, .. } if connector == "openai"));
         // REPLUG's mode: its loss, no hard negatives, β left to the recipe (the trainer's 0.1).
         let f = flags(&["--source", "openai", "--encoder", "dpr", "--model", "m", "--output-dir", "o"]);
-        let c = Config::from_recipe(recipe("[aar]\nmode = \"replug\"\n[train]\nlm_temperature = 0.5\nscore_scale = 20.0\n"), f, Path::new("r.toml")).unwrap();
+        let c = Config::from_recipe(recipe("[aar]\nmode = \"replug\"\n[train]\nlm_temperature = 0.5\nscore_scale = 20.0\n"), f, Path::new("r.toml"), &ctx()).unwrap();
         assert_eq!((c.train["loss"].as_str(), c.train["hard_negatives"].as_u64()), (Some("lm_supervised"), Some(0)));
         assert_eq!(c.train["lm_temperature"], 0.5);
     }
@@ -675,7 +802,7 @@ mod tests {
             ("[source]\ntemplate = \"{question}\"\n", "{passage}"),
             ("[aar]\npositives = \"top_k\"\n", "aar.positives"),
         ] {
-            let e = Config::from_recipe(recipe(extra), f(), Path::new("r.toml")).unwrap_err().to_string();
+            let e = Config::from_recipe(recipe(extra), f(), Path::new("r.toml"), &ctx()).unwrap_err().to_string();
             assert!(e.contains(needle), "{e}");
         }
     }
@@ -689,7 +816,7 @@ mod tests {
         let key = |extra: &[&str], settings: &str| {
             let mut args = vec!["--source", dir.to_str().unwrap(), "--encoder", "dpr", "--model", "m", "--output-dir", "o"];
             args.extend_from_slice(extra);
-            let c = Config::from_recipe(recipe(&format!("[source]\nsettings = {{ {settings} }}\n")), flags(&args), Path::new("r.toml")).unwrap();
+            let c = Config::from_recipe(recipe(&format!("[source]\nsettings = {{ {settings} }}\n")), flags(&args), Path::new("r.toml"), &ctx()).unwrap();
             c.source_key(json!("sha"))
         };
         let cpu = key(&[], "");
@@ -721,6 +848,47 @@ mod tests {
         assert_eq!(Config::upgrade_source_key(&cpu), None);
         assert_eq!(Config::upgrade_source_key(&json!({"kind": "black-box", "settings": {}})), None);
         assert_eq!(Config::upgrade_source_key(&json!([1])), None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// `--source` decides the kind whatever the recipe's: a folder or a model name is
+    /// white-box (the recipe's black-box settings left out, with a notice), a connector's name
+    /// black-box; anything else, and plugins the host lacks, are refused before any work.
+    #[test]
+    fn the_source_flag_decides_the_kind_and_everything_is_checked_first() {
+        let dir = std::env::temp_dir().join(format!("aar-config-source-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let black = "[source]\nkind = \"black-box\"\nconnector = \"openai\"\nsettings = { base_url = \"http://x\" }\ntemplate = \"{passage} {question}\"\nworkers = 2\n";
+        let run = |source: &str, extra: &str| Config::from_recipe(recipe(extra), flags(&["--source", source, "--encoder", "dpr", "--model", "m", "--output-dir", "o"]), Path::new("r.toml"), &ctx());
+        let c = run(dir.to_str().unwrap(), black).unwrap();
+        assert!(matches!(c.source, Source::WhiteBox { ref reader, ref model, .. } if reader == "fid" && model == &dir), "{:?}", c.source);
+        assert!(c.source_settings.get("base_url").is_none(), "{:?}", c.source_settings);
+        assert!(c.notices.iter().any(|n| n.contains("left out") && n.contains("source.template")), "{:?}", c.notices);
+        // A Hub id and a known name are white-box too (resolved by the context's resolver).
+        for name in ["google/flan-t5-base", "flan-t5-base"] {
+            let c = run(name, black).unwrap();
+            assert!(matches!(c.source, Source::WhiteBox { ref model, .. } if model == Path::new(name)), "{name}: {:?}", c.source);
+        }
+        // A connector's name is black-box under a white-box recipe; its reader settings go.
+        let white = format!("[source]\nkind = \"white-box\"\nmodel = {:?}\nbatch_size = 4\nsettings = {{ max_length = 0 }}\n", dir.to_str().unwrap());
+        let c = run("openai", &white).unwrap();
+        assert!(matches!(c.source, Source::BlackBox { ref connector, .. } if connector == "openai"));
+        assert!(c.source_settings.is_empty(), "{:?}", c.source_settings);
+        for (source, extra, needle) in [
+            ("openia", "", "no connector plugin of that name (the host has: openai)"),
+            ("openia", "", "no model name this toolkit knows"),
+            ("fid", "", "a reader plugin"),
+            ("./no/such", "", "no such folder"),
+        ] {
+            let e = run(source, extra).unwrap_err().to_string();
+            assert!(e.contains(needle), "{source}: {e}");
+        }
+        let e = Config::from_recipe(recipe(""), flags(&["--source", "openai", "--encoder", "dpx", "--model", "m", "--output-dir", "o"]), Path::new("r.toml"), &ctx()).unwrap_err().to_string();
+        assert!(e.contains("no encoder plugin named \"dpx\""), "{e}");
+        let e = run(dir.to_str().unwrap(), "[source]\nreader = \"fud\"\n").unwrap_err().to_string();
+        assert!(e.contains("no reader plugin named \"fud\""), "{e}");
+        let e = run("openai", "[source]\nconnector = \"x\"\n");
+        assert!(e.is_ok(), "--source names the connector; the recipe's is not asked for");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

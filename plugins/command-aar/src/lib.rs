@@ -4,7 +4,7 @@
 //! command would.
 //!
 //! ```text
-//! host aar-train --source DIR|openai --encoder E --model DIR --config FILE.toml --output-dir OUT
+//! host aar-train --source MODEL|openai --encoder E --model MODEL --config FILE.toml --output-dir OUT
 //!     [--max-queries N] [--base-url URL] [--seed N] [--device D] [--overwrite] [--retry-failed]
 //! ```
 //!
@@ -23,7 +23,7 @@
 //! upgraded (`score::keep_older_white_box_scores`).
 //! 1. `retrieve` ([`retrieve`]): the source task's queries with gold; the starting retriever's
 //!    top `max(N, negatives_depth)` for each (top N in REPLUG's mode, which has no negatives).
-//! 2. `score` ([`score`]): the source LM scores the top N: white-box (`--source DIR`, the `fid`
+//! 2. `score` ([`score`]): the source LM scores the top N: white-box (`--source MODEL`, the `fid`
 //!    reader's cross-attention `passage_preferences`) or black-box (`--source openai`, the
 //!    connector's `continuation_logprob` of the gold answer).
 //! 3. `select` ([`select`]): positives = gold ∪ the LM-preferred passages that are not gold: by
@@ -101,7 +101,7 @@ impl Command for AarTrain {
             Parsed::Run(f) => *f,
         };
         refuse_under_torchrun()?;
-        let cfg = Config::resolve(flags)?;
+        let cfg = resolve_config(flags, host)?;
         let summary = train(&cfg, host)?;
         println!("{}", serde_json::to_string_pretty(&summary)?);
         Ok(0)
@@ -109,6 +109,32 @@ impl Command for AarTrain {
 }
 
 rak_core::export_command!(AarTrain);
+
+/// The flags and the recipe, checked before any work against the host's plugins, with every
+/// model's name resolved (a folder, a Hugging Face Hub id or a known name: `rak_hub`).
+fn resolve_config(flags: Flags, host: &Host) -> Result<Config> {
+    let plugins = host
+        .call("plugins", json!({}))?
+        .as_array()
+        .context("the host's plugins service answered no list")?
+        .iter()
+        .filter_map(|p| Some((p["kind"].as_str()?.to_string(), p["name"].as_str()?.to_string())))
+        .collect();
+    let hub = rak_hub::HubEnv::from_env()?;
+    let resolve = |name: &Path, revision: Option<&str>| -> Result<rak_hub::Resolved> {
+        let r = rak_hub::resolve_in(name, revision, &hub)?;
+        for note in r.hub.iter().flat_map(|h| &h.notes) {
+            host.log(&format!("aar-train: note: {note}"))?;
+        }
+        Ok(r)
+    };
+    let ctx = config::Checks { plugins, hub: hub.clone(), resolve: &resolve };
+    let cfg = Config::resolve(flags, &ctx)?;
+    for notice in &cfg.notices {
+        host.log(&format!("aar-train: {notice}"))?;
+    }
+    Ok(cfg)
+}
 
 /// `host aar-train` is one process: started by torchrun (or `--nproc`) as one of several, each
 /// copy would run every stage into the same folder at once. Refused before anything is read.
@@ -214,9 +240,14 @@ fn train(cfg: &Config, host: &Host) -> Result<Value> {
         rak_core::fsutil::write_bytes(&stages.file("sources_overlap.json"), serde_json::to_string_pretty(&sources_overlap)?.as_bytes())?;
     }
 
+    let mut source_record = json!({"kind": source_kind, "name": source_name});
+    if let Some(hub) = &cfg.source_hub {
+        source_record["hub"] = hub.clone();
+    }
     let summary = json!({
         "output_dir": out,
-        "source": {"kind": source_kind, "name": source_name},
+        "source": source_record,
+        "retriever": {"encoder": cfg.encoder, "model": cfg.model, "hub": cfg.model_hub},
         "queries": retrieve_report["queries"],
         "queries_read": retrieve_report["queries_read"],
         "dropped_without_gold": retrieve_report["dropped_without_gold"].as_u64().unwrap_or(0) + retrieve_report["dropped_gold_not_in_corpus"].as_u64().unwrap_or(0),
