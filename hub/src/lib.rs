@@ -254,6 +254,10 @@ impl Resolved {
 /// Resolve `name` (with `revision`, a Hub model's branch, tag or commit; default `main`) with
 /// the environment's settings; notes go to stderr, prefixed by `who`.
 pub fn resolve(name: &Path, revision: Option<&str>, who: &str) -> Result<Resolved> {
+    if revision.is_none() && name.is_dir() {
+        // A folder needs no Hub settings (a process without HOME still loads it).
+        return Ok(Resolved { path: name.to_path_buf(), hub: None });
+    }
     let r = resolve_in(name, revision, &HubEnv::from_env()?)?;
     if let Some(h) = &r.hub {
         for note in &h.notes {
@@ -287,10 +291,13 @@ pub fn resolve_in(name: &Path, revision: Option<&str>, env: &HubEnv) -> Result<R
 
 /// Whether `name` names a model at all (a folder, a Hub id, a known bare name, or a bare name
 /// the cache holds), without fetching anything: what `--source` tells from a connector's name.
-pub fn names_a_model(name: &Path, env: &HubEnv) -> bool {
+/// `env` may be missing (no HOME): the cache is then not looked in.
+pub fn names_a_model(name: &Path, env: Option<&HubEnv>) -> bool {
     match classify(name) {
         Name::Local(_) | Name::Hub { .. } => true,
-        Name::NotAModel(_) => name.to_str().is_some_and(|t| !t.contains('/') && check_repo_id(t).is_ok() && env.repo_folder(t).is_dir()),
+        Name::NotAModel(_) => {
+            env.is_some_and(|env| name.to_str().is_some_and(|t| !t.contains('/') && check_repo_id(t).is_ok() && env.repo_folder(t).is_dir()))
+        }
     }
 }
 
@@ -550,10 +557,25 @@ fn download(id: &str, revision: &str, env: &HubEnv) -> std::result::Result<Resol
         if snap.join(file).is_file() {
             return Ok(());
         }
-        at_commit.download(file).map_err(|e| match transport_error(&e) {
-            Some(why) => Fetch::Unreachable(why),
-            None => Fetch::Other(anyhow!("{id} at {commit}: cannot download {file} from {}: {e}", env.endpoint)),
-        })?;
+        // Another process downloading the same file holds its lock (hf-hub gives up after
+        // 5 s): wait for it (a lock dies with its process), or take over once it is free.
+        let started = std::time::Instant::now();
+        loop {
+            match at_commit.download(file) {
+                Ok(_) => break,
+                Err(hf_hub::api::sync::ApiError::LockAcquisition(_)) if started.elapsed() < std::time::Duration::from_secs(4 * 3600) => {
+                    if snap.join(file).is_file() {
+                        return Ok(());
+                    }
+                }
+                Err(e) => {
+                    return Err(match transport_error(&e) {
+                        Some(why) => Fetch::Unreachable(why),
+                        None => Fetch::Other(anyhow!("{id} at {commit}: cannot download {file} from {}: {e}", env.endpoint)),
+                    })
+                }
+            }
+        }
         downloaded.push(file.to_string());
         Ok(())
     };

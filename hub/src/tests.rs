@@ -189,8 +189,9 @@ fn shards_and_the_folder_older_transformers_wrote_for_a_bare_name() {
     // A bare name the table does not know, cached as huggingface_hub would: a model.
     let gpt = cache.join("models--tiny");
     lay_out(&gpt, COMMIT, &["main"], MODEL);
-    assert!(names_a_model(Path::new("tiny"), &env));
-    assert!(!names_a_model(Path::new("openai"), &env));
+    assert!(names_a_model(Path::new("tiny"), Some(&env)));
+    assert!(!names_a_model(Path::new("tiny"), None));
+    assert!(!names_a_model(Path::new("openai"), Some(&env)));
     assert_eq!(resolve_in(Path::new("tiny"), None, &env).unwrap().path, gpt.join("snapshots").join(COMMIT));
     std::fs::remove_dir_all(&cache).unwrap();
 }

@@ -225,8 +225,9 @@ pub enum Source {
 pub struct Checks<'a> {
     /// (kind, name) of each plugin the host found.
     pub plugins: Vec<(String, String)>,
-    /// The Hugging Face settings (`--source`'s bare names the cache holds are models).
-    pub hub: rak_hub::HubEnv,
+    /// The Hugging Face settings (`--source`'s bare names the cache holds are models); `None`
+    /// where there are none (no HOME).
+    pub hub: Option<rak_hub::HubEnv>,
     /// A model's name (and revision) → its folder (`rak_hub::resolve_in`).
     #[allow(clippy::type_complexity)]
     pub resolve: &'a dyn Fn(&Path, Option<&str>) -> Result<rak_hub::Resolved>,
@@ -401,7 +402,7 @@ impl Config {
         let kind = match (given, s.kind.as_deref()) {
             (Some(v), _) if Path::new(v).is_dir() => "white-box",
             (Some(v), _) if ctx.has("connector", v) => "black-box",
-            (Some(v), _) if rak_hub::names_a_model(Path::new(v), &ctx.hub) => "white-box",
+            (Some(v), _) if rak_hub::names_a_model(Path::new(v), ctx.hub.as_ref()) => "white-box",
             (Some(v), _) => {
                 let as_model = match rak_hub::classify(Path::new(v)) {
                     rak_hub::Name::NotAModel(why) => why,
@@ -755,7 +756,7 @@ mod tests {
         let plugins = [("encoder", "dpr"), ("reader", "fid"), ("connector", "openai")].iter().map(|(k, n)| (k.to_string(), n.to_string())).collect();
         let cache = std::env::temp_dir().join("aar-config-no-hf-cache");
         let hub = rak_hub::HubEnv { cache, cache_from: "test".into(), endpoint: "http://127.0.0.1:9".into(), offline: true, token: None };
-        Checks { plugins, hub, resolve: &as_given }
+        Checks { plugins, hub: Some(hub), resolve: &as_given }
     }
 
     fn recipe(extra: &str) -> Recipe {

@@ -120,15 +120,20 @@ fn resolve_config(flags: Flags, host: &Host) -> Result<Config> {
         .iter()
         .filter_map(|p| Some((p["kind"].as_str()?.to_string(), p["name"].as_str()?.to_string())))
         .collect();
-    let hub = rak_hub::HubEnv::from_env()?;
+    // Without Hub settings (no HOME), folders still resolve; any other name says why not.
+    let hub = rak_hub::HubEnv::from_env();
     let resolve = |name: &Path, revision: Option<&str>| -> Result<rak_hub::Resolved> {
-        let r = rak_hub::resolve_in(name, revision, &hub)?;
+        let r = match &hub {
+            Ok(env) => rak_hub::resolve_in(name, revision, env)?,
+            Err(_) if revision.is_none() && name.is_dir() => rak_hub::Resolved { path: name.to_path_buf(), hub: None },
+            Err(e) => bail!("{}: {e}", name.display()),
+        };
         for note in r.hub.iter().flat_map(|h| &h.notes) {
             host.log(&format!("aar-train: note: {note}"))?;
         }
         Ok(r)
     };
-    let ctx = config::Checks { plugins, hub: hub.clone(), resolve: &resolve };
+    let ctx = config::Checks { plugins, hub: hub.as_ref().ok().cloned(), resolve: &resolve };
     let cfg = Config::resolve(flags, &ctx)?;
     for notice in &cfg.notices {
         host.log(&format!("aar-train: {notice}"))?;
