@@ -358,7 +358,6 @@ fn retrieve(registry: &Registry, args: &AugmentArgs, cfg: &AugmentConfig, spec: 
                 .clone()
                 .or(cfg.retrieval.encoder_model.clone())
                 .context("a dense retriever needs --encoder-model (or retrieval.encoder_model)")?;
-            let model = resolve_model(&model, None, "host augment")?;
             let margs = ModelArgs { batch_size: 64, max_length: None, device: args.device.clone(), bf16: false, encoder_settings: None, revision: None };
             let mut encoder = registry.encoder(&enc, &encoder_settings(&model, &margs)?)?;
             search_queries(&index, Some(encoder.as_mut()), &queries, &opts, &Quiet)?

@@ -81,8 +81,10 @@ pub fn resolve_model(model: &Path, revision: Option<&str>, who: &str) -> Result<
     Ok(r.path)
 }
 
-/// Encoder settings for checkpoint `model` from the common flags plus `--encoder-settings`.
+/// Encoder settings for checkpoint `model` (a folder, or a Hub id or known name resolved by
+/// [`resolve_model`] with `--revision`) from the common flags plus `--encoder-settings`.
 pub fn encoder_settings(model: &Path, m: &ModelArgs) -> Result<Value> {
+    let model = &resolve_model(model, m.revision.as_deref(), "host")?;
     let (max_length, device, bf16) = (m.max_length, m.device.as_str(), m.bf16);
     let mut s = match m.encoder_settings.as_deref() {
         Some(text) => serde_json::from_str(text).context("--encoder-settings is not a JSON object")?,
@@ -104,8 +106,7 @@ pub fn encoder_settings(model: &Path, m: &ModelArgs) -> Result<Value> {
 }
 
 pub fn run(registry: &Registry, args: &EncodeArgs) -> Result<()> {
-    let model = resolve_model(&args.model, args.model_args.revision.as_deref(), "host encode")?;
-    let settings = encoder_settings(&model, &args.model_args)?;
+    let settings = encoder_settings(&args.model, &args.model_args)?;
     let shard = shard_of(args.shard_id, args.shard_num, |name| std::env::var(name).ok())?;
     if let Some(from) = shard.from {
         eprintln!("host encode: shard {} of {} (from {from})", shard.id, shard.num);

@@ -1,7 +1,7 @@
 //! `host search`: queries → top-k passages → a TREC run, with a dense index and an encoder
 //! plugin, or with a BM25 index (see `rak_retrieval::pipeline::search`).
 
-use super::encode::{encoder_settings, resolve_model, ModelArgs};
+use super::encode::{encoder_settings, ModelArgs};
 use super::Bar;
 use crate::registry::Registry;
 use anyhow::{bail, Context, Result};
@@ -60,7 +60,6 @@ pub fn run(registry: &Registry, args: &SearchArgs) -> Result<()> {
             }
             let name = args.encoder.as_deref().context("--encoder is required for a dense index")?;
             let model = args.model.as_ref().context("--model is required for a dense index")?;
-            let model = &resolve_model(model, args.model_args.revision.as_deref(), "host search")?;
             match (&mut *dense, args.ef_search) {
                 (Index::Hnsw(h), Some(ef)) => h.set_ef_search(ef)?,
                 (Index::Milvus(m), Some(ef)) => m.set_ef_search(ef),
