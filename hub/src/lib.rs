@@ -455,7 +455,7 @@ fn resolve_hub(id: &str, alias: Option<&str>, revision: Option<&str>, env: &HubE
     let missing_line = match &first_gaps {
         Some((_, g)) if !g.missing.is_empty() => g.missing.join(", "),
         Some((_, g)) => format!("nothing needed; unknown whether the repo has {}", g.unknown.join(", ")),
-        None => format!("{}, {WEIGHTS} (or its shards) and the optional {}", REQUIRED.join(", "), OPTIONAL.join(", ")),
+        None => format!("the whole model ({}, {WEIGHTS} or its shards, and the settings files it has)", REQUIRED.join(", ")),
     };
     let cache_line = format!("the Hugging Face cache {} ({})", env.cache.display(), env.cache_from);
     if env.offline {
