@@ -83,7 +83,7 @@ fn run(mut encoder: Box<dyn Encoder>, rx: Receiver<Job>, opts: BatchOptions, met
         let first = match carried.take() {
             Some(job) => job,
             None => match rx.recv() {
-                Ok(job) => taken(&mut *encoder, job, &metrics),
+                Ok(job) => taken(job, &metrics),
                 Err(_) => return,
             },
         };
@@ -101,7 +101,7 @@ fn run(mut encoder: Box<dyn Encoder>, rx: Receiver<Job>, opts: BatchOptions, met
                     _ => break,
                 },
             };
-            let (job, n) = taken(&mut *encoder, next, &metrics);
+            let (job, n) = taken(next, &metrics);
             if tokens + n > opts.max_batch_tokens {
                 carried = Some((job, n));
                 break;
@@ -119,14 +119,12 @@ fn run(mut encoder: Box<dyn Encoder>, rx: Receiver<Job>, opts: BatchOptions, met
     }
 }
 
-/// A job off the queue, with its token count (characters when the encoder cannot say).
-fn taken(encoder: &mut dyn Encoder, job: Job, metrics: &Metrics) -> (Job, usize) {
+/// A job off the queue, with its tokens as the budget counts them: estimated from its
+/// characters (about 4 a token in English), not by tokenising, which would double the
+/// tokeniser's work for every request only to decide what to batch with it.
+fn taken(job: Job, metrics: &Metrics) -> (Job, usize) {
     metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
-    let texts: Vec<&str> = job.texts.iter().map(String::as_str).collect();
-    let n = match encoder.token_lengths(&texts, job.role, job.task.as_deref()) {
-        Ok(Some(lengths)) if lengths.len() == texts.len() => lengths.iter().sum(),
-        _ => texts.iter().map(|t| t.len() / 4 + 1).sum(),
-    };
+    let n = job.texts.iter().map(|t| t.len() / 4 + 2).sum();
     (job, n)
 }
 
