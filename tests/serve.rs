@@ -100,7 +100,10 @@ impl Reply {
 fn request(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    let mut head = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    if !headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("host")) {
+        head.push_str(&format!("Host: {addr}\r\n"));
+    }
     if !body.is_empty() {
         head.push_str("Content-Type: application/json\r\n");
     }
@@ -213,7 +216,7 @@ fn vectors_and_passages_equal_host_encode_and_host_search() {
             .map(|c| (c[2].to_string(), c[4].parse().unwrap()))
             .collect();
         let got = res["passages"].as_array().unwrap();
-        assert_eq!(got.len(), 10);
+        assert_eq!((expected.len(), got.len()), (10, 10), "{}", q["_id"]);
         for ((id, score), hit) in expected.iter().zip(got) {
             assert_eq!(hit["id"], id.as_str(), "{}", q["_id"]);
             assert!((hit["score"].as_f64().unwrap() - score).abs() < 1e-5, "{}: {hit} vs {score}", q["_id"]);
@@ -292,6 +295,8 @@ fn faults_are_answered_as_documented() {
         plan: Box::new(|prompt, _| {
             if prompt.contains("stall") {
                 Some(Fault::Stall(Duration::from_secs(8)))
+            } else if prompt.contains("busy") {
+                Some(Fault::TooMany("7".into()))
             } else if prompt.contains("crash") {
                 Some(Fault::ServerError)
             } else {
@@ -302,7 +307,7 @@ fn faults_are_answered_as_documented() {
         ..Options::default()
     });
     let serve = Serve::start(
-        &["--base-url", &target.url, "--api-key-env", "SERVE_TEST_KEY", "--max-body-bytes", "20000", "--request-timeout-s", "2", "--k", "2"],
+        &["--base-url", &target.url, "--api-key-env", "SERVE_TEST_KEY", "--max-body-bytes", "1000000", "--request-timeout-s", "2", "--k", "2"],
         &[("SERVE_TEST_KEY", key)],
     );
     let auth = format!("Bearer {key}");
@@ -327,8 +332,39 @@ fn faults_are_answered_as_documented() {
     assert_error(&call("/v1/chat/completions", br#"{"messages": "hi"}"#), 400, Some("messages"), "messages");
     assert_error(&call("/v1/chat/completions", br#"{"messages": [{"role": "user", "content": "x"}], "retrieval": {"k": "two"}}"#), 400, Some("retrieval.k"), "integer");
     // Oversized: 413, the limit named.
-    let big = json!({"input": "word ".repeat(10_000)}).to_string();
-    assert_error(&call("/v1/embeddings", big.as_bytes()), 413, None, "20000 bytes");
+    let big = json!({"input": "word ".repeat(250_000)}).to_string();
+    assert_error(&call("/v1/embeddings", big.as_bytes()), 413, None, "1000000 bytes");
+
+    // What a web page the user visits could send: another origin, or another host name
+    // rebound to 127.0.0.1.
+    let evil = request(serve.addr(), "POST", "/search", &[("Authorization", &auth), ("Origin", "http://evil.example")], br#"{"query": "x"}"#);
+    assert_error(&evil, 403, None, "evil.example");
+    let rebound = request(serve.addr(), "GET", "/info", &[("Authorization", &auth), ("Host", "evil.example:80")], b"");
+    assert_error(&rebound, 403, None, "loopback");
+    let own_page = format!("http://{}", serve.addr());
+    assert_eq!(request(serve.addr(), "POST", "/search", &[("Authorization", &auth), ("Origin", &own_page)], br#"{"query": "x"}"#).status, 200);
+
+    // A client that sends part of its body and stalls: answered at the deadline, not held.
+    let t = Instant::now();
+    let mut stalled = TcpStream::connect(serve.addr()).unwrap();
+    write!(stalled, "POST /search HTTP/1.1\r\nHost: {}\r\nAuthorization: {auth}\r\nContent-Length: 100\r\n\r\n{{\"query\": ", serve.addr()).unwrap();
+    let mut head = String::new();
+    BufReader::new(&stalled).read_line(&mut head).unwrap();
+    assert!(head.contains(" 504 "), "{head}");
+    assert!(t.elapsed() < Duration::from_secs(6), "{:?}", t.elapsed());
+
+    // An embeddings request past its deadline: 504, and its texts are not encoded on behind
+    // it (a search right after is answered at once, not after the abandoned work).
+    let huge: Vec<String> = (0..2000).map(|i| format!("text number {i} about the long history of the Roman provinces and their cities. ").repeat(3)).collect();
+    let t = Instant::now();
+    let r = call("/v1/embeddings", json!({"input": huge}).to_string().as_bytes());
+    assert_error(&r, 504, None, "");
+    let r = call("/search", br#"{"query": "Roman Empire", "k": 2}"#);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(t.elapsed() < Duration::from_secs(5), "the search waited for abandoned work: {:?}", t.elapsed());
+    let metrics = request(serve.addr(), "GET", "/metrics", &[("Authorization", &auth)], b"").body;
+    let abandoned: u64 = metrics.lines().find_map(|l| l.strip_prefix("rak_abandoned_texts_total ")).unwrap().parse().unwrap();
+    assert!(abandoned > 500, "{metrics}");
 
     // The target gets the passages before the question, and the reply carries them.
     let ok = chat("Who founded the Roman Empire?");
@@ -354,6 +390,14 @@ fn faults_are_answered_as_documented() {
     assert_error(&chat("please crash"), 502, None, "target LM failed");
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     assert_eq!(target.log().iter().filter(|l| l.prompt.contains("crash")).count(), 1, "a forwarded request is tried once");
+
+    // The target's rate limit is passed on with its wait; a target that answers a stream
+    // with a whole reply is a 502 that says so, not a 200 a streaming client cannot read.
+    let busy = chat("are you busy?");
+    assert_error(&busy, 429, None, "rate-limiting");
+    assert_eq!(busy.header("retry-after"), Some("7"));
+    let streamed = call("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hello"}], "stream": true}).to_string().as_bytes());
+    assert_error(&streamed, 502, None, "not server-sent events");
 
     // A target that is gone: 502 at once, saying so.
     target.shut_down();
@@ -415,7 +459,11 @@ fn a_full_queue_answers_429_and_sigterm_finishes_what_is_in_flight() {
     };
     assert!(status.success(), "{status:?}: {}", serve.log());
     assert!(TcpStream::connect(&addr).is_err(), "still listening after SIGTERM");
-    assert!(serve.log().contains("\"event\":\"shutdown\""));
+    // The request was answered after the signal: it was in flight when SIGTERM came.
+    let log = serve.log();
+    let shutdown = log.find("\"event\":\"shutdown\"").expect("no shutdown event in the log");
+    let answered = log.rfind("\"path\":\"/v1/embeddings\",\"status\":200").unwrap();
+    assert!(answered > shutdown, "the request finished before SIGTERM: the test tested nothing\n{log}");
 }
 
 #[test]
@@ -428,4 +476,57 @@ fn the_page_shows_the_passages_of_a_typed_question_in_a_real_browser() {
     let titles: Vec<&str> = expected["passages"].as_array().unwrap().iter().map(|h| h["title"].as_str().unwrap()).collect();
     let shown: Vec<&str> = got["titles"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
     assert_eq!(shown, titles, "{got}");
+}
+
+#[test]
+fn a_bm25_index_is_served_without_an_encoder() {
+    let dir = TempDir::new("serve-bm25");
+    let bm25 = dir.path().join("bm25");
+    let out = host(&["index", "build", "--kind", "bm25", "--corpus", p(&slice().corpus), "--output", p(&bm25)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let log = dir.path().join("serve.log");
+    let mut child = Command::new(host_bin())
+        .args(["serve", "--index", p(&bm25), "--corpus", p(&slice().corpus), "--port", "0"])
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let url: Value = serde_json::from_str(&line).unwrap_or_else(|_| panic!("{}", std::fs::read_to_string(&log).unwrap()));
+    let serve = Serve { child, url: url["listening"].as_str().unwrap().to_string(), log };
+    let trec = dir.path().join("run.trec");
+    let out = host(&["search", "--index", p(&bm25), "--queries", p(&slice().queries), "--k", "5", "--output", p(&trec)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let run = std::fs::read_to_string(&trec).unwrap();
+    let first: Value = serde_json::from_str(std::fs::read_to_string(&slice().queries).unwrap().lines().next().unwrap()).unwrap();
+    let expected: Vec<&str> = run.lines().map(|l| l.split_whitespace().collect::<Vec<_>>()).filter(|c| c[0] == first["_id"].as_str().unwrap()).map(|c| c[2]).collect::<Vec<_>>();
+    let got = post(&serve, "/search", &json!({"query": first["text"], "k": 5})).json();
+    let ids: Vec<&str> = got["passages"].as_array().unwrap().iter().map(|h| h["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, expected);
+    assert_error(&post(&serve, "/v1/embeddings", &json!({"input": "x"})), 400, None, "no encoder");
+    assert_eq!(get(&serve, "/v1/models").json()["data"].as_array().unwrap().len(), 0);
+    assert_eq!(get(&serve, "/health").status, 200);
+}
+
+#[test]
+fn shutdown_waits_for_a_stalled_client_only_as_long_as_the_grace_period() {
+    let mut serve = Serve::start(&["--shutdown-grace-s", "1", "--request-timeout-s", "120"], &[]);
+    // Headers sent, the body never finished: a request in flight that will not end by itself.
+    let mut stalled = TcpStream::connect(serve.addr()).unwrap();
+    write!(stalled, "POST /search HTTP/1.1\r\nHost: {}\r\nContent-Length: 100\r\n\r\n{{\"query\": ", serve.addr()).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    assert!(Command::new("kill").args(["-TERM", &serve.child.id().to_string()]).status().unwrap().success());
+    let status = loop {
+        if let Some(s) = serve.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t.elapsed() < Duration::from_secs(15), "host serve still running {:?} after SIGTERM with a grace of 1 s", t.elapsed());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert!(serve.log().contains("grace period passed"), "{}", serve.log());
+    drop(stalled);
 }

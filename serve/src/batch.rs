@@ -4,14 +4,19 @@
 //! together in length-sorted batches, and hands each request its rows. A full queue refuses
 //! at once (the caller answers 429), so a burst never grows memory without bound.
 //!
-//! Batching changes no vector: an encoder's output for a text does not depend on its
-//! batchmates (what `host encode`'s length-sorted batches rely on too).
+//! Batching changes no vector beyond float rounding: an encoder's output for a text does not
+//! depend on its batchmates (what `host encode`'s length-sorted batches rely on too), though
+//! batches padded to other lengths sum their GEMMs in another order.
+//!
+//! A request whose client has gone (its deadline passed, its connection closed) has dropped
+//! its receiver: its texts are skipped, when taken and before every encoder call, so dead work
+//! never holds the live requests behind it.
 
 use crate::metrics::Metrics;
 use rak_core::abi::Role;
 use rak_core::plugin::Encoder;
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,38 +50,59 @@ struct Job {
 pub struct Batcher {
     tx: SyncSender<Job>,
     metrics: Arc<Metrics>,
+    /// False once the encoder can serve no more: its thread ended, or the plugin instance is
+    /// poisoned by a panic.
+    healthy: Arc<AtomicBool>,
 }
 
-/// The queue was full.
-pub struct QueueFull;
+/// Why a request was not queued.
+pub enum Refused {
+    /// The queue is full (429).
+    Full,
+    /// The encoder thread is gone (503).
+    Gone,
+}
 
 impl Batcher {
     /// Start the thread that owns `encoder`. It ends when every `Batcher` is dropped.
     pub fn start(encoder: Box<dyn Encoder>, opts: BatchOptions, metrics: Arc<Metrics>) -> (Batcher, std::thread::JoinHandle<()>) {
         let (tx, rx) = sync_channel(opts.queue_capacity.max(1));
         let m = metrics.clone();
+        let healthy = Arc::new(AtomicBool::new(true));
+        let h = healthy.clone();
         let thread = std::thread::Builder::new()
             .name("rak-serve-encoder".into())
-            .spawn(move || run(encoder, rx, opts, m))
+            .spawn(move || {
+                run(encoder, rx, opts, m, &h);
+                h.store(false, Ordering::Relaxed);
+            })
             .expect("spawning the encoder thread");
-        (Batcher { tx, metrics }, thread)
+        (Batcher { tx, metrics, healthy }, thread)
     }
 
-    /// Queue `texts` for encoding; the rows arrive on the receiver.
-    pub fn submit(&self, texts: Vec<String>, role: Role, task: Option<String>) -> Result<oneshot::Receiver<Rows>, QueueFull> {
+    /// Whether the encoder can still serve.
+    pub fn healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Queue `texts` for encoding; the rows arrive on the receiver (dropping it abandons them).
+    pub fn submit(&self, texts: Vec<String>, role: Role, task: Option<String>) -> Result<oneshot::Receiver<Rows>, Refused> {
         let (reply, rx) = oneshot::channel();
         self.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
         match self.tx.try_send(Job { texts, role, task, reply }) {
             Ok(()) => Ok(rx),
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+            Err(e) => {
                 self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
-                Err(QueueFull)
+                Err(match e {
+                    TrySendError::Full(_) => Refused::Full,
+                    TrySendError::Disconnected(_) => Refused::Gone,
+                })
             }
         }
     }
 }
 
-fn run(mut encoder: Box<dyn Encoder>, rx: Receiver<Job>, opts: BatchOptions, metrics: Arc<Metrics>) {
+fn run(mut encoder: Box<dyn Encoder>, rx: Receiver<Job>, opts: BatchOptions, metrics: Arc<Metrics>, healthy: &AtomicBool) {
     // A request taken from the queue that did not fit the last round's budget.
     let mut carried: Option<(Job, usize)> = None;
     loop {
@@ -87,6 +113,10 @@ fn run(mut encoder: Box<dyn Encoder>, rx: Receiver<Job>, opts: BatchOptions, met
                 Err(_) => return,
             },
         };
+        if first.0.reply.is_closed() {
+            metrics.observe_abandoned(first.0.texts.len());
+            continue;
+        }
         let mut tokens = first.1;
         let mut round = vec![first.0];
         let deadline = Instant::now() + opts.max_wait;
@@ -102,6 +132,10 @@ fn run(mut encoder: Box<dyn Encoder>, rx: Receiver<Job>, opts: BatchOptions, met
                 },
             };
             let (job, n) = taken(next, &metrics);
+            if job.reply.is_closed() {
+                metrics.observe_abandoned(job.texts.len());
+                continue;
+            }
             if tokens + n > opts.max_batch_tokens {
                 carried = Some((job, n));
                 break;
@@ -112,8 +146,14 @@ fn run(mut encoder: Box<dyn Encoder>, rx: Receiver<Job>, opts: BatchOptions, met
         // A panic here would leave every later request waiting forever: it fails the round's
         // requests instead (the encoder plugin's own panics already come back as errors).
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| encode_round(&mut *encoder, &round, &opts, &metrics)));
-        let results = outcome.unwrap_or_else(|_| round.iter().map(|_| Err("the encoder thread panicked on this batch".to_string())).collect());
+        let results = outcome.unwrap_or_else(|_| {
+            healthy.store(false, Ordering::Relaxed);
+            round.iter().map(|_| Err("the encoder thread panicked on this batch".to_string())).collect()
+        });
         for (job, rows) in round.into_iter().zip(results) {
+            if matches!(&rows, Err(e) if e.contains(rak_core::plugin::ffi::POISONED)) {
+                healthy.store(false, Ordering::Relaxed);
+            }
             let _ = job.reply.send(rows);
         }
     }
@@ -143,7 +183,13 @@ fn encode_round(encoder: &mut dyn Encoder, round: &[Job], opts: &BatchOptions, m
     for ((_, task), mut members) in groups {
         let role = round[members[0].0].role;
         members.sort_by_key(|&(j, t)| std::cmp::Reverse(round[j].texts[t].len()));
-        for chunk in members.chunks(opts.max_batch_texts.max(1)) {
+        for all in members.chunks(opts.max_batch_texts.max(1)) {
+            // Texts of requests abandoned since the round began are left out.
+            let chunk: Vec<(usize, usize)> = all.iter().copied().filter(|&(j, _)| !round[j].reply.is_closed()).collect();
+            metrics.observe_abandoned(all.len() - chunk.len());
+            if chunk.is_empty() {
+                continue;
+            }
             let texts: Vec<&str> = chunk.iter().map(|&(j, t)| round[j].texts[t].as_str()).collect();
             metrics.observe_batch(texts.len());
             let encoded = encoder
@@ -159,7 +205,7 @@ fn encode_round(encoder: &mut dyn Encoder, round: &[Job], opts: &BatchOptions, m
                 }
                 Err(e) => {
                     let msg = format!("{e:#}");
-                    for &(j, _) in chunk {
+                    for &(j, _) in &chunk {
                         failed[j] = Some(msg.clone());
                     }
                 }

@@ -71,15 +71,26 @@ async fn augmented(state: Shared, body: Body, route: Route) -> Result<Response, 
         Route::Completions => "completions",
     };
     let request = json!({"op": "forward", "path": path, "body": Value::Object(req)});
+    // At most --target-concurrency calls (streams included) at the target; a request whose
+    // deadline passes while it waits never reaches it.
+    let permit = state.target_permits.clone().acquire_owned().await.map_err(|_| ApiError::internal("the server is stopping"))?;
     if stream {
-        return streamed(state, connector, request, retrieval).await;
+        return streamed(state, connector, request, retrieval, permit).await;
     }
     let start = Instant::now();
-    let reply = crate::routes::blocking(&state, move || connector.complete(request)).await;
+    // Counted as a timeout if the request's deadline cancels this wait.
+    let mut unanswered = Unanswered(Some((state.metrics.clone(), start)));
+    let reply = crate::routes::blocking(&state, move || {
+        let _permit = permit;
+        connector.complete(request)
+    })
+    .await;
+    unanswered.0 = None;
     let reply = match reply {
         Ok(r) => r,
         Err(e) => {
-            state.metrics.observe_upstream(start.elapsed().as_secs_f64(), Some("timeout"));
+            let kind = if e.status == StatusCode::GATEWAY_TIMEOUT { "timeout" } else { "error" };
+            state.metrics.observe_upstream(start.elapsed().as_secs_f64(), Some(kind));
             return Err(e);
         }
     };
@@ -89,6 +100,18 @@ async fn augmented(state: Shared, body: Body, route: Route) -> Result<Response, 
         }
         (status, Json(body)).into_response()
     })
+}
+
+/// A call to the target still waited for: when the request's deadline drops the wait, the
+/// call counts as timed out.
+struct Unanswered(Option<(std::sync::Arc<crate::metrics::Metrics>, Instant)>);
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some((metrics, start)) = self.0.take() {
+            metrics.observe_upstream(start.elapsed().as_secs_f64(), Some("timeout"));
+        }
+    }
 }
 
 /// The reply of a forwarded request as a response (through `ok`), or the error it carries.
@@ -112,6 +135,11 @@ fn upstream_error(err: &Value) -> ApiError {
     match kind {
         "timeout" => ApiError::new(StatusCode::GATEWAY_TIMEOUT, "upstream_error", format!("the target LM did not answer in time: {message}")),
         "unreachable" => ApiError::new(StatusCode::BAD_GATEWAY, "upstream_error", format!("the target LM cannot be reached: {message}")),
+        // The target's rate limit, passed on with its wait so clients back off.
+        "rate_limited" => ApiError {
+            retry_after: Some(err["retry_after_s"].as_f64().map(|s| s.ceil().max(1.0) as u64).unwrap_or(1)),
+            ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", format!("the target LM is rate-limiting: {message}"))
+        },
         "rejected" | "context_length" => {
             let status = err["status"].as_u64().and_then(|s| StatusCode::from_u16(s as u16).ok()).unwrap_or(StatusCode::BAD_REQUEST);
             ApiError::new(status, "invalid_request_error", format!("the target LM refused the request: {message}"))
@@ -161,15 +189,24 @@ fn place_passages(req: &mut Map<String, Value>, route: Route, block: &str) {
 /// A streamed reply: waits for the target's first piece (or its refusal, which is answered
 /// as a whole response), then sends the retrieval as a comment event and every piece as it
 /// arrives. An error after the first piece ends the stream with an `{"error"}` event.
-async fn streamed(state: Shared, connector: std::sync::Arc<dyn rak_core::plugin::Connector>, request: Value, retrieval: Value) -> Result<Response, ApiError> {
+async fn streamed(
+    state: Shared,
+    connector: std::sync::Arc<dyn rak_core::plugin::Connector>,
+    request: Value,
+    retrieval: Value,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> Result<Response, ApiError> {
     let (tx, mut rx) = mpsc::channel::<String>(64);
     let (done_tx, mut done_rx) = oneshot::channel::<anyhow::Result<Value>>();
     let start = Instant::now();
     tokio::task::spawn_blocking(move || {
+        // Held until the stream ends: a stream counts toward --target-concurrency throughout.
+        let _permit = permit;
         // A closed channel (the client went away) tells the connector to stop reading.
         let mut sink = |piece: &str| tx.blocking_send(piece.to_string()).is_ok();
         let _ = done_tx.send(connector.stream(request, &mut sink));
     });
+    let mut unanswered = Unanswered(Some((state.metrics.clone(), start)));
     let first = tokio::time::timeout(state.opts.request_timeout, async {
         tokio::select! {
             biased;
@@ -178,6 +215,7 @@ async fn streamed(state: Shared, connector: std::sync::Arc<dyn rak_core::plugin:
         }
     })
     .await;
+    unanswered.0 = None;
     let first = match first {
         Err(_) => {
             state.metrics.observe_upstream(start.elapsed().as_secs_f64(), Some("timeout"));
@@ -190,31 +228,42 @@ async fn streamed(state: Shared, connector: std::sync::Arc<dyn rak_core::plugin:
     };
     state.metrics.observe_upstream(start.elapsed().as_secs_f64(), None);
     let comment = format!("rak-retrieval {}", serde_json::to_string(&retrieval).unwrap_or_default());
-    enum Next {
-        Pieces(mpsc::Receiver<String>, oneshot::Receiver<anyhow::Result<Value>>),
-        End,
-    }
     let head = futures_util::stream::iter([Ok::<Event, Infallible>(Event::default().comment(comment)), Ok(Event::default().data(first))]);
-    let rest = futures_util::stream::unfold(Next::Pieces(rx, done_rx), |next| async move {
-        let Next::Pieces(mut rx, done) = next else { return None };
-        match rx.recv().await {
-            Some(piece) => Some((Ok(Event::default().data(piece)), Next::Pieces(rx, done))),
-            None => {
-                let err = match done.await {
-                    Ok(Ok(v)) => v.get("error").cloned(),
-                    Ok(Err(e)) => Some(json!({"kind": "error", "message": format!("{e:#}")})),
-                    Err(_) => None,
-                };
-                err.map(|e| (Ok(Event::default().data(json!({"error": upstream_error(&e).body()["error"]}).to_string())), Next::End))
-            }
-        }
-    });
+    let metrics = state.metrics.clone();
+    let rest = futures_util::stream::unfold(Next::Pieces(rx, done_rx), move |next| next_piece(next, metrics.clone()));
     Ok(Sse::new(futures_util::StreamExt::chain(head, rest)).into_response())
+}
+
+/// Where a stream stands after its first piece.
+enum Next {
+    Pieces(mpsc::Receiver<String>, oneshot::Receiver<anyhow::Result<Value>>),
+    End,
+}
+
+/// The next event of a stream: a piece, or after the last one the error that cut it (counted),
+/// or the end.
+async fn next_piece(next: Next, metrics: std::sync::Arc<crate::metrics::Metrics>) -> Option<(Result<Event, Infallible>, Next)> {
+    let Next::Pieces(mut rx, done) = next else { return None };
+    if let Some(piece) = rx.recv().await {
+        return Some((Ok(Event::default().data(piece)), Next::Pieces(rx, done)));
+    }
+    let err = match done.await {
+        Ok(Ok(v)) => v.get("error").cloned(),
+        Ok(Err(e)) => Some(json!({"kind": "error", "message": format!("{e:#}")})),
+        Err(_) => None,
+    }?;
+    metrics.count_upstream_error(err["kind"].as_str().unwrap_or("error"));
+    Some((Ok(Event::default().data(json!({"error": upstream_error(&err).body()["error"]}).to_string())), Next::End))
 }
 
 /// A stream that ended before its first piece, answered as a whole response.
 fn finish_stream(state: &Shared, start: Instant, done: Option<anyhow::Result<Value>>) -> Result<Response, ApiError> {
     match done {
+        // A success without a single event: nothing a client reading a stream could use.
+        Some(Ok(reply)) if reply.get("error").is_none() && reply.get("body").is_none_or(Value::is_null) => {
+            state.metrics.observe_upstream(start.elapsed().as_secs_f64(), Some("bad_reply"));
+            Err(ApiError::new(StatusCode::BAD_GATEWAY, "upstream_error", "the target LM's stream ended before any event"))
+        }
         Some(Ok(reply)) => finish(state, start, reply, |status, body| (status, Json(body)).into_response()),
         Some(Err(e)) => Err(ApiError::new(StatusCode::BAD_GATEWAY, "upstream_error", format!("the target LM failed: {e:#}"))),
         None => Err(ApiError::internal("the streaming call ended without a result")),

@@ -49,8 +49,15 @@ pub struct Options {
     pub api_key: Option<String>,
     /// Largest request body read (larger: 413).
     pub max_body_bytes: usize,
-    /// How long one request may take (past it: 504); for a stream, until its first piece.
+    /// How long one request may take, from its first byte (past it: 504); for a stream,
+    /// until its first piece.
     pub request_timeout: Duration,
+    /// After SIGTERM, how long requests in flight may still take before the server exits
+    /// anyway (a second signal exits at once).
+    pub shutdown_grace: Duration,
+    /// Requests on their way to the target at once, streams included (more wait, within
+    /// their deadline).
+    pub target_concurrency: usize,
     /// Passages retrieved per query when a request does not say.
     pub default_k: usize,
     /// Most passages one request may ask for.
@@ -92,6 +99,10 @@ pub(crate) struct AppState {
     format_passages: Box<dyn Fn(&[&Passage]) -> String + Send + Sync>,
     metrics: Arc<Metrics>,
     next_id: AtomicU64,
+    /// Permits for calls to the target, held until a call (or its stream) ends.
+    target_permits: Arc<tokio::sync::Semaphore>,
+    /// Bound to a loopback address: requests must name a loopback host (DNS rebinding).
+    loopback: bool,
 }
 
 type Shared = Arc<AppState>;
@@ -109,6 +120,9 @@ pub fn serve(opts: Options, backend: Backend, on_ready: impl FnOnce(SocketAddr) 
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("rak-serve").build().context("starting the async runtime")?;
     let addr = format!("{}:{}", opts.host, opts.port);
+    let loopback = ["127.0.0.1", "localhost", "::1", "[::1]"].contains(&opts.host.as_str());
+    let grace = opts.shutdown_grace;
+    let target_permits = Arc::new(tokio::sync::Semaphore::new(opts.target_concurrency.max(1)));
     let state = Arc::new(AppState {
         opts,
         batcher,
@@ -119,17 +133,71 @@ pub fn serve(opts: Options, backend: Backend, on_ready: impl FnOnce(SocketAddr) 
         format_passages: backend.format_passages,
         metrics,
         next_id: AtomicU64::new(1),
+        target_permits,
+        loopback,
     });
-    runtime.block_on(async move {
+    let drained = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         on_ready(listener.local_addr()?);
-        axum::serve(listener, router(state)).with_graceful_shutdown(shutdown_signal()).await.context("the server failed")
+        let (stopping, mut stop) = tokio::sync::watch::channel(0u32);
+        tokio::spawn(count_signals(stopping));
+        let mut first = stop.clone();
+        let server = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
+            let _ = first.wait_for(|&n| n >= 1).await;
+        });
+        // After the first signal the server drains; the grace period or a second signal ends
+        // the wait (a stalled client must not keep a restart waiting forever).
+        let deadline = async move {
+            let _ = stop.wait_for(|&n| n >= 1).await;
+            tokio::select! {
+                _ = tokio::time::sleep(grace) => "the grace period passed",
+                _ = stop.wait_for(|&n| n >= 2) => "a second signal came",
+            }
+        };
+        tokio::select! {
+            r = server => r.context("the server failed").map(|_| true),
+            why = deadline => {
+                log_line(&serde_json::json!({"event": "shutdown", "message": format!("{why} before the requests in flight finished; exiting without them")}));
+                Ok(false)
+            }
+        }
     })?;
-    // The last `Batcher` went with the router: the encoder thread finishes its round and ends.
-    if let Some(t) = encoder_thread {
-        let _ = t.join();
+    // Requests cut at the deadline may still hold blocking threads (a search, a call to the
+    // target): they are not waited for.
+    runtime.shutdown_timeout(Duration::from_millis(200));
+    // Drained: the last `Batcher` went with the router, so the encoder thread finishes its round
+    // and ends. Cut short: it is left to the process's exit.
+    if let (true, Some(t)) = (drained, encoder_thread) {
+        let give_up = std::time::Instant::now() + grace;
+        while !t.is_finished() && std::time::Instant::now() < give_up {
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
     Ok(())
+}
+
+/// Counts SIGTERM and SIGINT into `count`.
+async fn count_signals(count: tokio::sync::watch::Sender<u32>) {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    loop {
+        let got_term = async {
+            match term.as_mut() {
+                Some(s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = got_term => {},
+            _ = tokio::signal::ctrl_c() => {},
+        }
+        let n = *count.borrow() + 1;
+        if n == 1 {
+            log_line(&serde_json::json!({"event": "shutdown", "message": "stopping: no new connections; finishing the requests in flight (a second signal exits at once)"}));
+        }
+        let _ = count.send(n);
+    }
 }
 
 fn router(state: Shared) -> Router {
@@ -148,22 +216,6 @@ fn router(state: Shared) -> Router {
         .with_state(state)
 }
 
-async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = term => {},
-        _ = tokio::signal::ctrl_c() => {},
-    }
-    log_line(&serde_json::json!({"event": "shutdown", "message": "stopping: no new connections; finishing the requests in flight"}));
-}
-
 /// Around every request: its id, the key check, panics turned into 500s, the metrics and one
 /// log line (never the key, never a body).
 async fn around_request(State(state): State<Shared>, req: Request, next: Next) -> Response {
@@ -172,12 +224,17 @@ async fn around_request(State(state): State<Shared>, req: Request, next: Next) -
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let route = route_label(&path);
-    let mut resp = if let Err(e) = authorize(&state, &req, &path) {
+    let checked = same_origin(&state, &req).and_then(|_| authorize(&state, &req, &path));
+    let mut resp = if let Err(e) = checked {
         e.into_response()
     } else {
-        match std::panic::AssertUnwindSafe(next.run(req)).catch_unwind().await {
-            Ok(resp) => resp,
-            Err(_) => api::ApiError::internal(format!("internal error while answering {path} (request {id}); the server keeps running")).into_response(),
+        // One deadline for the whole request, reading its body included (a stream: until its
+        // first piece, when the handler returns).
+        let run = std::panic::AssertUnwindSafe(next.run(req)).catch_unwind();
+        match tokio::time::timeout(state.opts.request_timeout, run).await {
+            Ok(Ok(resp)) => resp,
+            Ok(Err(_)) => api::ApiError::internal(format!("internal error while answering {path} (request {id}); the server keeps running")).into_response(),
+            Err(_) => api::ApiError::timeout(format!("the request took longer than the server's limit ({:.0} s, --request-timeout-s)", state.opts.request_timeout.as_secs_f64())).into_response(),
         }
     };
     if let Ok(v) = header::HeaderValue::from_str(&id) {
@@ -188,6 +245,27 @@ async fn around_request(State(state): State<Shared>, req: Request, next: Next) -
     state.metrics.observe_request(&route, status, secs);
     log_line(&serde_json::json!({"id": id, "method": method.as_str(), "path": path, "status": status, "ms": (secs * 1e4).round() / 10.0}));
     resp
+}
+
+/// Refuse what a web page the user visits could send: a request from another origin (a
+/// browser names it in `Origin`), and, on a loopback address, one naming another host (a page
+/// whose DNS name was rebound to 127.0.0.1). Clients that are not browsers send no `Origin`.
+fn same_origin(state: &AppState, req: &Request) -> Result<(), api::ApiError> {
+    let forbidden = |why: String| api::ApiError::new(StatusCode::FORBIDDEN, "permission_error", why);
+    let host = req.headers().get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or("");
+    if state.loopback {
+        let name = host.rsplit_once(':').map(|(n, port)| if port.chars().all(|c| c.is_ascii_digit()) { n } else { host }).unwrap_or(host);
+        if !["127.0.0.1", "localhost", "[::1]", ""].contains(&name) {
+            return Err(forbidden(format!("this server listens on a loopback address and answers only requests for it, not for host {name:?}")));
+        }
+    }
+    if let Some(origin) = req.headers().get(header::ORIGIN).and_then(|v| v.to_str().ok()) {
+        let authority = origin.split_once("://").map(|(_, a)| a).unwrap_or(origin);
+        if authority != host {
+            return Err(forbidden(format!("requests from {origin} are not accepted (only from this server's own page)")));
+        }
+    }
+    Ok(())
 }
 
 fn authorize(state: &AppState, req: &Request, path: &str) -> Result<(), api::ApiError> {

@@ -52,6 +52,7 @@ struct Tables {
     batch_sizes: Option<Histogram>,
     upstream: Option<Histogram>,
     upstream_errors: BTreeMap<String, u64>,
+    abandoned: u64,
 }
 
 /// Every metric the server keeps.
@@ -72,6 +73,18 @@ impl Metrics {
         let mut t = self.tables();
         *t.requests.entry((route.to_string(), status)).or_default() += 1;
         t.latency.entry(route.to_string()).or_insert_with(|| Histogram::new(&LATENCY_BUCKETS)).observe(seconds);
+    }
+
+    /// A target failure after its call was timed (a stream cut in the middle).
+    pub fn count_upstream_error(&self, kind: &str) {
+        *self.tables().upstream_errors.entry(kind.to_string()).or_default() += 1;
+    }
+
+    /// Texts left unencoded because their request was abandoned (deadline passed, client gone).
+    pub fn observe_abandoned(&self, texts: usize) {
+        if texts > 0 {
+            self.tables().abandoned += texts as u64;
+        }
     }
 
     /// Texts in one encoder call.
@@ -106,6 +119,8 @@ impl Metrics {
         }
         out.push_str("# HELP rak_queue_depth Requests waiting for the encoder.\n# TYPE rak_queue_depth gauge\n");
         let _ = writeln!(out, "rak_queue_depth {}", self.queue_depth.load(Ordering::Relaxed).max(0));
+        out.push_str("# HELP rak_abandoned_texts_total Texts not encoded because their request was abandoned.\n# TYPE rak_abandoned_texts_total counter\n");
+        let _ = writeln!(out, "rak_abandoned_texts_total {}", t.abandoned);
         out.push_str("# HELP rak_batch_size Texts per encoder call.\n# TYPE rak_batch_size histogram\n");
         t.batch_sizes.clone().unwrap_or_else(|| Histogram::new(&BATCH_BUCKETS)).write(&mut out, "rak_batch_size", "");
         out.push_str("# HELP rak_upstream_duration_seconds Time of each call to the target LM.\n# TYPE rak_upstream_duration_seconds histogram\n");

@@ -19,8 +19,13 @@ pub async fn page() -> Html<&'static str> {
     Html(PAGE)
 }
 
-pub async fn health() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+/// 200 while the server can answer; 503 once its encoder cannot (its thread ended, or the
+/// plugin instance was poisoned by a panic), so a load balancer takes it out.
+pub async fn health(State(state): State<Shared>) -> Response {
+    match &state.batcher {
+        Some(b) if !b.healthy() => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "unhealthy", "reason": "the encoder can no longer encode (see the log)"}))).into_response(),
+        _ => Json(json!({"status": "ok"})).into_response(),
+    }
 }
 
 pub async fn not_found() -> ApiError {
@@ -103,12 +108,20 @@ pub async fn embeddings(State(state): State<Shared>, body: Body) -> Result<Json<
     };
     let task = opt_str(&req, "task")?.map(str::to_string).or_else(|| state.opts.default_task.clone());
     let task = if role == Role::Query { task } else { None };
+    // The encoder's width is a dense index's (checked when the server started); beside a BM25
+    // index it is known once encoded.
+    let wrong_width = |dim: usize, d: usize| ApiError::field("dimensions", format!("this model's vectors have {dim} dimensions, not {d}"));
+    let asked = opt_usize(&req, "dimensions")?;
+    let index_dim = (!matches!(state.index, Index::Bm25(_))).then(|| state.index.meta().dim);
+    if let (Some(d), Some(dim)) = (asked, index_dim) {
+        if d != dim {
+            return Err(wrong_width(dim, d));
+        }
+    }
     let chars: usize = texts.iter().map(|t| t.len()).sum();
     let (rows, dim) = encode(&state, batcher, texts, role, task).await?;
-    if let Some(d) = opt_usize(&req, "dimensions")? {
-        if d != dim {
-            return Err(ApiError::field("dimensions", format!("this model's vectors have {dim} dimensions, not {d}")));
-        }
+    if let Some(d) = asked.filter(|&d| d != dim) {
+        return Err(wrong_width(dim, d));
     }
     let data: Vec<Value> = rows
         .into_iter()
@@ -164,7 +177,10 @@ fn embedding_inputs(req: &Map<String, Value>, max: usize) -> Result<Vec<String>,
 /// Texts through the shared encoder queue: their rows and width (429 when the queue is full,
 /// 504 past the request timeout).
 pub(crate) async fn encode(state: &Shared, batcher: &crate::batch::Batcher, texts: Vec<String>, role: Role, task: Option<String>) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
-    let rx = batcher.submit(texts, role, task).map_err(|_| ApiError::busy("the encoder queue is full; retry after a moment"))?;
+    let rx = batcher.submit(texts, role, task).map_err(|e| match e {
+        crate::batch::Refused::Full => ApiError::busy("the encoder queue is full; retry after a moment"),
+        crate::batch::Refused::Gone => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the encoder has stopped; this server cannot encode"),
+    })?;
     match tokio::time::timeout(state.opts.request_timeout, rx).await {
         Err(_) => Err(ApiError::timeout(format!("encoding took longer than the request timeout ({:.0} s)", state.opts.request_timeout.as_secs_f64()))),
         Ok(Err(_)) => Err(ApiError::internal("the encoder thread stopped")),

@@ -30,6 +30,10 @@ fn schema_or_error(f: impl FnOnce() -> Value) -> RString {
     }
 }
 
+/// What every call of a poisoned instance says (callers that keep an instance for long, such as
+/// `host serve`'s encoder, look for it to report themselves unhealthy).
+pub const POISONED: &str = "is unusable since an earlier call panicked";
+
 /// A plugin object behind a handle. A call that panicked may have left it half updated, so it
 /// is poisoned: every later call fails with the first panic's message instead of running on.
 struct Instance<T> {
@@ -40,7 +44,7 @@ struct Instance<T> {
 impl<T> Instance<T> {
     fn check(&self) -> anyhow::Result<()> {
         match &*self.poisoned.lock().unwrap_or_else(|e| e.into_inner()) {
-            Some(why) => anyhow::bail!("this instance is unusable since an earlier call panicked ({why}); create a new one"),
+            Some(why) => anyhow::bail!("this instance {POISONED} ({why}); create a new one"),
             None => Ok(()),
         }
     }

@@ -72,9 +72,14 @@ pub struct ServeArgs {
     /// Largest request body, in bytes (larger: 413).
     #[arg(long, default_value_t = 2 << 20)]
     pub max_body_bytes: usize,
-    /// Seconds a request may take (a stream: until its first piece); past it: 504.
+    /// Seconds a request may take, from its first byte (a stream: until its first piece);
+    /// past it: 504.
     #[arg(long, default_value_t = 60.0)]
     pub request_timeout_s: f64,
+    /// After SIGTERM, seconds the requests in flight may still take before the server exits
+    /// anyway (a second SIGTERM exits at once).
+    #[arg(long, default_value_t = 30.0)]
+    pub shutdown_grace_s: f64,
     /// Requests waiting for the encoder at most (beyond: 429 with Retry-After).
     #[arg(long, default_value_t = 512)]
     pub queue_size: usize,
@@ -98,8 +103,13 @@ pub struct ServeArgs {
 pub fn run(registry: &Registry, args: &ServeArgs) -> Result<()> {
     // Every argument is checked before anything slow (the index, the corpus, the model) loads.
     let cfg = args.config.as_ref().map(|p| AugmentConfig::read(p)).transpose()?;
-    if !(args.request_timeout_s.is_finite() && args.request_timeout_s > 0.0) {
-        bail!("--request-timeout-s must be a positive number of seconds");
+    for (flag, v) in [("--request-timeout-s", args.request_timeout_s), ("--shutdown-grace-s", args.shutdown_grace_s)] {
+        if !(v.is_finite() && (0.0..=1e6).contains(&v)) || (flag == "--request-timeout-s" && v == 0.0) {
+            bail!("{flag} must be a positive number of seconds, not {v}");
+        }
+    }
+    if args.target_concurrency == 0 {
+        bail!("--target-concurrency must be at least 1");
     }
     let api_key = match &args.api_key_env {
         Some(var) => match std::env::var(var) {
@@ -142,12 +152,20 @@ pub fn run(registry: &Registry, args: &ServeArgs) -> Result<()> {
         _ => {}
     }
     let dense = !matches!(index, Index::Bm25(_));
-    let encoder = match (&args.encoder, &args.model) {
+    let mut encoder = match (&args.encoder, &args.model) {
         (Some(name), Some(model)) => Some(registry.encoder(name, &encoder_settings(std::path::Path::new(model), &args.model_args)?)?),
         (None, None) if !dense => None,
         (None, _) if dense => bail!("{} is a {} index: give --encoder and --model to encode queries", args.index.display(), index.meta().kind),
         _ => bail!("give --encoder and --model together"),
     };
+    // A model whose vectors are not the index's width would fail every search: found now.
+    if let (Some(enc), true) = (encoder.as_mut(), dense) {
+        let probe = enc.encode(&["probe"], rak_core::abi::Role::Query, task.as_deref(), false)?;
+        let width = probe.size().last().copied().unwrap_or(0) as usize;
+        if width != index.meta().dim {
+            bail!("the model's vectors have {width} dimensions but the index {} holds {}-dimensional ones (built with another model?)", args.index.display(), index.meta().dim);
+        }
+    }
     let model_name = args.served_model_name.clone().or_else(|| args.model.as_ref().map(|m| served_name(m))).unwrap_or_else(|| "bm25".into());
     eprintln!("host serve: loading the corpus {}", corpus_path.display());
     let corpus = beir::load_corpus(&corpus_path)?;
@@ -172,9 +190,15 @@ pub fn run(registry: &Registry, args: &ServeArgs) -> Result<()> {
             if let Some(m) = &args.target_model {
                 settings["model"] = json!(m);
             }
+            // The server holds at most --target-concurrency calls at the target itself; the
+            // connector's own gate must not hold them back further. Its timeout, unless the
+            // recipe sets one, is the request's.
             if name == "openai" {
-                settings["concurrency"] = json!(args.target_concurrency);
-                settings["timeout_s"] = json!(args.request_timeout_s);
+                let recipe_concurrency = settings["concurrency"].as_u64().unwrap_or(0) as usize;
+                settings["concurrency"] = json!(recipe_concurrency.max(args.target_concurrency));
+                if settings.get("timeout_s").is_none() {
+                    settings["timeout_s"] = json!(args.request_timeout_s);
+                }
             }
             let c = registry.connector(name, &settings)?;
             let described = c.complete(json!({"op": "describe"})).ok();
@@ -190,6 +214,8 @@ pub fn run(registry: &Registry, args: &ServeArgs) -> Result<()> {
         api_key,
         max_body_bytes: args.max_body_bytes,
         request_timeout: Duration::from_secs_f64(args.request_timeout_s),
+        shutdown_grace: Duration::from_secs_f64(args.shutdown_grace_s),
+        target_concurrency: args.target_concurrency,
         default_k: k,
         max_k: args.max_k,
         max_inputs: args.max_inputs,

@@ -52,6 +52,9 @@ pub enum ErrorKind {
     BadReply,
     /// A forwarded request (`forward`, `stream`: one try, no retries) ran past `timeout_s`.
     Timeout,
+    /// A forwarded request met the server's rate limit (429); `retry_after` says how long it
+    /// asked to wait.
+    RateLimited,
 }
 
 impl ErrorKind {
@@ -63,6 +66,7 @@ impl ErrorKind {
             ErrorKind::Unreachable => "unreachable",
             ErrorKind::BadReply => "bad_reply",
             ErrorKind::Timeout => "timeout",
+            ErrorKind::RateLimited => "rate_limited",
         }
     }
 }
@@ -76,11 +80,13 @@ pub struct ApiError {
     /// Token counts a context-overflow answer reported, when it did.
     pub prompt_tokens: Option<u64>,
     pub context_tokens: Option<u64>,
+    /// The wait a rate-limited reply asked for.
+    pub retry_after: Option<Duration>,
 }
 
 impl ApiError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        ApiError { kind, message: message.into(), status: None, prompt_tokens: None, context_tokens: None }
+        ApiError { kind, message: message.into(), status: None, prompt_tokens: None, context_tokens: None, retry_after: None }
     }
 
     pub fn to_json(&self) -> Value {
@@ -93,6 +99,9 @@ impl ApiError {
         }
         if let Some(n) = self.context_tokens {
             v["context_tokens"] = json!(n);
+        }
+        if let Some(d) = self.retry_after.filter(|d| *d < Duration::from_secs(1 << 30)) {
+            v["retry_after_s"] = json!(d.as_secs_f64());
         }
         v
     }
@@ -413,8 +422,9 @@ impl Http {
     pub fn forward(&self, path: &str, body: &str) -> Result<(u16, Value), ApiError> {
         let resp = self.send_once(path, body)?;
         let status = resp.status().as_u16();
+        let after = retry_after(resp.headers());
         let text = self.read_capped(path, resp)?;
-        self.forwarded_reply(path, status, &text).map(|v| (status, v))
+        self.forwarded_reply(path, status, after, &text).map(|v| (status, v))
     }
 
     /// [`Http::forward`] for a streamed reply (server-sent events): each event's `data`
@@ -423,16 +433,27 @@ impl Http {
     pub fn forward_stream(&self, path: &str, body: &str, sink: &mut dyn FnMut(&str) -> bool) -> Result<(u16, Value), ApiError> {
         let resp = self.send_once(path, body)?;
         let status = resp.status().as_u16();
-        if !resp.status().is_success() {
+        let after = retry_after(resp.headers());
+        let events = resp.headers().get(reqwest::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|t| t.starts_with("text/event-stream"));
+        if !resp.status().is_success() || !events {
             let text = self.read_capped(path, resp)?;
-            return self.forwarded_reply(path, status, &text).map(|v| (status, v));
+            if resp_is_success(status) {
+                return Err(ApiError::new(
+                    ErrorKind::BadReply,
+                    format!("{path}: asked to stream, the server answered HTTP {status} with a whole reply, not server-sent events (does it stream?)"),
+                ));
+            }
+            return self.forwarded_reply(path, status, after, &text).map(|v| (status, v));
         }
+        // Lines are read through a window of what is left of the cap, so a server that never
+        // sends a line break cannot grow one line past it.
         let mut reader = std::io::BufReader::new(resp);
-        let mut line = String::new();
+        let mut line = Vec::new();
         let mut read = 0u64;
         loop {
             line.clear();
-            match std::io::BufRead::read_line(&mut reader, &mut line) {
+            let left = self.max_body.saturating_sub(read).saturating_add(1);
+            match std::io::BufRead::read_until(&mut std::io::Read::take(&mut reader, left), b'\n', &mut line) {
                 Ok(0) => break,
                 Ok(n) => read += n as u64,
                 Err(e) => return Err(self.read_error(path, &e)),
@@ -440,6 +461,7 @@ impl Http {
             if read > self.max_body {
                 return Err(ApiError::new(ErrorKind::BadReply, format!("{path}: a streamed reply longer than max_response_bytes ({} bytes)", self.max_body)));
             }
+            let line = String::from_utf8_lossy(&line);
             let Some(data) = line.trim_end_matches(['\r', '\n']).strip_prefix("data:") else { continue };
             let data = data.strip_prefix(' ').unwrap_or(data);
             if self.quotes_key(data) {
@@ -489,14 +511,15 @@ impl Http {
 
     /// A forwarded reply's body as JSON: a success or a refusal (4xx) is handed back; a server
     /// error (5xx) or a body that is not JSON is an error.
-    fn forwarded_reply(&self, path: &str, status: u16, text: &str) -> Result<Value, ApiError> {
+    fn forwarded_reply(&self, path: &str, status: u16, after: Option<Duration>, text: &str) -> Result<Value, ApiError> {
         if self.quotes_key(text) {
             return Err(ApiError::new(ErrorKind::BadReply, format!("{path}: HTTP {status} with a body that quotes the API key; it is not passed on")));
         }
         let parsed = serde_json::from_str::<Value>(text);
         if status >= 500 || status == 429 || status == 408 {
             let mut e = classify(status, parsed.as_ref().unwrap_or(&Value::Null), &self.scrub(text.to_string()));
-            e.kind = ErrorKind::RetriesExhausted;
+            e.kind = if status == 429 { ErrorKind::RateLimited } else { ErrorKind::RetriesExhausted };
+            e.retry_after = after;
             return Err(e);
         }
         parsed.map_err(|e| ApiError::new(ErrorKind::BadReply, format!("{path}: HTTP {status} with a body that is not JSON ({e}): {}", self.quote(text, 200))))
@@ -614,6 +637,10 @@ impl Http {
         let v = serde_json::from_str::<Value>(&text).unwrap_or(Value::Null);
         Attempt::Fail(classify(code, &v, &self.scrub(text.into_owned())))
     }
+}
+
+fn resp_is_success(status: u16) -> bool {
+    (200..300).contains(&status)
 }
 
 /// The server without its port: local servers draw a new port at each start (llama-server.sh
