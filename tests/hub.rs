@@ -121,6 +121,11 @@ fn passages(dir: &Path) -> PathBuf {
 
 /// `host encode` of the passages with `model`, in an environment that knows no Hub but `env`.
 fn encode(dir: &Path, model: &str, out: &str, extra: &[&str], env: &[(&str, &str)]) -> Output {
+    encode_cmd(dir, model, out, extra, env).output().unwrap()
+}
+
+/// The [`encode`] command, to run elsewhere than in the tests' folder.
+fn encode_cmd(dir: &Path, model: &str, out: &str, extra: &[&str], env: &[(&str, &str)]) -> Command {
     let mut c = Command::new(host_bin());
     c.args(["encode", "--encoder", "dpr", "--model", model, "--input", p(&passages(dir)), "--output", p(&dir.join(format!("out-{out}"))), "--batch-size", "4"])
         .args(extra)
@@ -133,7 +138,7 @@ fn encode(dir: &Path, model: &str, out: &str, extra: &[&str], env: &[(&str, &str
     for (k, v) in env {
         c.env(k, v);
     }
-    c.output().unwrap()
+    c
 }
 
 fn embeddings(dir: &Path, out: &str) -> Vec<u8> {
@@ -197,6 +202,95 @@ fn offline_with_files_missing_the_error_names_them_where_it_looked_and_the_fetch
     assert!(e.contains("no Hugging Face Hub id") && e.contains("known: ") && e.contains("flan-t5-base"), "{e}");
     assert!(t.elapsed() < Duration::from_secs(20), "fails fast");
     assert!(!dir.path().join("out-out").exists(), "nothing written");
+}
+
+/// A mistyped local path (`runs/aar-typo` where `runs/` exists) is no Hub id: "no such
+/// folder" at once, offline or online, and the Hub is never asked; a Hub id from the same
+/// folder still resolves; a Hub id neither cached nor a folder says there is no such folder
+/// either.
+#[test]
+fn a_mistyped_local_path_is_no_such_folder_and_never_a_hub_lookup() {
+    let dir = TempDir::new("hub-typo");
+    let cwd = dir.path().join("work");
+    std::fs::create_dir_all(cwd.join("runs/aar-real")).unwrap();
+    let cache = hub_cache(dir.path());
+    let hub = FakeHub::start(REPO, MAIN, HashMap::new(), Vec::new());
+    let endpoint = hub.endpoint();
+    let offline = [("HF_HUB_CACHE", p(&cache)), ("HF_HUB_OFFLINE", "1")];
+    let online = [("HF_HUB_CACHE", p(&cache)), ("HF_ENDPOINT", endpoint.as_str())];
+    for env in [&offline[..], &online[..]] {
+        let t = Instant::now();
+        let o = encode_cmd(dir.path(), "runs/aar-typo", "typo", &[], env).current_dir(&cwd).output().unwrap();
+        assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+        let e = stderr(&o);
+        assert!(e.contains("runs/aar-typo: no such folder"), "{e}");
+        assert!(!e.contains("Hugging Face cache") && !e.contains("hf download") && !e.contains("panicked"), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(10));
+    }
+    assert_eq!(hub.requested(), Vec::<String>::new(), "the Hub was asked");
+    // From the same folder (no `sentence-transformers/` in it) a Hub id is still one.
+    ok(&encode_cmd(dir.path(), REPO, "hub", &[], &offline).current_dir(&cwd).output().unwrap());
+    ok(&encode(dir.path(), p(&minilm_dir()), "local", &[], &[]));
+    assert_eq!(embeddings(dir.path(), "hub"), embeddings(dir.path(), "local"));
+    // A Hub id that is neither cached nor a folder: the error says both.
+    for env in [&offline[..], &online[..]] {
+        let o = encode_cmd(dir.path(), "org/typo", "none", &[], env).current_dir(&cwd).output().unwrap();
+        let e = stderr(&o);
+        assert!(!o.status.success() && e.contains("org/typo") && e.contains(&format!("nor is there a folder org/typo (relative to {})", cwd.display())), "{e}");
+    }
+}
+
+/// A recipe's `[model] revision` is for its `[model] path` only: `host train --model` takes
+/// the command line's `--revision` or none (a folder is not refused for the recipe's
+/// revision, another Hub id is not taken at the recipe's commit); without `--model`, the
+/// recipe's path is taken at the recipe's revision. (The runs stop at the missing corpus,
+/// after the model was resolved.)
+#[test]
+fn host_train_applies_the_recipe_s_revision_to_the_recipe_s_model_only() {
+    let dir = TempDir::new("hub-train-revision");
+    let cache = hub_cache(dir.path());
+    let recipe = dir.path().join("train.toml");
+    let write = |path: &str| {
+        std::fs::write(
+            &recipe,
+            format!(
+                "[model]\nencoder = \"dpr\"\npath = \"{path}\"\nrevision = \"{CLS}\"\n\n[data]\ncorpus = \"{}\"\ntask_dir = \"{}\"\ntasks = [\"squad\"]\n\n[train]\noptim = \"adamw\"\nmax_steps = 1\n",
+                dir.path().join("no-such-corpus.jsonl").display(),
+                dir.path().join("tasks").display()
+            ),
+        )
+        .unwrap()
+    };
+    let train = |extra: &[&str], out: &str| {
+        let mut c = Command::new(host_bin());
+        c.args(["train", "--config", p(&recipe), "--output-dir", p(&dir.path().join(out))])
+            .args(extra)
+            .env_remove("RAK_PLUGIN_PATH")
+            .env("HF_HUB_CACHE", &cache)
+            .env("HF_HUB_OFFLINE", "1")
+            .env("HF_ENDPOINT", "http://127.0.0.1:9");
+        let o = c.output().unwrap();
+        assert!(!o.status.success(), "the corpus is missing");
+        stderr(&o)
+    };
+    write("org/pinned");
+    // A folder on the command line.
+    let e = train(&["--model", p(&minilm_dir())], "folder");
+    assert!(!e.contains("is a local folder"), "{e}");
+    assert!(e.contains("no-such-corpus.jsonl"), "it went on to the data: {e}");
+    assert!(e.contains("revision") && e.contains("left out"), "a note says the recipe's revision was left out: {e}");
+    // Another Hub id on the command line: its main, not the recipe's commit.
+    let e = train(&["--model", REPO], "hub");
+    assert!(e.contains(&format!("{REPO} at {MAIN} (revision main)")), "{e}");
+    assert!(!e.contains(&format!("at {CLS}")), "{e}");
+    // ... or the command line's own revision.
+    let e = train(&["--model", REPO, "--revision", "v1.0"], "hub-tag");
+    assert!(e.contains(&format!("{REPO} at {MAIN} (revision v1.0)")), "{e}");
+    // The recipe's own model: at the recipe's revision.
+    write(REPO);
+    let e = train(&[], "recipe");
+    assert!(e.contains(&format!("{REPO} at {CLS} (revision {CLS})")), "{e}");
+    assert!(!e.contains("left out"), "{e}");
 }
 
 /// A server answering as the Hub's file endpoints do, over `files` (repo path → bytes) at one

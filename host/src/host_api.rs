@@ -341,11 +341,12 @@ impl Services<'_> {
         let spec = rak_train::run::RunSpec {
             encoder: r.encoder.or(recipe.model.encoder.clone()).context("train: no encoder: give \"encoder\" or recipe.model.encoder")?,
             optim: r.optim.or(recipe.train.optim.clone()).context("train: no optimizer: give \"optim\" or recipe.train.optim")?,
-            model: crate::commands::encode::resolve_model(
-                &r.model.or(recipe.model.path.clone()).context("train: no model: give \"model\" or recipe.model.path")?,
-                recipe.model.revision.as_deref(),
-                "train",
-            )?,
+            model: {
+                // The recipe's revision goes with the recipe's model only: a "model" given in
+                // the request is taken at main (or as the folder it is).
+                let (model, revision) = recipe.model.choose(r.model.as_deref(), None).context("train: no model: give \"model\" or recipe.model.path")?;
+                crate::commands::encode::resolve_model(&model, revision.as_deref(), "train")?
+            },
             recipe,
             output_dir: r.output_dir,
             device: r.device.unwrap_or_else(|| "cpu".into()),

@@ -2,7 +2,10 @@
 //! `--encoder-model`, `--source`, a recipe's `[model] path`), the name resolves as
 //! `transformers` resolves it:
 //!
-//! 1. a local folder that exists always wins;
+//! 1. a local folder that exists always wins; a name that can only be a path (`/`, `./`,
+//!    `../`, `~`, more than one `/`, or a first component that is a local folder, as
+//!    `runs/aar-typo` where `runs/` exists) and is no folder is an error at once ("no such
+//!    folder"), never a Hub lookup;
 //! 2. else a Hugging Face Hub id (`ORG/NAME`), or a well-known bare name ([`KNOWN`]:
 //!    `flan-t5-base` is `google/flan-t5-base`), is looked up in the Hub cache
 //!    (`HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`), in the layout
@@ -25,7 +28,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use std::path::{Component, Path, PathBuf};
 
-/// Bare names and the Hub ids they mean (matched without regard to case).
+/// Bare names and the Hub ids they mean (matched without regard to case): only repos whose
+/// `main` has what the loaders read, `tokenizer.json` and safetensors weights (not
+/// `google/t5-v1_1-*`, whose main has only `pytorch_model.bin` and `spiece.model`, nor
+/// `facebook/contriever*`, `pytorch_model.bin` only).
 pub const KNOWN: &[(&str, &str)] = &[
     ("flan-t5-small", "google/flan-t5-small"),
     ("flan-t5-base", "google/flan-t5-base"),
@@ -35,17 +41,12 @@ pub const KNOWN: &[(&str, &str)] = &[
     ("t5-small", "google-t5/t5-small"),
     ("t5-base", "google-t5/t5-base"),
     ("t5-large", "google-t5/t5-large"),
-    ("t5-v1_1-small", "google/t5-v1_1-small"),
-    ("t5-v1_1-base", "google/t5-v1_1-base"),
-    ("t5-v1_1-large", "google/t5-v1_1-large"),
     ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"),
     ("all-MiniLM-L12-v2", "sentence-transformers/all-MiniLM-L12-v2"),
     ("multi-qa-MiniLM-L6-cos-v1", "sentence-transformers/multi-qa-MiniLM-L6-cos-v1"),
     ("bert-base-uncased", "google-bert/bert-base-uncased"),
     ("bert-base-cased", "google-bert/bert-base-cased"),
     ("bert-large-uncased", "google-bert/bert-large-uncased"),
-    ("contriever", "facebook/contriever"),
-    ("contriever-msmarco", "facebook/contriever-msmarco"),
 ];
 
 /// Files every model needs (besides its weights).
@@ -148,8 +149,8 @@ pub fn classify(name: &Path) -> Name {
         return Name::Local(name.to_path_buf());
     }
     let Some(text) = name.to_str() else { return Name::NotAModel(format!("{}: no such folder", name.display())) };
-    if looks_like_path(text) {
-        return Name::NotAModel(format!("{text}: no such folder"));
+    if let Some(why) = looks_like_path(text) {
+        return Name::NotAModel(format!("{text}: no such folder{why}"));
     }
     if text.contains('/') {
         return match check_repo_id(text) {
@@ -166,15 +167,33 @@ pub fn classify(name: &Path) -> Name {
 fn unknown_bare(text: &str) -> String {
     let known: Vec<&str> = KNOWN.iter().map(|(b, _)| *b).collect();
     format!(
-        "{text:?} is no folder, no Hugging Face Hub id (ORG/NAME) and no model name this toolkit knows (known: {}); give a checkpoint folder or the model's Hub id",
+        "{text:?} is no folder (relative to {}), no Hugging Face Hub id (ORG/NAME) and no model name this toolkit knows (known: {}); give a checkpoint folder or the model's Hub id",
+        current_dir(),
         known.join(", ")
     )
 }
 
-/// Whether `name` can only be a path: absolute, `./`, `../`, `~`, or with an empty, `.` or
-/// `..` component, or more than one `/`.
-fn looks_like_path(text: &str) -> bool {
-    text.starts_with('/') || text.starts_with('.') || text.starts_with('~') || text.ends_with('/') || text.matches('/').count() > 1 || text.contains('\\')
+/// The current folder, for messages about relative names.
+fn current_dir() -> String {
+    std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_else(|_| "the current folder".into())
+}
+
+/// For an error saying Hub model `typed` is missing: that no folder of that name exists either
+/// (the user may have meant one).
+fn no_folder_either(typed: &str) -> String {
+    format!("\n  nor is there a folder {typed} (relative to {})", current_dir())
+}
+
+/// Whether `name` can only be a path, and if not plainly so, why (appended to "no such
+/// folder"): absolute, `./`, `../`, `~`, or with an empty, `.` or `..` component, or more
+/// than one `/`, or a first component that is a local folder (`runs/aar-typo` where `runs/`
+/// exists: a mistyped path, not a Hub id).
+fn looks_like_path(text: &str) -> Option<String> {
+    if text.starts_with('/') || text.starts_with('.') || text.starts_with('~') || text.ends_with('/') || text.matches('/').count() > 1 || text.contains('\\') {
+        return Some(String::new());
+    }
+    let (first, _) = text.split_once('/')?;
+    Path::new(first).is_dir().then(|| format!(" (taken as a path, not a Hugging Face Hub id: {first}/ is a folder in {})", current_dir()))
 }
 
 /// The Hub's rules for a repo id, as far as they keep a cache path and a URL sound.
@@ -280,12 +299,12 @@ pub fn resolve_in(name: &Path, revision: Option<&str>, env: &HubEnv) -> Result<R
             // A bare name the cache holds (`gpt2`, as older transformers wrote it) is a model.
             if let Some(text) = name.to_str().filter(|t| !t.contains('/') && check_repo_id(t).is_ok()) {
                 if env.repo_folder(text).is_dir() {
-                    return resolve_hub(text, None, revision, env);
+                    return resolve_hub(text, None, text, revision, env);
                 }
             }
             bail!("{why}")
         }
-        Name::Hub { id, alias } => resolve_hub(&id, alias.as_deref(), revision, env),
+        Name::Hub { id, alias } => resolve_hub(&id, alias.as_deref(), &name.to_string_lossy(), revision, env),
     }
 }
 
@@ -415,7 +434,9 @@ fn cached_commit(repo: &Path, revision: &str) -> Option<String> {
     is_commit(c).then(|| c.to_string())
 }
 
-fn resolve_hub(id: &str, alias: Option<&str>, revision: Option<&str>, env: &HubEnv) -> Result<Resolved> {
+/// Hub model `id` (`alias`: the bare name it was known by; `typed`: the name as given, for
+/// messages).
+fn resolve_hub(id: &str, alias: Option<&str>, typed: &str, revision: Option<&str>, env: &HubEnv) -> Result<Resolved> {
     let revision = revision.unwrap_or("main");
     check_revision(revision)?;
     // The cache folders to look in: the id's, then (a bare name) the one older versions wrote.
@@ -460,17 +481,19 @@ fn resolve_hub(id: &str, alias: Option<&str>, revision: Option<&str>, env: &HubE
     let cache_line = format!("the Hugging Face cache {} ({})", env.cache.display(), env.cache_from);
     if env.offline {
         bail!(
-            "model {id} (revision {revision}) is not complete in {cache_line}, and HF_HUB_OFFLINE forbids downloading it\n  looked in: {}\n  missing: {missing_line}\n  fetch it with: {}",
+            "model {id} (revision {revision}) is not complete in {cache_line}, and HF_HUB_OFFLINE forbids downloading it\n  looked in: {}\n  missing: {missing_line}\n  fetch it with: {}{}",
             looked.join("; "),
-            fetch_command(id, revision)
+            fetch_command(id, revision),
+            no_folder_either(typed)
         );
     }
-    download(id, revision, env).map_err(|e| match e {
+    download(id, typed, revision, env).map_err(|e| match e {
         Fetch::Unreachable(why) => anyhow!(
-            "model {id} (revision {revision}) is not complete in {cache_line}, and the Hub at {} cannot be reached ({why})\n  looked in: {}\n  missing: {missing_line}\n  fetch it with: {}",
+            "model {id} (revision {revision}) is not complete in {cache_line}, and the Hub at {} cannot be reached ({why})\n  looked in: {}\n  missing: {missing_line}\n  fetch it with: {}{}",
             env.endpoint,
             looked.join("; "),
-            fetch_command(id, revision)
+            fetch_command(id, revision),
+            no_folder_either(typed)
         ),
         Fetch::Other(e) => e,
     })
@@ -520,8 +543,8 @@ fn status_of(e: &hf_hub::api::sync::ApiError) -> Option<u16> {
     }
 }
 
-/// Ask the Hub for `id` at `revision` and download what the cache lacks.
-fn download(id: &str, revision: &str, env: &HubEnv) -> std::result::Result<Resolved, Fetch> {
+/// Ask the Hub for `id` (`typed` as given) at `revision` and download what the cache lacks.
+fn download(id: &str, typed: &str, revision: &str, env: &HubEnv) -> std::result::Result<Resolved, Fetch> {
     use hf_hub::{api::sync::ApiBuilder, Cache, Repo, RepoType};
     let show_progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let api = ApiBuilder::from_cache(Cache::new(env.cache.clone()))
@@ -535,8 +558,13 @@ fn download(id: &str, revision: &str, env: &HubEnv) -> std::result::Result<Resol
             return Fetch::Unreachable(why);
         }
         Fetch::Other(match status_of(&e) {
-            Some(401 | 403) => anyhow!("{id} (revision {revision}) at {}: access refused ({e}); a gated or private model needs HF_TOKEN (or `hf auth login`)", env.endpoint),
-            Some(404) => anyhow!("{id} (revision {revision}): no such model or revision at {} (a private model also answers so without HF_TOKEN)", env.endpoint),
+            // The Hub may answer 401 for a repo that does not exist too (asked without a token).
+            Some(401 | 403) => anyhow!(
+                "{id} (revision {revision}) at {}: access refused ({e}); a gated or private model needs HF_TOKEN (or `hf auth login`), and the Hub may answer so for a model that does not exist{}",
+                env.endpoint,
+                no_folder_either(typed)
+            ),
+            Some(404) => anyhow!("{id} (revision {revision}): no such model or revision at {} (a private model also answers so without HF_TOKEN){}", env.endpoint, no_folder_either(typed)),
             _ => anyhow!("{id} (revision {revision}): the Hub at {} answered: {e}", env.endpoint),
         })
     })?;

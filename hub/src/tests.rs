@@ -77,6 +77,55 @@ fn names_are_told_apart() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A mistyped path whose first component is a local folder (`runs/aar-typo` where `runs/`
+/// exists; here `src/`, as unit tests run in the crate's folder) is a path: "no such folder"
+/// at once, never a Hub lookup (offline: no "fetch it with"; online: no request). A Hub id
+/// whose first component is no folder is still a Hub id; and an error saying a Hub model is
+/// missing says there is no folder of that name either.
+#[test]
+fn a_mistyped_path_is_no_hub_id_and_a_missing_hub_model_is_no_folder_either() {
+    assert!(Path::new("src").is_dir(), "unit tests run in the crate's folder");
+    let cache = tmp("typo");
+    match classify(Path::new("src/no-such-model")) {
+        Name::NotAModel(why) => assert!(why.starts_with("src/no-such-model: no such folder") && why.contains("src/ is a folder"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(!names_a_model(Path::new("src/no-such-model"), Some(&env_at(&cache, true))));
+    for offline in [true, false] {
+        let t = std::time::Instant::now();
+        let e = resolve_in(Path::new("src/no-such-model"), None, &env_at(&cache, offline)).unwrap_err().to_string();
+        assert!(e.starts_with("src/no-such-model: no such folder"), "{e}");
+        assert!(!e.contains("Hugging Face cache") && !e.contains("hf download") && !e.contains("cannot be reached"), "no Hub lookup: {e}");
+        assert!(t.elapsed().as_secs() < 2);
+    }
+    assert!(!Path::new("org").exists());
+    assert_eq!(classify(Path::new("org/m")), Name::Hub { id: "org/m".into(), alias: None });
+    let cwd = std::env::current_dir().unwrap();
+    for offline in [true, false] {
+        let e = resolve_in(Path::new("org/m"), None, &env_at(&cache, offline)).unwrap_err().to_string();
+        assert!(e.contains(&format!("nor is there a folder org/m (relative to {})", cwd.display())), "{e}");
+        // A known bare name: the name as typed.
+        let e = resolve_in(Path::new("FLAN-T5-base"), None, &env_at(&cache, offline)).unwrap_err().to_string();
+        assert!(e.contains("google/flan-t5-base") && e.contains("nor is there a folder FLAN-T5-base"), "{e}");
+    }
+    let e = resolve_in(Path::new("openia"), None, &env_at(&cache, true)).unwrap_err().to_string();
+    assert!(e.contains(&format!("is no folder (relative to {})", cwd.display())), "{e}");
+    std::fs::remove_dir_all(&cache).unwrap();
+}
+
+/// Every bare name means a repo whose main has what the loaders read (tokenizer.json,
+/// safetensors): not google/t5-v1_1-* (pytorch_model.bin and spiece.model only) nor
+/// facebook/contriever* (pytorch_model.bin only).
+#[test]
+fn known_names_mean_repos_the_loaders_can_read() {
+    for gone in ["t5-v1_1-small", "t5-v1_1-base", "t5-v1_1-large", "contriever", "contriever-msmarco"] {
+        assert!(matches!(classify(Path::new(gone)), Name::NotAModel(_)), "{gone}");
+    }
+    for (_, id) in KNOWN {
+        assert!(!id.starts_with("google/t5-v1_1") && !id.starts_with("facebook/contriever"), "{id}");
+    }
+}
+
 #[test]
 fn environment_is_read_as_huggingface_hub_reads_it() {
     let vars = |pairs: &[(&str, &str)]| {

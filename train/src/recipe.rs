@@ -33,6 +33,20 @@ pub struct ModelSection {
     pub settings: serde_json::Map<String, Value>,
 }
 
+impl ModelSection {
+    /// The model to start from and its revision. A model given on the command line (or in a
+    /// request), `given`, takes `given_revision` or none: the recipe's `revision` is for the
+    /// recipe's `path` only (a commit pinned for one Hub model is no revision of a folder or of
+    /// another model). Without `given`, the recipe's `path` with `given_revision`, else the
+    /// recipe's `revision`. `None`: no model anywhere.
+    pub fn choose(&self, given: Option<&Path>, given_revision: Option<&str>) -> Option<(PathBuf, Option<String>)> {
+        match given {
+            Some(m) => Some((m.to_path_buf(), given_revision.map(String::from))),
+            None => self.path.clone().map(|p| (p, given_revision.or(self.revision.as_deref()).map(String::from))),
+        }
+    }
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataSection {
@@ -208,5 +222,25 @@ impl AnceIndex {
             AnceIndex::Flat => None,
             AnceIndex::Milvus { uri, collection, ann } => Some(MilvusParams { uri: uri.clone(), collection: collection.clone(), ann: *ann, build: String::new() }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The recipe's revision goes with the recipe's model only: a model given on the command
+    /// line takes the command line's revision or none.
+    #[test]
+    fn the_recipe_s_revision_is_for_the_recipe_s_model_only() {
+        let commit = "0123456789abcdef0123456789abcdef01234567";
+        let m = ModelSection { path: Some("org/pinned".into()), revision: Some(commit.into()), ..Default::default() };
+        let own = |p: &str, r: Option<&str>| Some((PathBuf::from(p), r.map(String::from)));
+        assert_eq!(m.choose(None, None), own("org/pinned", Some(commit)));
+        assert_eq!(m.choose(None, Some("v2")), own("org/pinned", Some("v2")));
+        assert_eq!(m.choose(Some(Path::new("./ckpt")), None), own("./ckpt", None));
+        assert_eq!(m.choose(Some(Path::new("org/other")), None), own("org/other", None));
+        assert_eq!(m.choose(Some(Path::new("org/other")), Some("dev")), own("org/other", Some("dev")));
+        assert_eq!(ModelSection::default().choose(None, Some("v2")), None);
     }
 }

@@ -30,8 +30,9 @@ pub struct TrainArgs {
     /// recipe's `[model] path`.
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// The branch, tag or commit of a Hub `--model` (default: the recipe's `[model] revision`,
-    /// else main).
+    /// The branch, tag or commit of a Hub `--model` (default: main), or of the recipe's
+    /// `[model] path` without `--model` (default: the recipe's `[model] revision`, else main).
+    /// The recipe's revision never applies to a `--model`.
     #[arg(long)]
     pub revision: Option<String>,
     /// Optimizer plugin (adamw, tsage, ...); default: the recipe's.
@@ -126,11 +127,17 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
     let spec = RunSpec {
         encoder: args.encoder.clone().or(recipe.model.encoder.clone()).context("no encoder: give --encoder or model.encoder")?,
         optim: args.optim.clone().or(recipe.train.optim.clone()).context("no optimizer: give --optim or train.optim")?,
-        model: super::encode::resolve_model(
-            &args.model.clone().or(recipe.model.path.clone()).context("no model: give --model or model.path")?,
-            args.revision.as_deref().or(recipe.model.revision.as_deref()),
-            "host train",
-        )?,
+        model: {
+            // The recipe's revision goes with the recipe's model only.
+            let (model, revision) = recipe.model.choose(args.model.as_deref(), args.revision.as_deref()).context("no model: give --model or model.path")?;
+            if let (Some(given), Some(pinned), None) = (&args.model, &recipe.model.revision, &args.revision) {
+                eprintln!(
+                    "host train: note: the recipe's [model] revision {pinned:?} is for its [model] path, not for --model {}: left out",
+                    given.display()
+                );
+            }
+            super::encode::resolve_model(&model, revision.as_deref(), "host train")?
+        },
         recipe,
         output_dir: args.output_dir.clone(),
         device,

@@ -461,12 +461,23 @@ impl Config {
         let m = r.model;
         let encoder = flags.encoder.clone().or(m.encoder).context("no encoder: give --encoder or model.encoder")?;
         ctx.require("encoder", &encoder, "--encoder")?;
+        // The recipe's source.revision goes with its source.model only: a --source model is
+        // taken at main (or as the folder it is).
+        let mut source_revision = None;
         let mut source = if kind == "white-box" {
             let reader = s.reader.clone().unwrap_or_else(|| "fid".into());
             ctx.require("reader", &reader, "source.reader")?;
             let name = match given {
-                Some(v) => PathBuf::from(v),
-                None => s.model.clone().with_context(|| format!("{}: a white-box source needs source.model (or --source MODEL)", path.display()))?,
+                Some(v) => {
+                    if let Some(pinned) = &s.revision {
+                        notices.push(format!("{}'s source.revision {pinned:?} is for its source.model, not for --source {v}: left out", path.display()));
+                    }
+                    PathBuf::from(v)
+                }
+                None => {
+                    source_revision = s.revision.clone();
+                    s.model.clone().with_context(|| format!("{}: a white-box source needs source.model (or --source MODEL)", path.display()))?
+                }
             };
             if s.template.is_some() || s.continuation.is_some() {
                 bail!("{}: source.template and source.continuation are for black-box sources; a white-box source reads source.reader_template after each passage", path.display());
@@ -524,7 +535,16 @@ impl Config {
             Source::BlackBox { connector, prompt, continuation, workers }
         };
 
-        let model_name = flags.model.clone().or(m.path).context("no starting retriever: give --model or model.path")?;
+        // The recipe's model.revision goes with its model.path only, as host train takes them.
+        let (model_name, model_revision) = match &flags.model {
+            Some(given) => {
+                if let Some(pinned) = &m.revision {
+                    notices.push(format!("{}'s model.revision {pinned:?} is for its model.path, not for --model {}: left out", path.display(), given.display()));
+                }
+                (given.clone(), None)
+            }
+            None => (m.path.context("no starting retriever: give --model or model.path")?, m.revision),
+        };
         let mut encoder_settings = m.settings;
         if let Some(d) = &flags.device {
             encoder_settings.insert("device".into(), json!(d));
@@ -567,7 +587,7 @@ impl Config {
         }
 
         // Last, after every cheap check: the models' names (a Hub model may be downloaded).
-        let resolved = (ctx.resolve)(&model_name, m.revision.as_deref()).with_context(|| format!("the starting retriever (--model) {}", model_name.display()))?;
+        let resolved = (ctx.resolve)(&model_name, model_revision.as_deref()).with_context(|| format!("the starting retriever (--model) {}", model_name.display()))?;
         let model_hub = resolved.hub.is_some().then(|| resolved.record());
         if resolved.hub.is_some() {
             notices.push(format!("retriever: {}", resolved.describe()));
@@ -576,7 +596,7 @@ impl Config {
         let mut source_hub = None;
         if let Source::WhiteBox { model: source_model, .. } = &mut source {
             let name = source_model.clone();
-            let resolved = (ctx.resolve)(&name, s.revision.as_deref()).with_context(|| format!("the white-box source (--source) {}", name.display()))?;
+            let resolved = (ctx.resolve)(&name, source_revision.as_deref()).with_context(|| format!("the white-box source (--source) {}", name.display()))?;
             if resolved.hub.is_some() {
                 notices.push(format!("source: {}", resolved.describe()));
                 source_hub = Some(resolved.record());
@@ -849,6 +869,48 @@ mod tests {
         assert_eq!(Config::upgrade_source_key(&cpu), None);
         assert_eq!(Config::upgrade_source_key(&json!({"kind": "black-box", "settings": {}})), None);
         assert_eq!(Config::upgrade_source_key(&json!([1])), None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The recipe's revisions go with the recipe's models only: `--source` and `--model` are
+    /// resolved at no revision (a folder takes none; a Hub id its main), with a notice that
+    /// the recipe's revision was left out; the recipe's own models at their revisions.
+    #[test]
+    fn the_recipe_s_revisions_are_for_the_recipe_s_models_only() {
+        let asked = std::cell::RefCell::new(Vec::new());
+        let record = |name: &Path, revision: Option<&str>| -> Result<rak_hub::Resolved> {
+            asked.borrow_mut().push((name.display().to_string(), revision.map(String::from)));
+            if revision.is_some() && name.is_dir() {
+                bail!("revision {revision:?} is for a Hugging Face Hub model; {} is a local folder", name.display());
+            }
+            Ok(rak_hub::Resolved { path: name.to_path_buf(), hub: None })
+        };
+        let checks = Checks { resolve: &record, ..ctx() };
+        let dir = std::env::temp_dir().join(format!("aar-config-revision-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pinned = "[source]\nkind = \"white-box\"\nmodel = \"google/flan-t5-base\"\nrevision = \"0123456789abcdef0123456789abcdef01234567\"\n\
+                      [model]\npath = \"org/retriever\"\nrevision = \"v1.0\"\n";
+        let run = |args: &[&str]| {
+            asked.borrow_mut().clear();
+            let all = [&["--encoder", "dpr", "--output-dir", "o"][..], args].concat();
+            let c = Config::from_recipe(recipe(pinned), flags(&all), Path::new("r.toml"), &checks);
+            (c, asked.borrow().clone())
+        };
+        let own = |n: &str, r: Option<&str>| (n.to_string(), r.map(String::from));
+        // The recipe's own models: at the recipe's revisions.
+        let (c, got) = run(&[]);
+        c.unwrap();
+        assert_eq!(got, vec![own("org/retriever", Some("v1.0")), own("google/flan-t5-base", Some("0123456789abcdef0123456789abcdef01234567"))]);
+        // A folder and another Hub id on the command line: no revision, and a notice.
+        let d = dir.to_str().unwrap();
+        let (c, got) = run(&["--source", d, "--model", d]);
+        let c = c.unwrap();
+        assert_eq!(got, vec![own(d, None), own(d, None)]);
+        assert!(c.notices.iter().any(|n| n.contains("source.revision") && n.contains("left out")), "{:?}", c.notices);
+        assert!(c.notices.iter().any(|n| n.contains("model.revision") && n.contains("left out")), "{:?}", c.notices);
+        let (c, got) = run(&["--source", "google/flan-t5-large", "--model", "org/other"]);
+        c.unwrap();
+        assert_eq!(got, vec![own("org/other", None), own("google/flan-t5-large", None)]);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
