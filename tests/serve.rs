@@ -42,12 +42,20 @@ struct Serve {
 }
 
 impl Serve {
+    /// Over the slice's flat index and MiniLM, with `extra` flags.
     fn start(extra: &[&str], env: &[(&str, &str)]) -> Serve {
         let (idx, _) = flat_index();
-        let log = slice().dir.join(format!("serve-{}.log", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()));
         let model = minilm_dir();
-        let mut args = vec!["serve", "--index", p(idx), "--encoder", "dpr", "--model", p(&model), "--corpus", p(&slice().corpus), "--port", "0"];
+        let mut args = vec!["--index", p(idx), "--encoder", "dpr", "--model", p(&model)];
         args.extend_from_slice(extra);
+        Serve::launch(&args, env)
+    }
+
+    /// `host serve ARGS` over the slice's corpus, on a free port.
+    fn launch(args: &[&str], env: &[(&str, &str)]) -> Serve {
+        let log = slice().dir.join(format!("serve-{}.log", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()));
+        let mut args: Vec<&str> = [&["serve"], args].concat();
+        args.extend(["--corpus", p(&slice().corpus), "--port", "0"]);
         let mut child = Command::new(host_bin())
             .args(&args)
             .envs(env.iter().copied())
@@ -484,17 +492,7 @@ fn a_bm25_index_is_served_without_an_encoder() {
     let bm25 = dir.path().join("bm25");
     let out = host(&["index", "build", "--kind", "bm25", "--corpus", p(&slice().corpus), "--output", p(&bm25)]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let log = dir.path().join("serve.log");
-    let mut child = Command::new(host_bin())
-        .args(["serve", "--index", p(&bm25), "--corpus", p(&slice().corpus), "--port", "0"])
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let url: Value = serde_json::from_str(&line).unwrap_or_else(|_| panic!("{}", std::fs::read_to_string(&log).unwrap()));
-    let serve = Serve { child, url: url["listening"].as_str().unwrap().to_string(), log };
+    let serve = Serve::launch(&["--index", p(&bm25)], &[]);
     let trec = dir.path().join("run.trec");
     let out = host(&["search", "--index", p(&bm25), "--queries", p(&slice().queries), "--k", "5", "--output", p(&trec)]);
     assert!(out.status.success(), "{}", stderr(&out));
