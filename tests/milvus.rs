@@ -202,6 +202,35 @@ fn host_search_reads_a_milvus_index_like_a_local_one() {
     let (a, b) = (run(&flat, "flat.trec"), run(&milvus, "milvus.trec"));
     assert_eq!(a.len(), 400);
     assert_eq!(a, b, "the Milvus index ranks otherwise than exact search");
+
+    // host serve over the Milvus index answers as host search does, and stops cleanly (the
+    // index's own runtime must not be dropped inside the server's).
+    use std::io::{BufRead, BufReader, Read, Write};
+    let mut child = Command::new(host_bin())
+        .args(["serve", "--index", milvus.to_str().unwrap(), "--encoder", "dpr", "--model", model.to_str().unwrap(), "--corpus", s.corpus.to_str().unwrap(), "--port", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(dir.path().join("serve.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let listening: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|_| panic!("{}", std::fs::read_to_string(dir.path().join("serve.log")).unwrap()));
+    let addr = listening["listening"].as_str().unwrap().trim_start_matches("http://").to_string();
+    let first: serde_json::Value = serde_json::from_str(std::fs::read_to_string(&s.queries).unwrap().lines().next().unwrap()).unwrap();
+    let body = serde_json::json!({"query": first["text"], "k": 10}).to_string();
+    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+    write!(conn, "POST /search HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut reply = String::new();
+    conn.read_to_string(&mut reply).unwrap();
+    let json: serde_json::Value = serde_json::from_str(reply.split_once("\r\n\r\n").unwrap().1).unwrap_or_else(|_| panic!("{reply}"));
+    let served: Vec<String> = json["passages"].as_array().unwrap().iter().map(|h| h["id"].as_str().unwrap().to_string()).collect();
+    let qid = first["_id"].as_str().unwrap();
+    let expected: Vec<String> = b.iter().filter(|l| l.starts_with(&format!("{qid} "))).map(|l| l.split(' ').nth(2).unwrap().to_string()).collect();
+    assert_eq!(served, expected);
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let status = child.wait().unwrap();
+    let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap();
+    assert!(status.success() && !log.contains("internal error"), "{status:?}: {log}");
 }
 
 #[test]

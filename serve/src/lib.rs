@@ -136,6 +136,9 @@ pub fn serve(opts: Options, backend: Backend, on_ready: impl FnOnce(SocketAddr) 
         target_permits,
         loopback,
     });
+    // The last reference is dropped outside the runtime: a Milvus index owns a runtime of its
+    // own, which must not be dropped inside another's async context.
+    let keep = state.clone();
     let drained = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         on_ready(listener.local_addr()?);
@@ -165,6 +168,7 @@ pub fn serve(opts: Options, backend: Backend, on_ready: impl FnOnce(SocketAddr) 
     // Requests cut at the deadline may still hold blocking threads (a search, a call to the
     // target): they are not waited for.
     runtime.shutdown_timeout(Duration::from_millis(200));
+    drop(keep);
     // Drained: the last `Batcher` went with the router, so the encoder thread finishes its round
     // and ends. Cut short: it is left to the process's exit.
     if let (true, Some(t)) = (drained, encoder_thread) {
