@@ -315,7 +315,7 @@ fn faults_are_answered_as_documented() {
         ..Options::default()
     });
     let serve = Serve::start(
-        &["--base-url", &target.url, "--api-key-env", "SERVE_TEST_KEY", "--max-body-bytes", "1000000", "--request-timeout-s", "2", "--k", "2"],
+        &["--base-url", &target.url, "--api-key-env", "SERVE_TEST_KEY", "--allowed-host", "rag.example.com", "--max-body-bytes", "1000000", "--request-timeout-s", "2", "--k", "2"],
         &[("SERVE_TEST_KEY", key)],
     );
     let auth = format!("Bearer {key}");
@@ -349,6 +349,9 @@ fn faults_are_answered_as_documented() {
     assert_error(&evil, 403, None, "evil.example");
     let rebound = request(serve.addr(), "GET", "/info", &[("Authorization", &auth), ("Host", "evil.example:80")], b"");
     assert_error(&rebound, 403, None, "loopback");
+    // A reverse proxy's host name, and pages of that site, once allowed.
+    let proxied = request(serve.addr(), "POST", "/search", &[("Authorization", &auth), ("Host", "rag.example.com"), ("Origin", "https://rag.example.com")], br#"{"query": "x"}"#);
+    assert_eq!(proxied.status, 200, "{}", proxied.body);
     let own_page = format!("http://{}", serve.addr());
     assert_eq!(request(serve.addr(), "POST", "/search", &[("Authorization", &auth), ("Origin", &own_page)], br#"{"query": "x"}"#).status, 200);
 

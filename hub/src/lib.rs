@@ -296,8 +296,9 @@ pub fn resolve_in(name: &Path, revision: Option<&str>, env: &HubEnv) -> Result<R
             Ok(Resolved { path, hub: None })
         }
         Name::NotAModel(why) => {
-            // A bare name the cache holds (`gpt2`, as older transformers wrote it) is a model.
-            if let Some(text) = name.to_str().filter(|t| !t.contains('/') && check_repo_id(t).is_ok()) {
+            // A name the cache holds is a model: a bare one (`gpt2`, as older transformers wrote
+            // it), or `org/name` beside a local folder `org/` (taken as a path above).
+            if let Some(text) = name.to_str().filter(|t| check_repo_id(t).is_ok()) {
                 if env.repo_folder(text).is_dir() {
                     return resolve_hub(text, None, text, revision, env);
                 }
@@ -315,7 +316,7 @@ pub fn names_a_model(name: &Path, env: Option<&HubEnv>) -> bool {
     match classify(name) {
         Name::Local(_) | Name::Hub { .. } => true,
         Name::NotAModel(_) => {
-            env.is_some_and(|env| name.to_str().is_some_and(|t| !t.contains('/') && check_repo_id(t).is_ok() && env.repo_folder(t).is_dir()))
+            env.is_some_and(|env| name.to_str().is_some_and(|t| check_repo_id(t).is_ok() && env.repo_folder(t).is_dir()))
         }
     }
 }

@@ -110,6 +110,12 @@ fn a_mistyped_path_is_no_hub_id_and_a_missing_hub_model_is_no_folder_either() {
     }
     let e = resolve_in(Path::new("openia"), None, &env_at(&cache, true)).unwrap_err().to_string();
     assert!(e.contains(&format!("is no folder (relative to {})", cwd.display())), "{e}");
+    // `org/name` beside a local folder `org/` is still the Hub model when the cache holds it.
+    let repo = cache.join("models--src--m");
+    lay_out(&repo, COMMIT, &["main"], MODEL);
+    mark_absent(&repo, COMMIT, OPTIONAL);
+    assert!(names_a_model(Path::new("src/m"), Some(&env_at(&cache, true))));
+    assert_eq!(resolve_in(Path::new("src/m"), None, &env_at(&cache, true)).unwrap().path, repo.join("snapshots").join(COMMIT));
     std::fs::remove_dir_all(&cache).unwrap();
 }
 

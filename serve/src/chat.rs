@@ -199,11 +199,15 @@ async fn streamed(
     let (tx, mut rx) = mpsc::channel::<String>(64);
     let (done_tx, mut done_rx) = oneshot::channel::<anyhow::Result<Value>>();
     let start = Instant::now();
+    let runtime = tokio::runtime::Handle::current();
+    let patience = state.opts.request_timeout;
     tokio::task::spawn_blocking(move || {
         // Held until the stream ends: a stream counts toward --target-concurrency throughout.
         let _permit = permit;
-        // A closed channel (the client went away) tells the connector to stop reading.
-        let mut sink = |piece: &str| tx.blocking_send(piece.to_string()).is_ok();
+        // A closed channel (the client went away), or one the client has not read from for a
+        // request timeout, tells the connector to stop reading: a client that stops reading
+        // must not hold a permit for ever.
+        let mut sink = |piece: &str| runtime.block_on(tx.send_timeout(piece.to_string(), patience)).is_ok();
         let _ = done_tx.send(connector.stream(request, &mut sink));
     });
     let mut unanswered = Unanswered(Some((state.metrics.clone(), start)));

@@ -55,6 +55,9 @@ pub struct Options {
     /// After SIGTERM, how long requests in flight may still take before the server exits
     /// anyway (a second signal exits at once).
     pub shutdown_grace: Duration,
+    /// Host names besides the server's own that requests may name (`Host`) or come from
+    /// (`Origin`): a reverse proxy's, a site whose pages call the server.
+    pub allowed_hosts: Vec<String>,
     /// Requests on their way to the target at once, streams included (more wait, within
     /// their deadline).
     pub target_concurrency: usize,
@@ -120,7 +123,7 @@ pub fn serve(opts: Options, backend: Backend, on_ready: impl FnOnce(SocketAddr) 
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("rak-serve").build().context("starting the async runtime")?;
     let addr = format!("{}:{}", opts.host, opts.port);
-    let loopback = ["127.0.0.1", "localhost", "::1", "[::1]"].contains(&opts.host.as_str());
+    let loopback = opts.host == "localhost" || opts.host.trim_matches(['[', ']']).parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
     let grace = opts.shutdown_grace;
     let target_permits = Arc::new(tokio::sync::Semaphore::new(opts.target_concurrency.max(1)));
     let state = Arc::new(AppState {
@@ -141,9 +144,12 @@ pub fn serve(opts: Options, backend: Backend, on_ready: impl FnOnce(SocketAddr) 
     let keep = state.clone();
     let drained = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-        on_ready(listener.local_addr()?);
+        // Signal handlers before the address is announced: a SIGTERM right after it must
+        // drain, not kill.
+        let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         let (stopping, mut stop) = tokio::sync::watch::channel(0u32);
-        tokio::spawn(count_signals(stopping));
+        tokio::spawn(count_signals(stopping, term));
+        on_ready(listener.local_addr()?);
         let mut first = stop.clone();
         let server = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
             let _ = first.wait_for(|&n| n >= 1).await;
@@ -181,8 +187,7 @@ pub fn serve(opts: Options, backend: Backend, on_ready: impl FnOnce(SocketAddr) 
 }
 
 /// Counts SIGTERM and SIGINT into `count`.
-async fn count_signals(count: tokio::sync::watch::Sender<u32>) {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+async fn count_signals(count: tokio::sync::watch::Sender<u32>, mut term: Option<tokio::signal::unix::Signal>) {
     loop {
         let got_term = async {
             match term.as_mut() {
@@ -257,19 +262,33 @@ async fn around_request(State(state): State<Shared>, req: Request, next: Next) -
 fn same_origin(state: &AppState, req: &Request) -> Result<(), api::ApiError> {
     let forbidden = |why: String| api::ApiError::new(StatusCode::FORBIDDEN, "permission_error", why);
     let host = req.headers().get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let allowed = |name: &str| state.opts.allowed_hosts.iter().any(|h| h.eq_ignore_ascii_case(name));
     if state.loopback {
-        let name = host.rsplit_once(':').map(|(n, port)| if port.chars().all(|c| c.is_ascii_digit()) { n } else { host }).unwrap_or(host);
-        if !["127.0.0.1", "localhost", "[::1]", ""].contains(&name) {
-            return Err(forbidden(format!("this server listens on a loopback address and answers only requests for it, not for host {name:?}")));
+        let name = host_name(host);
+        if !["127.0.0.1", "localhost", "[::1]", ""].contains(&name) && !allowed(name) {
+            return Err(forbidden(format!(
+                "this server listens on a loopback address and answers only requests for it, not for host {name:?} (behind a reverse proxy: --allowed-host {name})"
+            )));
         }
     }
     if let Some(origin) = req.headers().get(header::ORIGIN).and_then(|v| v.to_str().ok()) {
         let authority = origin.split_once("://").map(|(_, a)| a).unwrap_or(origin);
-        if authority != host {
-            return Err(forbidden(format!("requests from {origin} are not accepted (only from this server's own page)")));
+        if authority != host && !allowed(host_name(authority)) {
+            return Err(forbidden(format!(
+                "requests from {origin} are not accepted: only from this server's own page, or a site named with --allowed-host {}",
+                host_name(authority)
+            )));
         }
     }
     Ok(())
+}
+
+/// `name` of `name:port` (`[::1]` of `[::1]:8080`).
+fn host_name(authority: &str) -> &str {
+    match authority.rsplit_once(':') {
+        Some((name, port)) if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) && (!name.contains(':') || name.ends_with(']')) => name,
+        _ => authority,
+    }
 }
 
 fn authorize(state: &AppState, req: &Request, path: &str) -> Result<(), api::ApiError> {
@@ -311,6 +330,15 @@ pub(crate) fn log_line(v: &serde_json::Value) {
 #[cfg(test)]
 mod tests {
     use super::constant_time_eq;
+
+    #[test]
+    fn host_names_lose_only_their_port() {
+        assert_eq!(super::host_name("127.0.0.1:8080"), "127.0.0.1");
+        assert_eq!(super::host_name("[::1]:8080"), "[::1]");
+        assert_eq!(super::host_name("[::1]"), "[::1]");
+        assert_eq!(super::host_name("localhost"), "localhost");
+        assert_eq!(super::host_name("rag.example.com:443"), "rag.example.com");
+    }
 
     #[test]
     fn keys_are_compared_whole() {

@@ -41,6 +41,8 @@ impl ModelSection {
     /// recipe's `revision`. `None`: no model anywhere.
     pub fn choose(&self, given: Option<&Path>, given_revision: Option<&str>) -> Option<(PathBuf, Option<String>)> {
         match given {
+            // The recipe's own model named again keeps the recipe's pin.
+            Some(m) if self.path.as_deref() == Some(m) => Some((m.to_path_buf(), given_revision.or(self.revision.as_deref()).map(String::from))),
             Some(m) => Some((m.to_path_buf(), given_revision.map(String::from))),
             None => self.path.clone().map(|p| (p, given_revision.or(self.revision.as_deref()).map(String::from))),
         }
@@ -241,6 +243,8 @@ mod tests {
         assert_eq!(m.choose(Some(Path::new("./ckpt")), None), own("./ckpt", None));
         assert_eq!(m.choose(Some(Path::new("org/other")), None), own("org/other", None));
         assert_eq!(m.choose(Some(Path::new("org/other")), Some("dev")), own("org/other", Some("dev")));
+        // The recipe's own model named again on the command line keeps its pin.
+        assert_eq!(m.choose(Some(Path::new("org/pinned")), None), own("org/pinned", Some(commit)));
         assert_eq!(ModelSection::default().choose(None, Some("v2")), None);
     }
 }

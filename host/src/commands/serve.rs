@@ -53,6 +53,12 @@ pub struct ServeArgs {
     /// (`Authorization: Bearer KEY`).
     #[arg(long)]
     pub api_key_env: Option<String>,
+    /// Another host name requests may be addressed to (repeatable): the name a reverse proxy
+    /// passes in `Host`, or the site whose pages call this server (`Origin`). Without it, a
+    /// server on a loopback address answers only requests for localhost or its address, and
+    /// browsers only from its own page.
+    #[arg(long)]
+    pub allowed_host: Vec<String>,
     /// Passages retrieved per request when it does not say (default: the recipe's k, else 3).
     #[arg(long)]
     pub k: Option<usize>,
@@ -105,7 +111,7 @@ pub fn run(registry: &Registry, args: &ServeArgs) -> Result<()> {
     let cfg = args.config.as_ref().map(|p| AugmentConfig::read(p)).transpose()?;
     for (flag, v) in [("--request-timeout-s", args.request_timeout_s), ("--shutdown-grace-s", args.shutdown_grace_s)] {
         if !(v.is_finite() && (0.0..=1e6).contains(&v)) || (flag == "--request-timeout-s" && v == 0.0) {
-            bail!("{flag} must be a positive number of seconds, not {v}");
+            bail!("{flag} must be a number of seconds (positive for --request-timeout-s), not {v}");
         }
     }
     if args.target_concurrency == 0 {
@@ -215,6 +221,7 @@ pub fn run(registry: &Registry, args: &ServeArgs) -> Result<()> {
         max_body_bytes: args.max_body_bytes,
         request_timeout: Duration::from_secs_f64(args.request_timeout_s),
         shutdown_grace: Duration::from_secs_f64(args.shutdown_grace_s),
+        allowed_hosts: args.allowed_host.clone(),
         target_concurrency: args.target_concurrency,
         default_k: k,
         max_k: args.max_k,

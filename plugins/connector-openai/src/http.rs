@@ -434,7 +434,7 @@ impl Http {
         let resp = self.send_once(path, body)?;
         let status = resp.status().as_u16();
         let after = retry_after(resp.headers());
-        let events = resp.headers().get(reqwest::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|t| t.starts_with("text/event-stream"));
+        let events = resp.headers().get(reqwest::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|t| t.trim().to_ascii_lowercase().starts_with("text/event-stream"));
         if !resp.status().is_success() || !events {
             let text = self.read_capped(path, resp)?;
             if resp_is_success(status) {

@@ -25,7 +25,8 @@
 //!
 //! Failures of one request come back as `{"error": {"kind", "message", ...}}`, never as a
 //! failed call, so one bad item never fails a batch (`kind`: `context_length`, `rejected`,
-//! `retries_exhausted`, `unreachable` when the last try could not even connect, `bad_reply`). The API
+//! `retries_exhausted`, `unreachable` when the last try could not even connect, `bad_reply`;
+//! `forward` adds `timeout` and `rate_limited`, with `retry_after_s`). The API
 //! key is read from the environment variable `api_key_env` names and is never returned,
 //! logged or cached.
 
