@@ -80,7 +80,7 @@ async fn augmented(state: Shared, body: Body, route: Route) -> Result<Response, 
     let start = Instant::now();
     // Counted as a timeout if the request's deadline cancels this wait.
     let mut unanswered = Unanswered(Some((state.metrics.clone(), start)));
-    let reply = crate::routes::blocking(&state, move || {
+    let reply = crate::routes::blocking(move || {
         let _permit = permit;
         connector.complete(request)
     })

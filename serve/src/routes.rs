@@ -119,7 +119,7 @@ pub async fn embeddings(State(state): State<Shared>, body: Body) -> Result<Json<
         }
     }
     let chars: usize = texts.iter().map(|t| t.len()).sum();
-    let (rows, dim) = encode(&state, batcher, texts, role, task).await?;
+    let (rows, dim) = encode(batcher, texts, role, task).await?;
     if let Some(d) = asked.filter(|&d| d != dim) {
         return Err(wrong_width(dim, d));
     }
@@ -174,18 +174,17 @@ fn embedding_inputs(req: &Map<String, Value>, max: usize) -> Result<Vec<String>,
     Ok(texts)
 }
 
-/// Texts through the shared encoder queue: their rows and width (429 when the queue is full,
-/// 504 past the request timeout).
-pub(crate) async fn encode(state: &Shared, batcher: &crate::batch::Batcher, texts: Vec<String>, role: Role, task: Option<String>) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+/// Texts through the shared encoder queue: their rows and width (429 when the queue is full).
+pub(crate) async fn encode(batcher: &crate::batch::Batcher, texts: Vec<String>, role: Role, task: Option<String>) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
     let rx = batcher.submit(texts, role, task).map_err(|e| match e {
         crate::batch::Refused::Full => ApiError::busy("the encoder queue is full; retry after a moment"),
         crate::batch::Refused::Gone => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the encoder has stopped; this server cannot encode"),
     })?;
-    match tokio::time::timeout(state.opts.request_timeout, rx).await {
-        Err(_) => Err(ApiError::timeout(format!("encoding took longer than the request timeout ({:.0} s)", state.opts.request_timeout.as_secs_f64()))),
-        Ok(Err(_)) => Err(ApiError::internal("the encoder thread stopped")),
-        Ok(Ok(Err(e))) => Err(ApiError::internal(format!("encoding failed: {e}"))),
-        Ok(Ok(Ok(rows))) => Ok(rows),
+    // The request's deadline (the middleware's) bounds this wait; dropping `rx` abandons the texts.
+    match rx.await {
+        Err(_) => Err(ApiError::internal("the encoder thread stopped")),
+        Ok(Err(e)) => Err(ApiError::internal(format!("encoding failed: {e}"))),
+        Ok(Ok(rows)) => Ok(rows),
     }
 }
 
@@ -204,7 +203,7 @@ pub(crate) async fn retrieve(state: &Shared, queries: Vec<String>, k: usize, tas
     let found: Vec<Vec<(String, f32)>> = match &state.index {
         Index::Bm25(_) => {
             let s = state.clone();
-            blocking(state, move || {
+            blocking(move || {
                 let Index::Bm25(bm25) = &s.index else { unreachable!("matched above") };
                 queries.iter().map(|q| bm25.search(q, k)).collect::<anyhow::Result<Vec<_>>>()
             })
@@ -212,9 +211,9 @@ pub(crate) async fn retrieve(state: &Shared, queries: Vec<String>, k: usize, tas
         }
         _ => {
             let batcher = state.batcher.as_ref().ok_or_else(|| ApiError::internal("a dense index without an encoder"))?;
-            let (rows, dim) = encode(state, batcher, queries, Role::Query, task).await?;
+            let (rows, dim) = encode(batcher, queries, Role::Query, task).await?;
             let s = state.clone();
-            blocking(state, move || {
+            blocking(move || {
                 let flat: Vec<f32> = rows.concat();
                 rak_retrieval::pipeline::search::search_vectors(&s.index, &flat, dim, k)
             })
@@ -234,13 +233,12 @@ pub(crate) async fn retrieve(state: &Shared, queries: Vec<String>, k: usize, tas
         .collect())
 }
 
-/// Run `f` on the blocking pool, within the request timeout.
-pub(crate) async fn blocking<T: Send + 'static>(state: &Shared, f: impl FnOnce() -> anyhow::Result<T> + Send + 'static) -> Result<T, ApiError> {
-    match tokio::time::timeout(state.opts.request_timeout, tokio::task::spawn_blocking(f)).await {
-        Err(_) => Err(ApiError::timeout(format!("the request took longer than its timeout ({:.0} s)", state.opts.request_timeout.as_secs_f64()))),
-        Ok(Err(_)) => Err(ApiError::internal("a search failed unexpectedly")),
-        Ok(Ok(Err(e))) => Err(ApiError::internal(format!("{e:#}"))),
-        Ok(Ok(Ok(v))) => Ok(v),
+/// Run `f` on the blocking pool (the request's deadline bounds the wait).
+pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> anyhow::Result<T> + Send + 'static) -> Result<T, ApiError> {
+    match tokio::task::spawn_blocking(f).await {
+        Err(_) => Err(ApiError::internal("a search failed unexpectedly")),
+        Ok(Err(e)) => Err(ApiError::internal(format!("{e:#}"))),
+        Ok(Ok(v)) => Ok(v),
     }
 }
 
