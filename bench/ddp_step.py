@@ -42,14 +42,14 @@ PER_PROCESS = 16
 SCALE = 20.0
 
 
-def host_run(a, work, name, negatives, nproc, batch):
+def host_run(a, work, name, seed, nproc, batch):
     """`host train` (nproc processes, `batch` queries each): per-step and communication seconds."""
     out = os.path.join(work, name)
     os.makedirs(out)
     recipe = os.path.join(work, f"{name}.toml")
     ts.BATCH = batch
     ts.write_recipe(recipe, a, ["squad"], "adamw", {"weight_decay": ts.WEIGHT_DECAY}, a.steps + ts.SKIP)
-    ts.write_negatives(negatives, os.path.join(out, "negatives-episode-0.json"), ["squad"])
+    ts.write_seed(seed, out)
     cmd = [a.host, "train", "--config", recipe, "--output-dir", out, "--nproc", str(nproc)]
     env = dict(os.environ, **ts.thread_env(a.threads))
     res = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -161,7 +161,6 @@ def main():
     ap.add_argument("--model", default=os.path.join(ts.ROOT, ".cache/models/all-MiniLM-L6-v2"))
     ap.add_argument("--corpus", default=os.path.join(ts.ROOT, "data/minikilt/corpus.jsonl"))
     ap.add_argument("--task-dir", default=os.path.join(ts.ROOT, "data/minikilt/tasks"))
-    ap.add_argument("--negatives", help="negatives-episode-0.json of the 4 tasks at depth 1: reused if it exists, else written there")
     a = ap.parse_args()
     a.device, a.bf16, a.no_st = "cpu", False, True
     for k in ("host", "model", "corpus", "task_dir"):
@@ -170,12 +169,12 @@ def main():
     work = tempfile.mkdtemp(prefix="bench-ddp-step-")
     try:
         ts.BATCH = 32
-        negatives, neg_info = ts.prepare_negatives(a, work)
-        ours = host_run(a, work, "ours-2", negatives, WORLD, PER_PROCESS)
+        seed, neg_info = ts.seed_dir(a, work, ["squad"])
+        ours = host_run(a, work, "ours-2", seed, WORLD, PER_PROCESS)
         print(json.dumps({"ours": ours}), flush=True)
-        one = host_run(a, work, "ours-1", negatives, 1, WORLD * PER_PROCESS)
+        one = host_run(a, work, "ours-1", seed, 1, WORLD * PER_PROCESS)
         print(json.dumps({"ours_one_process": one}), flush=True)
-        triples = ts.load_triples(a, negatives, "squad", (a.steps + ts.SKIP) * WORLD * PER_PROCESS)
+        triples = ts.load_triples(a, ts.negatives_file(seed), "squad", (a.steps + ts.SKIP) * WORLD * PER_PROCESS)
         torch_r = ddp_run(a, triples)
         print(json.dumps({"torch_ddp": torch_r}), flush=True)
     finally:

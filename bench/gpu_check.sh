@@ -126,7 +126,7 @@ timeout 300 $PY bench/aar_scoring.py --part fid --device "$DEVICE" --queries ${A
 step "8. a DPR training step on $DEVICE: ours against a PyTorch loop (float32, then bf16 autocast)"
 for b in "" --bf16; do
     timeout 240 $PY bench/train_step.py --only dpr --steps 30 --threads 8 --device "$DEVICE" $b --no-st --model "$W/model" \
-        --host "$H" --negatives "$W/negatives.json" --out "$OUT/train-step-$DEVICE${b:+-bf16}.json" 2>&1 | tail -6 || fail "step 8 $b"
+        --host "$H" --out "$OUT/train-step-$DEVICE${b:+-bf16}.json" 2>&1 | tail -6 || fail "step 8 $b"
 done
 step "9. data-parallel training on $DEVICE: 2 processes x 8 queries against 1 x 16 (Gloo with GPU tensors)"
 # cuda:0 for both processes (`cuda` alone would send rank 1 to cuda:1, which one GPU lacks).

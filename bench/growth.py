@@ -384,42 +384,14 @@ def part_index(a, work, log):
     return build, search
 
 
-def dpr_negatives(a, ts, ta, work):
-    """The DPR run's BM25 negatives (squad, depth 1) and the run.json of the `host train` run that
-    mined them, cached under .cache/bench/growth/dpr-negatives/.
-
-    bench/train_step.py seeds each run's output folder with a negatives file, which `host train`
-    now refuses (a folder holding files no run of it wrote, issue 32). A folder holding a
-    run.json of host train's is a run's own: a new run there clears it and keeps episode 0's
-    negatives if they were made from the same corpus, examples and settings (not the batch
-    size). So each timed run's folder gets the negatives and run.json of one squad-only run."""
-    cache = os.path.join(ROOT, ".cache", "bench", "growth", "dpr-negatives")
-    neg, run_json = os.path.join(cache, "negatives-episode-0.json"), os.path.join(cache, "run.json")
-    if os.path.exists(neg) and os.path.exists(run_json):
-        info = {"source": neg, "reused": True}
-    else:
-        ts.BATCH = 8
-        r = ts.run_host(ta, work, "dpr-negatives", ts.DPR_TASKS, "adamw", {"weight_decay": ts.WEIGHT_DECAY}, 1, None)
-        os.makedirs(cache, exist_ok=True)
-        for f in (neg, run_json):
-            shutil.copyfile(os.path.join(work, "dpr-negatives", os.path.basename(f)), f + ".tmp")
-            os.replace(f + ".tmp", f)
-        info = {"source": "host train, squad, 1 step, BM25 (index built in the run)", "wall_s": r["wall_s"]}
-
-    def seed_folder(src, dst, tasks):
-        shutil.copyfile(neg, dst)
-        shutil.copyfile(run_json, os.path.join(os.path.dirname(dst), "run.json"))
-
-    ts.write_negatives = seed_folder
-    return neg, info
-
-
 def part_step(a, work, log):
     import train_step as ts
 
     env = dict(os.environ, **thread_env(a.threads))
     ta = train_args(a)
-    negatives, neg_info = dpr_negatives(a, ts, ta, work)
+    ts.BATCH = 8
+    seed, neg_info = ts.seed_dir(ta, work, ts.DPR_TASKS)
+    negatives = ts.negatives_file(seed)
     res = {"steps": a.steps, "skipped_steps": ts.SKIP, "max_length": ts.MAX_LENGTH, "negatives": neg_info,
            "floor_ours_mib": host_floor(a, log), "floor_anchor_mib": py_floor(a, "step", env, log), "points": []}
     for i, b in enumerate(a.batches):
@@ -433,10 +405,7 @@ def part_step(a, work, log):
                 ts.BATCH = b
                 load = os.getloadavg()[0]
                 r = ts.run_host(ta, work, f"dpr-b{b}", ts.DPR_TASKS, "adamw", {"weight_decay": ts.WEIGHT_DECAY},
-                                a.steps + ts.SKIP, negatives)
-                with open(os.path.join(work, f"dpr-b{b}.stderr"), errors="replace") as f:
-                    if "BM25 negatives from" not in f.read():
-                        r["problems"].append("host train mined its own BM25 negatives (the given ones were not reused)")
+                                a.steps + ts.SKIP, seed)
                 pt["ours"] = {"seconds": r["median_s"], "steps_s": r["steps"], "peak_rss_mib": r["peak_rss_mib"],
                               "loop_peak_rss_mib": r["loop_peak_rss_mib"], "wall_s": r["wall_s"], "load_avg_1m": load,
                               "problems": r["problems"]}

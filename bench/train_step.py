@@ -33,13 +33,16 @@ st: the interval between consecutive on_step_end callbacks (the trainer fetches 
 batch before on_step_begin, so begin->end would leave tokenisation out; it is recorded too).
 No implementation includes model loading or process start.
 
-Hard negatives: one `host train` run (4 tasks, negative_depth 1, 1 step) builds the BM25 index
-and writes negatives-episode-0.json; every timed host run gets a copy (filtered to its tasks), so
-none of them spends time or memory on BM25, and the Python loops read the same file.
+Hard negatives: for each task set (squad; the 4 tasks) one `host train` run of 1 step
+(negative_depth 1) builds the BM25 index and writes negatives-episode-0.json beside its run.json;
+both are kept under .cache/bench/train-step/TASKS/ and copied into every timed run's folder of
+that task set. `host train` takes a folder holding its own run.json as a run of its own (it refuses
+one holding files it did not write) and keeps episode 0's negatives when they were made from the
+same corpus, examples and negative settings, so none of the timed runs spends time or memory on
+BM25 (a run that mined anyway is flagged), and the Python loops read the same file.
 
   .venv/bin/python bench/train_step.py [--steps 20] [--threads 2] [--only dpr|tsage]
-      [--out bench/results/train-step-DATE.json] [--negatives FILE (reused if present)]
-      [--device cpu|cuda] [--bf16] [--no-st]
+      [--out bench/results/train-step-DATE.json] [--device cpu|cuda] [--bf16] [--no-st]
 
 --device cuda runs ours, the PyTorch loop and sentence-transformers on the GPU (the torch loop
 synchronises before each step's clock stops); --bf16 trains all three with float32 weights
@@ -156,14 +159,32 @@ def write_recipe(path, a, tasks, optim, optim_settings, max_steps):
             f.write("\n")
 
 
-def write_negatives(src, dst, tasks):
-    """A copy of a negatives file holding only `tasks` (the host reloads it only if it names
-    exactly the run's tasks)."""
-    with open(src) as f:
-        saved = json.load(f)
-    saved["negatives"] = {t: saved["negatives"][t] for t in tasks}
-    with open(dst, "w") as f:
-        json.dump(saved, f)
+SEED_FILES = ("negatives-episode-0.json", "run.json")
+
+
+def seed_dir(a, work, tasks):
+    """A folder holding the BM25 negatives (depth 1) of `tasks` and the run.json of the 1-step
+    `host train` run that mined them: .cache/bench/train-step/TASKS/, made once."""
+    cache = os.path.join(ROOT, ".cache", "bench", "train-step", "-".join(tasks))
+    if all(os.path.exists(os.path.join(cache, f)) for f in SEED_FILES):
+        return cache, {"source": cache, "reused": True}
+    name = "seed-" + "-".join(tasks)
+    r = run_host(a, work, name, tasks, "adamw", {"weight_decay": WEIGHT_DECAY}, 1, None)
+    os.makedirs(cache, exist_ok=True)
+    for f in SEED_FILES:
+        shutil.copyfile(os.path.join(work, name, f), os.path.join(cache, f + ".tmp"))
+        os.replace(os.path.join(cache, f + ".tmp"), os.path.join(cache, f))
+    return cache, {"source": f"host train, {'+'.join(tasks)}, 1 step, BM25 (index built in the run)", "wall_s": r["wall_s"]}
+
+
+def negatives_file(seed):
+    return os.path.join(seed, SEED_FILES[0])
+
+
+def write_seed(seed, out):
+    """Seed a run's output folder with `seed`'s negatives and run.json (see seed_dir)."""
+    for f in SEED_FILES:
+        shutil.copyfile(os.path.join(seed, f), os.path.join(out, f))
 
 
 def vm_hwm_kb(pid):
@@ -185,14 +206,15 @@ def log_lines(path):
         return []
 
 
-def run_host(a, work, name, tasks, optim, optim_settings, max_steps, negatives):
-    """One `host train` run; returns its per-step seconds, optimizer statistics and peak RSS."""
+def run_host(a, work, name, tasks, optim, optim_settings, max_steps, seed):
+    """One `host train` run (its folder seeded from seed_dir's `seed`, if given); returns its
+    per-step seconds, optimizer statistics and peak RSS."""
     out = os.path.join(work, name)
     os.makedirs(out)
     recipe = os.path.join(work, f"{name}.toml")
     write_recipe(recipe, a, tasks, optim, optim_settings, max_steps)
-    if negatives:
-        write_negatives(negatives, os.path.join(out, "negatives-episode-0.json"), tasks)
+    if seed:
+        write_seed(seed, out)
     cmd = [a.host, "train", "--config", recipe, "--output-dir", out, "--device", a.device] + (["--bf16"] if a.bf16 else [])
     rss_file = os.path.join(work, f"{name}.time")
     timed = os.path.exists("/usr/bin/time")
@@ -244,12 +266,17 @@ def run_host(a, work, name, tasks, optim, optim_settings, max_steps, negatives):
             for line in f:
                 if "Maximum resident set size" in line:
                     peak_kb = int(line.rsplit(":", 1)[1])
+    problems = []
+    if seed:
+        with open(stderr_path, errors="replace") as f:
+            if "BM25 negatives from" not in f.read():
+                problems.append("host train mined its own BM25 negatives (the seeded ones were not reused)")
     lines = [l for l in log_lines(log_path) if "seconds_per_step" in l]
     cumulative = {l["step"]: l["step"] * l["seconds_per_step"] for l in lines}
     step_s = [cumulative[s] - cumulative.get(s - 1, 0.0) for s in range(SKIP + 1, max_steps + 1) if s in cumulative and s - 1 in cumulative]
     grad_norms = [(l.get("optimizer") or {}).get("grad_norm") for l in lines]
     return {
-        "problems": run_problems(lines, max_steps),
+        "problems": problems + run_problems(lines, max_steps),
         "name": name,
         "cmd": " ".join(cmd),
         "tasks": tasks,
@@ -283,18 +310,6 @@ def run_problems(lines, max_steps):
     if zero:
         problems.append(f"grad_norm 0 in {zero} of {len(norms)} logged steps: the update saw no gradient")
     return problems
-
-
-def prepare_negatives(a, work):
-    """BM25 negatives of every task (depth 1) from a 1-step host run, or the --negatives file."""
-    if a.negatives and os.path.exists(a.negatives):
-        return a.negatives, {"source": a.negatives, "reused": True}
-    r = run_host(a, work, "negatives", TSAGE_TASKS, "adamw", {"weight_decay": WEIGHT_DECAY}, 1, None)
-    path = os.path.join(work, "negatives", "negatives-episode-0.json")
-    if a.negatives:
-        os.makedirs(os.path.dirname(os.path.abspath(a.negatives)), exist_ok=True)
-        shutil.copyfile(path, a.negatives)
-    return path, {"source": "host train, 1 step, BM25 (index built in the run)", "wall_s": r["wall_s"]}
 
 
 # --- the Python implementations' data --------------------------------------------------------------
@@ -481,14 +496,15 @@ def st_trainer(a, triples, max_steps, work):
 
 # --- the parts -----------------------------------------------------------------------------------
 
-def part_dpr(a, work, negatives):
+def part_dpr(a, work):
     max_steps = a.steps + SKIP
-    ours = run_host(a, work, "dpr-ours", DPR_TASKS, "adamw", {"weight_decay": WEIGHT_DECAY}, max_steps, negatives)
+    seed, seed_info = seed_dir(a, work, DPR_TASKS)
+    ours = run_host(a, work, "dpr-ours", DPR_TASKS, "adamw", {"weight_decay": WEIGHT_DECAY}, max_steps, seed)
     print(json.dumps({"dpr": "ours", **ours}), flush=True)
-    triples = load_triples(a, negatives, DPR_TASKS[0], max_steps * BATCH)
+    triples = load_triples(a, negatives_file(seed), DPR_TASKS[0], max_steps * BATCH)
     torch_r = torch_loop(a, triples, max_steps)
     print(json.dumps({"dpr": "torch", **torch_r}), flush=True)
-    r = {"ours": ours, "torch": torch_r, "ours_over_torch": round(ours["median_s"] / torch_r["median_s"], 3)}
+    r = {"negatives": seed_info, "ours": ours, "torch": torch_r, "ours_over_torch": round(ours["median_s"] / torch_r["median_s"], 3)}
     if not a.no_st:
         st_r = st_trainer(a, triples, max_steps, work)
         print(json.dumps({"dpr": "st", **st_r}), flush=True)
@@ -496,15 +512,16 @@ def part_dpr(a, work, negatives):
     return r
 
 
-def part_tsage(a, work, negatives, params):
+def part_tsage(a, work, params):
     max_steps = a.steps + SKIP
+    seed, seed_info = seed_dir(a, work, TSAGE_TASKS)
     runs = {}
     for name, optim, settings in [
         ("adamw", "adamw", {"weight_decay": WEIGHT_DECAY}),
         ("tsage-exact", "tsage", {"weight_decay": WEIGHT_DECAY, "beta": 0.999, "tau": 2.0, "form": "exact"}),
         ("tsage-lean", "tsage", {"weight_decay": WEIGHT_DECAY, "beta": 0.999, "tau": 2.0, "form": "lean"}),
     ]:
-        r = run_host(a, work, f"tsage-{name}" if optim == "adamw" else name, TSAGE_TASKS, optim, settings, max_steps, negatives)
+        r = run_host(a, work, f"tsage-{name}" if optim == "adamw" else name, TSAGE_TASKS, optim, settings, max_steps, seed)
         print(json.dumps({"tsage": name, **r}), flush=True)
         runs[name] = r
     tp_mib = len(TSAGE_TASKS) * params * 4 / 2**20
@@ -517,7 +534,7 @@ def part_tsage(a, work, negatives, params):
                 extra = r[key] - base[key]
                 r[f"extra_{key}"] = round(extra, 1)
                 r[f"extra_{key.replace('_mib', '')}_tp"] = round(extra / tp_mib, 3)
-    return {"tasks": TSAGE_TASKS, "params": params, "tp_float32_mib": round(tp_mib, 1), "goal_extra_tp": 1.25, **runs}
+    return {"negatives": seed_info, "tasks": TSAGE_TASKS, "params": params, "tp_float32_mib": round(tp_mib, 1), "goal_extra_tp": 1.25, **runs}
 
 
 def table(result):
@@ -569,7 +586,6 @@ def main():
     ap.add_argument("--device", default="cpu", help="cpu or cuda (all implementations)")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast, float32 weights (all implementations)")
     ap.add_argument("--no-st", action="store_true", help="leave sentence-transformers' trainer out")
-    ap.add_argument("--negatives", help="negatives-episode-0.json of the 4 tasks at depth 1: reused if it exists, else written there")
     a = ap.parse_args()
     for k in ("host", "model", "corpus", "task_dir"):
         setattr(a, k, os.path.abspath(getattr(a, k)))
@@ -582,12 +598,11 @@ def main():
     torch.set_num_threads(a.threads)
     work = tempfile.mkdtemp(prefix="bench-train-step-")
     try:
-        negatives, neg_info = prepare_negatives(a, work)
-        result = {"steps": a.steps, "skipped_steps": SKIP, "threads": a.threads, "device": a.device, "bf16": a.bf16, "batch_size": BATCH, "max_length": MAX_LENGTH, "negatives": neg_info}
+        result = {"steps": a.steps, "skipped_steps": SKIP, "threads": a.threads, "device": a.device, "bf16": a.bf16, "batch_size": BATCH, "max_length": MAX_LENGTH}
         if a.only in (None, "dpr"):
-            result["dpr"] = part_dpr(a, work, negatives)
+            result["dpr"] = part_dpr(a, work)
         if a.only in (None, "tsage"):
-            result["tsage"] = part_tsage(a, work, negatives, param_count(a.model))
+            result["tsage"] = part_tsage(a, work, param_count(a.model))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     import transformers

@@ -785,3 +785,46 @@ fn a_server_that_goes_away_stops_the_run_and_a_rerun_asks_the_rest() {
     let s: Value = serde_json::from_str(&stdout(&out)).unwrap();
     assert_eq!((s["items"].as_u64(), s["failed"].as_u64()), (Some(N as u64), Some(0)), "{s}");
 }
+
+#[test]
+fn a_fixed_ranking_gives_the_prompts_its_search_gave_and_a_missing_question_is_named() {
+    let dir = TempDir::new("augment-ranked");
+    let s = slice();
+    let bm25 = dir.path().join("bm25");
+    let out = host(&["index", "build", "--kind", "bm25", "--corpus", p(&s.corpus), "--output", p(&bm25)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let server = FakeServer::start(Options::default());
+    let cfg = recipe_with_corpus(dir.path(), &server.url, "", &s.corpus);
+    let searched = dir.path().join("searched.jsonl");
+    let out = augment(&cfg, "shortqa", 6, &searched, &["--retriever", &format!("bm25:{}", p(&bm25)), "--k", "3"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // The same passages as a TREC run, listed worst first: the ranking is the scores', not the lines'.
+    let mut trec = String::new();
+    for r in records(&searched) {
+        for (i, id) in r["passages"].as_array().unwrap().iter().enumerate().rev() {
+            trec.push_str(&format!("{} Q0 {} {} {} bm25\n", r["_id"].as_str().unwrap(), id.as_str().unwrap(), i + 1, 10.0 - i as f64));
+        }
+    }
+    let run = dir.path().join("ranking.trec");
+    std::fs::write(&run, &trec).unwrap();
+    let ranked = dir.path().join("ranked.jsonl");
+    let out = augment(&cfg, "shortqa", 6, &ranked, &["--retriever", &format!("run:{}", p(&run)), "--k", "3"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let by_id = |path: &Path| records(path).into_iter().map(|r| (r["_id"].as_str().unwrap().to_string(), r)).collect::<HashMap<_, _>>();
+    let (a, b) = (by_id(&searched), by_id(&ranked));
+    assert_eq!(a.len(), 6);
+    for (id, r) in &a {
+        assert_eq!(r["passages"], b[id]["passages"], "{id}");
+        assert_eq!(r["prompt_sha256"], b[id]["prompt_sha256"], "{id}: the same passages make the same prompt");
+    }
+    // A question the run does not rank is an error naming the file and the question, before any request.
+    let first = short_questions(1).remove(0).0;
+    let without: String = trec.lines().filter(|l| !l.starts_with(&format!("{first} "))).map(|l| format!("{l}\n")).collect();
+    std::fs::write(&run, without).unwrap();
+    let asked = server.log().len();
+    let out = augment(&cfg, "shortqa", 6, &dir.path().join("missing.jsonl"), &["--retriever", &format!("run:{}", p(&run)), "--k", "3"]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains(p(&run)) && err.contains(&format!("{first:?}")) && err.contains("no ranking"), "{err}");
+    assert_eq!(server.log().len(), asked, "nothing asked");
+}

@@ -6,6 +6,9 @@
 #   STAGE=train scripts/experiments/aar_minikilt.sh         # only train (STAGE=eval: only retrieval; STAGE=judge: only judge)
 #   QUERIES=400 TARGETS="qwen2.5-coder-1.5b" EVERY=8 ...    # sizes (defaults below); EVERY= (empty) judges every question
 #   RUNS=runs/aar-authors AUGMENT_OUT=runs/augment-authors TASKS=shortqa RETRIEVERS=minilm EVERY= ...
+#   RANKINGS=results/aar-authors/rankings STAGE=rank ...   # the judged retrievers' top 3 for every
+#       short-answer dev question as TREC runs; STAGE=judge with RANKINGS set then judges those
+#       passages (no models needed: results/aar-authors/README.md, judged across sessions)
 #       # a second set of retrievers beside the first (their indexes and judgements apart), judged
 #       # on every short-answer question, against zero-shot MiniLM only (JUDGED="aar human":
 #       # which trained retrievers are judged)
@@ -90,17 +93,48 @@ if [[ $STAGE == all || $STAGE == eval ]]; then
     .venv/bin/python scripts/experiments/aar_retrieval_table.py "$ev" | tee "$ev/table.md"
 fi
 
+if [[ $STAGE == rank || ( $STAGE == all && -n ${RANKINGS:-} ) ]]; then
+    # The 3 passages each judged retriever (and zero-shot MiniLM) gives every short-answer dev
+    # question, as TREC runs under $RANKINGS: committed, they let the judge stage go on in a
+    # later session, or on another machine, without the models or their indexes.
+    [[ -n ${RANKINGS:-} ]] || { echo "STAGE=rank needs RANKINGS=DIR (where the rankings go)" >&2; exit 2; }
+    mkdir -p "$RANKINGS"
+    q=$RANKINGS/.shortqa-queries.jsonl
+    python3 -c 'import json,sys
+for l in open(sys.argv[1]):
+    r = json.loads(l); print(json.dumps({"_id": r["_id"], "text": r["question"]}))' data/minikilt/shortqa/dev.jsonl > "$q"
+    for spec in minilm=$M $(for n in ${JUDGED:-aar human replug}; do echo "$n=$RUNS/$n"; done); do
+        name=${spec%%=*} dir=${spec#*=}
+        [[ -f $RANKINGS/shortqa-$name.trec ]] && continue
+        echo "== ranking: $name $(date -u +%H:%M:%S)"
+        $H encode --encoder dpr --model "$dir" --input data/minikilt/corpus.jsonl --output "$INDEXES/$name-corpus"
+        if [[ ! -f $INDEXES/$name-flat/index.json || $INDEXES/$name-corpus/encode.json -nt $INDEXES/$name-flat/index.json ]]; then
+            $H index build --kind flat --embeddings "$INDEXES/$name-corpus" --output "$INDEXES/$name-flat" >/dev/null
+        fi
+        $H search --index "$INDEXES/$name-flat" --encoder dpr --model "$dir" --queries "$q" --k 3 --output "$RANKINGS/shortqa-$name.trec"
+    done
+    rm -f "$q"
+fi
+
 if [[ $STAGE == all || $STAGE == judge ]]; then
     # JUDGED: which of the trained retrievers are judged (RETRIEVERS: which built-in ones).
-    models=""
-    for name in ${JUDGED:-aar human replug}; do models+=" $name=$RUNS/$name"; done
+    # With RANKINGS (STAGE=rank's output), the passages come from those rankings.
+    models="" ranked=""
+    for name in ${JUDGED:-aar human replug}; do
+        if [[ -n ${RANKINGS:-} ]]; then
+            ranked+=" $name=$RANKINGS/shortqa-$name.trec"
+        else
+            models+=" $name=$RUNS/$name"
+        fi
+    done
+    [[ -n ${RANKINGS:-} ]] && ranked+=" minilm=$RANKINGS/shortqa-minilm.trec"
     for target in $TARGETS; do
         case $target in
             gemma3-270m) config=configs/augment/openai.toml ;;
             *) config=configs/augment/chat.toml ;;
         esac
         echo "== judge: $target $(date -u +%H:%M:%S)"
-        TARGET=$target CONFIG=$config EVERY=$EVERY MODELS="$models" \
+        TARGET=$target CONFIG=$config EVERY=$EVERY MODELS="$models" RANKED="$ranked" \
             OUT=$AUGMENT_OUT/$target INDEXES=$INDEXES scripts/experiments/augment_minikilt.sh
     done
 fi

@@ -15,6 +15,10 @@
 #       queries encoded as TRAINED_TASK's, when it was trained with task names)
 #   MODELS="aar=runs/aar-smollm2 human=runs/aar-human@squad" ...   # + several models' passages,
 #       each NAME=DIR[@TASK]; TRAINED is MODELS="trained=$TRAINED@$TRAINED_TASK"
+#   RANKED="aar=results/aar/rankings/shortqa-aar.trec" ...   # + passages from fixed rankings
+#       (TREC runs of the questions' ids, `host augment --retriever run:FILE`), NAME=FILE each:
+#       judging needs neither the model nor an index, so a judgement can go on in a later session;
+#       a built-in name (RANKED="minilm=FILE") replaces that retriever's search
 #
 # Resumable: indexes are built once, `host augment` resumes its results files, and replies
 # are cached; the indexes are shared by every target, under $INDEXES (default
@@ -65,7 +69,19 @@ dense_index() { # NAME DIR
         $H index build --kind flat --embeddings "$INDEXES/$1-corpus" --output "$INDEXES/$1-flat" >/dev/null
     fi
 }
-if wants minilm; then dense_index minilm $M; fi
+
+# RANKED: NAME=FILE each, a fixed ranking per retriever (see the header).
+declare -A RANKED_FILE
+read -r -a RANKED_SPECS <<< "${RANKED:-}"
+for spec in "${RANKED_SPECS[@]}"; do
+    name=${spec%%=*} file=${spec#*=}
+    [[ $name != "$spec" && -n $name && -f $file ]] || { echo "RANKED: $spec is not NAME=FILE of an existing file" >&2; exit 2; }
+    RANKED_FILE[$name]=$file
+    # A built-in name (minilm) is that retriever's passages from a fixed ranking instead.
+    wants "$name" || RETRIEVERS+=("$name")
+done
+
+if wants minilm && [[ -z ${RANKED_FILE[minilm]:-} ]]; then dense_index minilm $M; fi
 # MODELS: NAME=DIR[@TASK] each; TASK is the task name its queries are encoded with, for a
 # model trained with task names.
 read -r -a MODEL_SPECS <<< "${MODELS:-}"
@@ -75,6 +91,7 @@ for spec in "${MODEL_SPECS[@]}"; do
     name=${spec%%=*} rest=${spec#*=}
     [[ $name != "$spec" && -n $name ]] || { echo "MODELS: $spec is not NAME=DIR[@TASK]" >&2; exit 2; }
     case $name in none|bm25|minilm) echo "MODELS: $name is a built-in retriever's name" >&2; exit 2 ;; esac
+    [[ -z ${RANKED_FILE[$name]:-} ]] || { echo "MODELS: $name is also in RANKED" >&2; exit 2; }
     MODEL_DIR[$name]=${rest%%@*}
     [[ $rest == *@* ]] && MODEL_TASK[$name]=${rest#*@}
     RETRIEVERS+=("$name")
@@ -84,18 +101,22 @@ done
 for task in ${TASKS:-mc shortqa}; do
     for r in "${RETRIEVERS[@]}"; do
         model=$M config=$CONFIG
-        case $r in
-            none) spec=none ;;
-            bm25) spec=bm25:$INDEXES/bm25 ;;
-            minilm) spec=dense:$INDEXES/minilm-flat ;;
-            *) spec=dense:$INDEXES/$r-flat model=${MODEL_DIR[$r]}
-                # The recipe's [retrieval] task: the task name the queries are encoded with.
-                if [[ -n ${MODEL_TASK[$r]:-} ]]; then
-                    config=$OUT/recipe-$r.toml
-                    sed "s/^\[retrieval\]$/[retrieval]\ntask = \"${MODEL_TASK[$r]}\"/" "$CONFIG" > "$config"
-                    grep -q "^task = \"${MODEL_TASK[$r]}\"$" "$config" || { echo "$CONFIG: no [retrieval] line to put the task after" >&2; exit 2; }
-                fi ;;
-        esac
+        if [[ -n ${RANKED_FILE[$r]:-} ]]; then
+            spec=run:${RANKED_FILE[$r]}
+        else
+            case $r in
+                none) spec=none ;;
+                bm25) spec=bm25:$INDEXES/bm25 ;;
+                minilm) spec=dense:$INDEXES/minilm-flat ;;
+                *) spec=dense:$INDEXES/$r-flat model=${MODEL_DIR[$r]}
+                    # The recipe's [retrieval] task: the task name the queries are encoded with.
+                    if [[ -n ${MODEL_TASK[$r]:-} ]]; then
+                        config=$OUT/recipe-$r.toml
+                        sed "s/^\[retrieval\]$/[retrieval]\ntask = \"${MODEL_TASK[$r]}\"/" "$CONFIG" > "$config"
+                        grep -q "^task = \"${MODEL_TASK[$r]}\"$" "$config" || { echo "$CONFIG: no [retrieval] line to put the task after" >&2; exit 2; }
+                    fi ;;
+            esac
+        fi
         echo "== $task, passages: $r $(date -u +%H:%M:%S)"
         status=0
         $H augment --target openai --config "$config" --task $task \

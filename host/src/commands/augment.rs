@@ -16,7 +16,7 @@ use crate::augment::{ask_connector, ask_reader, render_demos, Passage, Prepared,
 use crate::registry::Registry;
 use anyhow::{bail, Context, Result};
 use rak_core::plugin::Connector;
-use rak_retrieval::data::{beir, probes, Query};
+use rak_retrieval::data::{beir, probes, Query, Run};
 use rak_retrieval::index::{self, Index};
 use rak_retrieval::pipeline::search::{search_queries, SearchOptions};
 use rak_retrieval::pipeline::Quiet;
@@ -341,28 +341,11 @@ fn retrieve(registry: &Registry, args: &AugmentArgs, cfg: &AugmentConfig, spec: 
     if k == 0 {
         bail!("--k must be positive with a retriever (or use --retriever none)");
     }
-    let (kind, dir) = spec.split_once(':').with_context(|| format!("--retriever {spec:?}: expected none, bm25:INDEX_DIR or dense:INDEX_DIR"))?;
-    let index = index::open(Path::new(dir))?;
-    let queries: Vec<Query> = items
-        .iter()
-        .map(|p| Query { id: p.id.clone(), text: p.question.clone(), answers: Vec::new(), pages: Vec::new(), page_sets: Vec::new() })
-        .collect();
-    let opts = SearchOptions { k, task: cfg.retrieval.task.clone(), batch_size: 64 };
-    let run = match (kind, &index) {
-        ("bm25", Index::Bm25(_)) => search_queries(&index, None, &queries, &opts, &Quiet)?,
-        ("dense", Index::Bm25(_)) | ("bm25", _) => bail!("--retriever {spec}: the index at {dir} is a {} index", index.meta().kind),
-        ("dense", _) => {
-            let enc = args.encoder.clone().or(cfg.retrieval.encoder.clone()).context("a dense retriever needs --encoder (or retrieval.encoder)")?;
-            let model = args
-                .encoder_model
-                .clone()
-                .or(cfg.retrieval.encoder_model.clone())
-                .context("a dense retriever needs --encoder-model (or retrieval.encoder_model)")?;
-            let margs = ModelArgs { batch_size: 64, max_length: None, device: args.device.clone(), bf16: false, encoder_settings: None, revision: None };
-            let mut encoder = registry.encoder(&enc, &encoder_settings(&model, &margs)?)?;
-            search_queries(&index, Some(encoder.as_mut()), &queries, &opts, &Quiet)?
-        }
-        (other, _) => bail!("--retriever {other}:...: expected bm25 or dense"),
+    let (kind, dir) = spec.split_once(':').with_context(|| format!("--retriever {spec:?}: expected none, bm25:INDEX_DIR, dense:INDEX_DIR or run:TREC_FILE"))?;
+    let run = if kind == "run" {
+        ranked_from_run_file(Path::new(dir), items)?
+    } else {
+        search_index(registry, args, cfg, spec, kind, dir, k, items)?
     };
     let corpus = args.corpus.clone().or(cfg.retrieval.corpus.clone()).context("retrieved passages need --corpus (or retrieval.corpus) for their texts")?;
     let ids: Vec<Vec<String>> = items.iter().map(|p| run.get(&p.id).unwrap_or(&[]).iter().take(k).map(|(id, _)| id.clone()).collect()).collect();
@@ -379,13 +362,51 @@ fn retrieve(registry: &Registry, args: &AugmentArgs, cfg: &AugmentConfig, spec: 
             row.into_iter()
                 .map(|id| {
                     let (title, text) = texts.get(&id).cloned().with_context(|| {
-                        format!("passage {id:?} of the index is not in {}; is it the corpus the index was built from?", corpus.display())
+                        format!("passage {id:?} retrieved for a question is not in {}; is it the corpus the index or run was made from?", corpus.display())
                     })?;
                     Ok(Passage { id, title, text })
                 })
                 .collect()
         })
         .collect()
+}
+
+/// The top-k of every question from an index (BM25, or dense with the encoder the recipe names).
+#[allow(clippy::too_many_arguments)]
+fn search_index(registry: &Registry, args: &AugmentArgs, cfg: &AugmentConfig, spec: &str, kind: &str, dir: &str, k: usize, items: &[Probe]) -> Result<Run> {
+    let index = index::open(Path::new(dir))?;
+    let queries: Vec<Query> = items
+        .iter()
+        .map(|p| Query { id: p.id.clone(), text: p.question.clone(), answers: Vec::new(), pages: Vec::new(), page_sets: Vec::new() })
+        .collect();
+    let opts = SearchOptions { k, task: cfg.retrieval.task.clone(), batch_size: 64 };
+    Ok(match (kind, &index) {
+        ("bm25", Index::Bm25(_)) => search_queries(&index, None, &queries, &opts, &Quiet)?,
+        ("dense", Index::Bm25(_)) | ("bm25", _) => bail!("--retriever {spec}: the index at {dir} is a {} index", index.meta().kind),
+        ("dense", _) => {
+            let enc = args.encoder.clone().or(cfg.retrieval.encoder.clone()).context("a dense retriever needs --encoder (or retrieval.encoder)")?;
+            let model = args
+                .encoder_model
+                .clone()
+                .or(cfg.retrieval.encoder_model.clone())
+                .context("a dense retriever needs --encoder-model (or retrieval.encoder_model)")?;
+            let margs = ModelArgs { batch_size: 64, max_length: None, device: args.device.clone(), bf16: false, encoder_settings: None, revision: None };
+            let mut encoder = registry.encoder(&enc, &encoder_settings(&model, &margs)?)?;
+            search_queries(&index, Some(encoder.as_mut()), &queries, &opts, &Quiet)?
+        }
+        (other, _) => bail!("--retriever {other}:...: expected bm25, dense or run"),
+    })
+}
+
+/// Passages another system retrieved, from its TREC run file (`qid Q0 docid rank score tag`,
+/// ranked by score as trec_eval ranks them): judging a fixed ranking needs no index or model.
+/// Every question must have a ranking: a missing one would silently become a closed book.
+fn ranked_from_run_file(path: &Path, items: &[Probe]) -> Result<Run> {
+    let run = rak_retrieval::data::trec::read_run(path)?;
+    if let Some(p) = items.iter().find(|p| !run.contains(&p.id)) {
+        bail!("--retriever run:{}: question {:?} has no ranking in the run ({} questions have one)", path.display(), p.id, run.len());
+    }
+    Ok(run)
 }
 
 #[derive(Default)]
