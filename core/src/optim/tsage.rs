@@ -350,29 +350,40 @@ impl TSage {
             unsafe { kernels::f32_slice(x) }.expect("checked by on_cpu")
         }
         // A NaN or an infinity would reach every later step through the momentum (0 · inf is
-        // NaN): refuse it before anything is folded in, and abandon the step.
-        let non_finite = grads.iter().find(|(_, g)| match on_cpu {
-            true => kernels::any_non_finite(elements(g)),
-            false => g.isfinite().all().int64_value(&[]) == 0,
-        });
-        if let Some((name, _)) = non_finite {
-            let name = name.clone();
-            self.step = None;
-            bail!("tsage: task {task:?}: the gradient of {name} is not finite (NaN or infinite); the step is abandoned: no parameter is updated and this task's momentum is untouched (tasks handed over before it this step are already folded in)");
-        }
+        // NaN): refuse it before anything is folded in, and abandon the step. On the CPU with
+        // the median, its first counting pass looks while it reads the gradient anyway.
+        let find_non_finite = || {
+            grads.iter().find(|(_, g)| match on_cpu {
+                true => kernels::any_non_finite(elements(g)),
+                false => g.isfinite().all().int64_value(&[]) == 0,
+            })
+        };
+        let checked_in_count = on_cpu && self.config.median_normalise;
+        let mut non_finite = if checked_in_count { None } else { find_non_finite() };
         let sensitivity = |theta: &Tensor, g: &Tensor| (theta.to_kind(Kind::Float) * g.to_kind(Kind::Float)).abs();
-        let scale = if self.config.median_normalise {
+        let mut scale = 1.0;
+        if self.config.median_normalise && non_finite.is_none() {
             // One global median over all P elements; parameters without gradient count as 0
             // (or, with `median_of = nonzero`, not at all).
             let missing: i64 = step.params.iter().filter(|(n, _)| !grads.contains_key(n)).map(|(_, p)| p.numel() as i64).sum();
             let with_grad = || step.params.iter().filter_map(|(name, theta)| grads.get(name).map(|g| (theta, g)));
+            let skip_zeros = self.config.median_of == MedianOf::Nonzero;
             let median = if on_cpu {
+                let pairs: Vec<(&[f32], &[f32])> = with_grad().map(|(theta, g)| (elements(theta), elements(g))).collect();
+                let mut bad = false;
                 let mut count = |high: Option<u32>| -> Result<(Vec<i64>, i64)> {
                     let mut hist = vec![0i64; 1 << 16];
-                    let zeros = with_grad().map(|(theta, g)| kernels::sensitivity_counts(elements(theta), elements(g), high, &mut hist)).sum();
-                    Ok((hist, zeros))
+                    let c = kernels::sensitivity_counts(&pairs, high, &mut hist);
+                    bad |= c.non_finite;
+                    Ok((hist, c.zeros))
                 };
-                lower_median_by_counting(&mut count, missing, self.config.median_of == MedianOf::Nonzero)?
+                let median = lower_median_by_counting(&mut count, missing, skip_zeros)?;
+                // The first pass found one: the median of such counts means nothing, and the
+                // search below names the parameter.
+                bad.then(find_non_finite).flatten().map_or(Some(median), |found| {
+                    non_finite = Some(found);
+                    None
+                })
             } else {
                 let chunks = |visit: &mut dyn FnMut(&Tensor)| {
                     for (theta, g) in with_grad() {
@@ -382,13 +393,18 @@ impl TSage {
                         }
                     }
                 };
-                lower_median_by_counting(&mut |high| count_tensors(&chunks, high), missing, self.config.median_of == MedianOf::Nonzero)?
+                Some(lower_median_by_counting(&mut |high| count_tensors(&chunks, high), missing, skip_zeros)?)
             };
-            step.medians.insert(task.to_string(), median);
-            1.0 / (median + 1e-12)
-        } else {
-            1.0
-        };
+            if let Some(median) = median {
+                step.medians.insert(task.to_string(), median);
+                scale = 1.0 / (median + 1e-12);
+            }
+        }
+        if let Some((name, _)) = non_finite {
+            let name = name.clone();
+            self.step = None;
+            bail!("tsage: task {task:?}: the gradient of {name} is not finite (NaN or infinite); the step is abandoned: no parameter is updated and this task's momentum is untouched (tasks handed over before it this step are already folded in)");
+        }
         let (beta, tau) = (self.config.beta, self.config.tau);
         let tasks = self.tasks.len() as i64;
         let t = t as i64;
@@ -748,8 +764,9 @@ mod tests {
                 for skip_zeros in [false, true] {
                     let mut count = |high| {
                         let mut hist = vec![0; 1 << 16];
-                        let zeros = kernels::sensitivity_counts(a, &ones[..a.len()], high, &mut hist) + kernels::sensitivity_counts(b, &ones[a.len()..], high, &mut hist);
-                        Ok((hist, zeros))
+                        let c = kernels::sensitivity_counts(&[(a, &ones[..a.len()]), (b, &ones[a.len()..])], high, &mut hist);
+                        assert!(!c.non_finite);
+                        Ok((hist, c.zeros))
                     };
                     let expect = if skip_zeros { lower_median(&nonzero) } else { lower_median(&with_extra) };
                     assert_eq!(lower_median_by_counting(&mut count, extra, skip_zeros).unwrap(), expect, "seed {seed} extra {extra} kernel");
@@ -785,8 +802,12 @@ mod tests {
 
     #[test]
     fn a_non_finite_gradient_is_refused_and_abandons_the_step() {
-        for (bad_value, cpu_kernels) in [(f64::NAN, true), (f64::INFINITY, true), (f64::NEG_INFINITY, true), (f64::INFINITY, false)] {
-            let mut opt = TSage::new(TSageConfig::default()).unwrap();
+        // With the median, the CPU path finds it in the median's first counting pass; without,
+        // in a pass of its own.
+        for (bad_value, cpu_kernels, median_normalise) in
+            [(f64::NAN, true, true), (f64::INFINITY, true, true), (f64::NEG_INFINITY, true, true), (f64::INFINITY, false, true), (f64::NAN, true, false)]
+        {
+            let mut opt = TSage::new(TSageConfig { median_normalise, ..TSageConfig::default() }).unwrap();
             opt.cpu_kernels = cpu_kernels;
             let ps = params();
             let before = flat(&ps);
