@@ -16,9 +16,12 @@
 //! examples share its batch, how long they are, or which process encodes it: a data-parallel
 //! run then trains as one process does, dropout on. Coordinates, not flat offsets, key the
 //! elements, so padding the batch to another length moves no mask. The same hash runs as
-//! tensor operations on other devices and dtypes, giving the same masks (on CUDA that is
-//! about 20 elementwise kernels over int64 words instead of torch's one fused kernel, and
-//! BERT's attention takes its math path to apply the mask).
+//! tensor operations on other devices and dtypes, giving the same masks: on CUDA about 20
+//! elementwise kernels over int32 words (int64 before: twice the memory traffic, and each
+//! 32-bit multiply split in six operations) instead of torch's one fused kernel, the mask
+//! kept for backward as bool (1 byte an element, as torch keeps its own), and BERT's attention
+//! on its math path to apply it. A one-pass kernel of its own would need CUDA code that
+//! libtorch's tensor API cannot express (issue 33).
 
 use crate::optim::kernels::{f32_slice_mut, multiversion};
 use std::cell::RefCell;
@@ -79,7 +82,15 @@ pub fn dropout(x: &Tensor, p: f64, train: bool) -> Tensor {
         return x.dropout(p, train);
     }
     if let Some((keys, call)) = next_keyed_call(&x.size()) {
-        return x * keyed_mask(x, p, &keys, call);
+        let threshold = (p * (1u64 << 24) as f64).round() as u32;
+        let keep = 1.0 / (1.0 - p);
+        if fillable_on_cpu(x) {
+            return x * keyed_mask_cpu(&x.size(), threshold, keep as f32, &keys, call);
+        }
+        // Elsewhere (CUDA, other dtypes) a bool mask, which is all `masked_fill` keeps for the
+        // backward pass (1 byte an element, as torch's own dropout keeps), and the scale as a
+        // scalar, so a bf16 input is scaled in float and rounded once.
+        return x.masked_fill(&keyed_dropped_tensor(x, threshold, &keys, call), 0.0) * keep;
     }
     if !fillable_on_cpu(x) {
         return x.dropout(p, train);
@@ -116,16 +127,6 @@ fn middle_dims(shape: &[i64]) -> &[i64] {
     }
 }
 
-/// A keyed mask of `x`'s shape on `x`'s device and dtype (see the module's header).
-fn keyed_mask(x: &Tensor, p: f64, keys: &[u64], call: u32) -> Tensor {
-    let threshold = (p * (1u64 << 24) as f64).round() as u32;
-    let keep = 1.0 / (1.0 - p);
-    if fillable_on_cpu(x) {
-        return keyed_mask_cpu(&x.size(), threshold, keep as f32, keys, call);
-    }
-    keyed_mask_tensor(x, threshold, keep, keys, call)
-}
-
 /// The keyed mask filled run by run on the CPU (the vectorised fill of [`seeded_mask`]).
 fn keyed_mask_cpu(shape: &[i64], threshold: u32, keep: f32, keys: &[u64], call: u32) -> Tensor {
     let mask = Tensor::empty(shape, (Kind::Float, Device::Cpu));
@@ -155,11 +156,13 @@ fn keyed_mask_cpu(shape: &[i64], threshold: u32, keep: f32, keys: &[u64], call: 
     mask
 }
 
-/// The keyed mask computed with tensor operations on `x`'s device: the same bits as
-/// [`keyed_mask_cpu`] (32-bit words held in int64 so that no product overflows).
-fn keyed_mask_tensor(x: &Tensor, threshold: u32, keep: f64, keys: &[u64], call: u32) -> Tensor {
+/// Which elements the keyed mask drops (`true`), computed with tensor operations on `x`'s
+/// device: the same bits as [`keyed_mask_cpu`]. The words are int32 (4 bytes an element; the
+/// mixer's multiplications wrap modulo 2^32 as the CPU fill's do, and each right shift is made
+/// logical by masking off the bits an arithmetic shift copies from the sign).
+fn keyed_dropped_tensor(x: &Tensor, threshold: u32, keys: &[u64], call: u32) -> Tensor {
     let shape = x.size();
-    let (device, int) = (x.device(), (Kind::Int64, x.device()));
+    let (device, int) = (x.device(), (Kind::Int, x.device()));
     let middle = middle_dims(&shape);
     // Views that put a vector along one dimension of x's rank.
     let along = |dim: usize, t: Tensor| {
@@ -170,46 +173,42 @@ fn keyed_mask_tensor(x: &Tensor, threshold: u32, keep: f64, keys: &[u64], call: 
     // Each run's coordinates folded as in the CPU fill: [1, middle..., 1].
     let mut r = Tensor::zeros([1], int);
     for (i, &d) in middle.iter().enumerate() {
-        r = (r.bitwise_left_shift_tensor_scalar(16).bitwise_and(0xffff_ffffi64)).bitwise_xor_tensor(&along(i + 1, Tensor::arange(d, int)));
+        r = r.bitwise_left_shift_tensor_scalar(16).bitwise_xor_tensor(&along(i + 1, Tensor::arange(d, int)));
     }
-    let words = |f: fn(u64) -> i64| Tensor::from_slice(&keys.iter().map(|&k| f(k)).collect::<Vec<i64>>()).to_device(device);
-    let lo = along(0, words(|k| k as u32 as i64));
-    let hi = along(0, words(|k| (k >> 32) as i64));
-    let call_key = tmix(lo.bitwise_xor(call.wrapping_mul(0x9e37_79b9) as i64));
+    let words = |f: fn(u64) -> u32| Tensor::from_slice(&keys.iter().map(|&k| f(k) as i32).collect::<Vec<i32>>()).to_device(device);
+    let lo = along(0, words(|k| k as u32));
+    let hi = along(0, words(|k| (k >> 32) as u32));
+    let call_key = tmix(lo.bitwise_xor(call.wrapping_mul(0x9e37_79b9) as i32 as i64));
     let k1 = tmix(call_key.bitwise_xor_tensor(&tmix(r)));
     let last = shape.len() - 1;
     let n = if shape.len() >= 2 { shape[last] } else { 1 };
     let j = along(last, Tensor::arange(n, int));
-    // The full-size words: one int64 tensor of x's shape, mixed in place (with one temporary
+    // The full-size words: one int32 tensor of x's shape, mixed in place (with one temporary
     // at a time), then compared.
     let mut bits = tmix(tmix(j.bitwise_xor_tensor(&k1)).bitwise_xor_tensor_(&hi));
-    let _ = bits.bitwise_right_shift_tensor_scalar_(8);
-    bits.ge(threshold as i64).to_kind(x.kind()) * keep
+    let _ = logical_shift_right_(&mut bits, 8);
+    bits.lt(threshold as i64)
 }
 
-/// [`mix`] on 32-bit words held in an int64 tensor, in place.
+/// `x ← x >> by` on 32-bit words held in int32, without the sign's copies.
+fn logical_shift_right_(x: &mut Tensor, by: i64) -> Tensor {
+    let _ = x.bitwise_right_shift_tensor_scalar_(by);
+    x.bitwise_and_((1i64 << (32 - by)) - 1)
+}
+
+/// [`mix`] on 32-bit words held in an int32 tensor, in place.
 fn tmix(mut x: Tensor) -> Tensor {
     let xor_shift = |x: &mut Tensor, by: i64| {
-        let shifted = x.bitwise_right_shift_tensor_scalar(by);
+        let mut shifted = x.bitwise_right_shift_tensor_scalar(by);
+        let _ = shifted.bitwise_and_((1i64 << (32 - by)) - 1);
         let _ = x.bitwise_xor_tensor_(&shifted);
     };
     xor_shift(&mut x, 16);
-    mul32(&mut x, 0x7feb_352d);
+    let _ = x.g_mul_scalar_(0x7feb_352d_u32 as i32 as i64);
     xor_shift(&mut x, 15);
-    mul32(&mut x, 0x846c_a68b);
+    let _ = x.g_mul_scalar_(0x846c_a68b_u32 as i32 as i64);
     xor_shift(&mut x, 16);
     x
-}
-
-/// `x ← x · c mod 2^32` for 32-bit words in int64, in 16-bit halves of `c` so that no
-/// product passes 2^49.
-fn mul32(x: &mut Tensor, c: u32) {
-    let mut high = x.g_mul_scalar((c >> 16) as i64);
-    let _ = high.bitwise_and_(0xffffi64);
-    let _ = high.bitwise_left_shift_tensor_scalar_(16);
-    let _ = x.g_mul_scalar_((c & 0xffff) as i64);
-    let _ = x.g_add_(&high);
-    let _ = x.bitwise_and_(0xffff_ffffi64);
 }
 
 /// A contiguous mask of `x`'s shape: 0 with probability `p`, else `1/(1−p)`.
@@ -329,9 +328,17 @@ mod tests {
             let keys = [u64::MAX, 0, 0x1234_5678_9abc_def0, 42, 9][..shape[0] as usize].to_vec();
             for call in [1, 2, 1000] {
                 let cpu = keyed_mask_cpu(&shape, (0.25 * (1u64 << 24) as f64) as u32, 1.0 / 0.75, &keys, call);
-                let x = Tensor::ones(shape.as_slice(), (Kind::Double, Device::Cpu));
-                let t = keyed_mask_tensor(&x, (0.25 * (1u64 << 24) as f64) as u32, 1.0 / 0.75, &keys, call);
-                assert!(t.to_kind(Kind::Float).equal(&cpu), "shape {shape:?} call {call}");
+                let x = Tensor::ones(shape.as_slice(), (Kind::Double, Device::Cpu)).set_requires_grad(true);
+                let dropped = keyed_dropped_tensor(&x, (0.25 * (1u64 << 24) as f64) as u32, &keys, call);
+                assert!(dropped.equal(&cpu.eq(0.0)), "shape {shape:?} call {call}");
+                // Through `dropout` in a keyed pass: the kept elements scaled, the rest 0.
+                let y = with_example_keys(&keys, || {
+                    (1..call).for_each(|_| drop(next_keyed_call(&shape)));
+                    dropout(&x, 0.25, true)
+                });
+                assert!(y.to_kind(Kind::Float).equal(&cpu), "shape {shape:?} call {call}: dropout's values");
+                y.sum(Kind::Double).backward();
+                assert!(x.grad().to_kind(Kind::Float).equal(&cpu), "shape {shape:?} call {call}: d/dx is the mask");
             }
         }
     }
