@@ -20,7 +20,11 @@
 #   9. `host train --nproc 2` on one GPU (both processes on cuda:0, Gloo carrying GPU tensors)
 #      against one process with the whole batch;
 #  10. a one-process NCCL group on cuda:0 (NCCL's collectives run; one GPU allows no more)
-#      against no group.
+#      against no group;
+#  11. speed (issue 33): the DPR step, ours against the plain PyTorch loop, for random BERTs of
+#      MiniLM-L6's and BERT-base's shapes, dropout off and 0.1, float32 and bf16 autocast:
+#      the table of docs/BENCHMARKS.md, in about 3 minutes (SPEED_ONLY=1 runs only this step;
+#      bench/gpu_profile.sh profiles one of its rows).
 # A step that fails says FAIL and the next one still runs (a lent machine's minutes are few);
 # the script's status is 1 if any step failed.
 # Here: bench/gpu_pack.sh (after a release build and `cargo test --release --no-run`). Then,
@@ -50,6 +54,28 @@ fail() { echo "FAIL: $*"; failed=1; }
 
 step "1. doctor"
 $H doctor || fail doctor
+
+speed() {
+    step "11. speed: the DPR step on $DEVICE, ours against a PyTorch loop (2 shapes, dropout off and 0.1, float32 and bf16)"
+    $PY bench/gpu_data.py --tokenizer .gpu/minilm --speed-models "$W" >/dev/null || { fail "step 11: models"; return; }
+    local files=()
+    for shape in minilm base; do
+        for drop in 0 0.1; do
+            for b in "" --bf16; do
+                local f="$OUT/speed-$shape-d$drop${b:+-bf16}.json"
+                timeout 90 $PY bench/train_step.py --only dpr --steps ${SPEED_STEPS:-10} --threads 8 --device "$DEVICE" $b --no-st \
+                    --model "$W/speed-$shape-d$drop" --host "$H" --out "$f" >/dev/null 2>"$f.err" || { tail -3 "$f.err"; fail "step 11: $shape dropout $drop $b"; }
+                files+=("$f")
+            done
+        done
+    done
+    $PY bench/gpu_data.py --speed-table "${files[@]}" || fail "step 11: table"
+}
+if [[ -n ${SPEED_ONLY:-} ]]; then
+    speed
+    echo; [[ $failed == 0 ]] && echo "gpu_check: speed done" || echo "gpu_check: speed step FAILED"
+    exit $failed
+fi
 
 step "making a MiniLM-shaped model with random weights (dropout off) and a small training set"
 $PY bench/gpu_data.py --tokenizer .gpu/minilm --out "$W" || exit 1
@@ -157,6 +183,8 @@ if [[ $DEVICE == cuda ]]; then
         --overwrite-output-dir >/dev/null || fail "train over NCCL"
     $PY bench/gpu_data.py --compare "$W/ddp-1" "$W/ddp-nccl" --tolerance 3e-4 || fail "step 10"
 fi
+
+speed
 
 echo; [[ $failed == 0 ]] && echo "gpu_check: done, every step OK" || echo "gpu_check: done, some step FAILED"
 exit $failed

@@ -10,6 +10,12 @@ sentence-transformers).
   --moved START F32 BF16           the bf16 run's weights: float32, finite, moved like float32's
   --aar F32 BF16                   two aar-train runs' white-box scores (stages/score/scores.jsonl)
                                    and scoring rates: bf16 against float32 on the same passages
+  --speed-models W               W/speed-{minilm,base}-d{0,0.1}: random BERTs of MiniLM-L6's and
+                                   BERT-base's shapes (hidden 768, 12 layers, 12 heads, intermediate
+                                   3072), dropout off and 0.1 (the same weights), MiniLM's tokenizer
+                                   and sentence-transformers files (pooling dimension the hidden size);
+                                   with --tokenizer DIR
+  --speed-table FILE...          the speed step's table from bench/train_step.py's JSON outputs
   --st MODEL --device D --corpus C --host H
                                    host encode (timed, second run) against sentence-transformers'
                                    encode of the same passages on the same device: embeddings
@@ -67,6 +73,64 @@ save_steps = 100
 seed = 1
 """)
     print(f"model and recipe in {out}")
+
+
+SHAPES = {
+    "minilm": {},
+    "base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072},
+}
+
+
+def speed_models(tokenizer, out):
+    """Random BERTs of both shapes, each with dropout off and 0.1 (links to one set of weights)."""
+    from transformers import BertConfig, BertModel
+    out = Path(out)
+    base_cfg = json.loads((Path(tokenizer) / "config.json").read_text())
+    for shape, over in SHAPES.items():
+        cfg = {k: v for k, v in base_cfg.items() if k not in ("architectures", "transformers_version")}
+        cfg.update(over)
+        weights_dir = out / f"speed-{shape}-weights"
+        torch.manual_seed(0)
+        BertModel(BertConfig(**cfg)).save_pretrained(str(weights_dir), safe_serialization=True)
+        for drop in ("0", "0.1"):
+            d = out / f"speed-{shape}-d{drop}"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "model.safetensors").symlink_to(weights_dir / "model.safetensors")
+            for f in Path(tokenizer).iterdir():
+                if f.name in ("config.json", "model.safetensors"):
+                    continue
+                (shutil.copytree if f.is_dir() else shutil.copy)(f, d / f.name)
+            c = dict(cfg, hidden_dropout_prob=float(drop), attention_probs_dropout_prob=float(drop), architectures=["BertModel"])
+            (d / "config.json").write_text(json.dumps(c, indent=1))
+            # Pooling over the model's own hidden size (MiniLM's files say 384).
+            pool = d / "1_Pooling" / "config.json"
+            if pool.exists():
+                pc = json.loads(pool.read_text())
+                pc["word_embedding_dimension"] = cfg["hidden_size"]
+                pool.write_text(json.dumps(pc, indent=1))
+    print(f"speed models in {out}")
+    return True
+
+
+def speed_table(files):
+    """The speed step's table: ours against the PyTorch loop, one row per run."""
+    print("| model (random weights) | dropout | dtype | ours s/step | PyTorch s/step | ours / PyTorch |")
+    print("|---|---|---|---:|---:|---:|")
+    ok = True
+    for f in files:
+        r = json.loads(Path(f).read_text())
+        d = r.get("dpr")
+        name = Path(f).stem
+        if not d:
+            print(f"| {name}: no result | | | | | |")
+            ok = False
+            continue
+        shape = "BERT-base shape" if "-base-" in name else "MiniLM-L6 shape"
+        drop = "0.1" if "-d0.1" in name else "off"
+        problems = d["ours"].get("problems") or []
+        print(f"| {shape} | {drop} | {'bf16 autocast' if r.get('bf16') else 'float32'} | {d['ours']['median_s']:.4f} | "
+              f"{d['torch']['median_s']:.4f} | {d['ours_over_torch']:.3f}{' (' + '; '.join(problems) + ')' if problems else ''} |")
+    return ok
 
 
 def compare(a, b, tol):
@@ -162,12 +226,18 @@ def main():
     ap.add_argument("--tolerance", type=float, default=1e-4)
     ap.add_argument("--moved", nargs=3)
     ap.add_argument("--aar", nargs=2)
+    ap.add_argument("--speed-models")
+    ap.add_argument("--speed-table", nargs="+")
     ap.add_argument("--st")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--corpus")
     ap.add_argument("--host")
     a = ap.parse_args()
-    if a.tokenizer:
+    if a.speed_models:
+        ok = speed_models(a.tokenizer, a.speed_models)
+    elif a.speed_table:
+        ok = speed_table(a.speed_table)
+    elif a.tokenizer:
         make(a.tokenizer, a.out)
         ok = True
     elif a.compare:
