@@ -770,3 +770,30 @@ fn the_output_folder_is_the_run_s_own_and_overwrite_removes_only_what_it_wrote()
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
 }
+
+/// `RAK_STEP_PHASES` logs where each step's time went, for the one-backward path (AdamW) and
+/// the per-task one (T-SAGE); the phases fit in the step, and a run without it logs none.
+#[test]
+fn step_phases_are_logged_when_asked() {
+    let dir = TempDir::new("train-phases");
+    let recipe = small_task_data(dir.path(), 12, &TRAIN.replace("max_steps = 8", "max_steps = 2"));
+    for (optim, extra) in [("adamw", &[][..]), ("tsage", &["--optim", "tsage"][..])] {
+        let out = dir.path().join(optim);
+        let o = run(train_cmd(&recipe, &out, extra).env("RAK_STEP_PHASES", "1"));
+        assert!(o.status.success(), "{}", stderr(&o));
+        let lines: Vec<Value> = std::fs::read_to_string(out.join("trainer_log.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 2);
+        for l in &lines {
+            let phases = l["phases_seconds_per_step"].as_object().unwrap_or_else(|| panic!("{optim}: no phases in {l}"));
+            let names: Vec<&str> = phases.keys().map(String::as_str).collect();
+            assert_eq!(names, ["backward", "forward", "loss", "optimizer", "sample"], "{optim}");
+            let sum: f64 = phases.values().map(|v| v.as_f64().unwrap()).sum();
+            assert!(phases.values().all(|v| v.as_f64().unwrap() >= 0.0) && sum > 0.0, "{optim}: {l}");
+            // A step's phases fit in the whole steps' time (the first line's step includes nothing more).
+            assert!(sum <= l["seconds_per_step"].as_f64().unwrap() * l["step"].as_f64().unwrap() + 1e-3, "{optim}: {l}");
+        }
+    }
+    let plain = dir.path().join("plain");
+    assert!(run(&mut train_cmd(&recipe, &plain, &[])).status.success());
+    assert!(!std::fs::read_to_string(plain.join("trainer_log.jsonl")).unwrap().contains("phases"), "off unless asked");
+}

@@ -278,6 +278,50 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const STATE_FILE: &str = "trainer_state.json";
 pub const LOG_FILE: &str = "trainer_log.jsonl";
 
+/// Seconds of each phase of the steps since the last log line, measured when the environment
+/// sets `RAK_STEP_PHASES` (logged as `phases_seconds_per_step`): `sample` (the step's texts),
+/// `forward` (tokenising and encoding, in the encoder plugin), `loss`, `backward` and
+/// `optimizer` (gradient checks and sums, the optimizer's work, clipping, the update). Each
+/// phase ends with a wait for the device (CUDA runs asynchronously), so the figures say what
+/// each phase costs and the steps run somewhat slower than without: for profiling, not for
+/// the step time itself.
+struct Phases {
+    on: bool,
+    last: std::time::Instant,
+    seconds: BTreeMap<&'static str, f64>,
+}
+
+impl Phases {
+    fn from_env() -> Self {
+        Phases { on: std::env::var_os("RAK_STEP_PHASES").is_some(), last: std::time::Instant::now(), seconds: BTreeMap::new() }
+    }
+
+    /// A step begins: what came before counts in no phase.
+    fn start(&mut self) {
+        if self.on {
+            self.last = std::time::Instant::now();
+        }
+    }
+
+    /// The phase `name` ends once `device` has done its work.
+    fn end(&mut self, name: &'static str, device: tch::Device) {
+        if !self.on {
+            return;
+        }
+        if let tch::Device::Cuda(i) = device {
+            tch::Cuda::synchronize(i as i64);
+        }
+        let now = std::time::Instant::now();
+        *self.seconds.entry(name).or_default() += (now - self.last).as_secs_f64();
+        self.last = now;
+    }
+
+    /// The window's seconds a step, and a new window.
+    fn take(&mut self, steps: u64) -> Option<Value> {
+        self.on.then(|| json!(std::mem::take(&mut self.seconds).into_iter().map(|(k, v)| (k, v / steps.max(1) as f64)).collect::<BTreeMap<_, _>>()))
+    }
+}
+
 /// One training run.
 pub struct Trainer<'a> {
     pub config: TrainerConfig,
@@ -295,6 +339,8 @@ pub struct Trainer<'a> {
     per_task_gradients: bool,
     /// Seconds spent in collectives (gathers and gradient sums) since the last log line.
     communication_s: f64,
+    /// Where the steps' time goes, when `RAK_STEP_PHASES` is set (see [`Phases`]).
+    phases: Phases,
     /// The checkpoint this run resumed from: the encoder was loaded from it and reads files
     /// from it when it saves (its tokenizer's), so `save_total_limit` leaves it.
     resumed_from: Option<PathBuf>,
@@ -362,7 +408,7 @@ impl<'a> Trainer<'a> {
         let sampler = Sampler::new(config.sampler, &counts, config.batch_size * world, config.seed)?;
         let state = TrainerState { step: 0, sampler: sampler.state(), skipped_steps: 0, episode: 0, config: config.clone(), world_size: world };
         let per_task_gradients = optimizer.needs_task_gradients()?;
-        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, dist: group, per_task_gradients, communication_s: 0.0, resumed_from: None })
+        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, dist: group, per_task_gradients, communication_s: 0.0, phases: Phases::from_env(), resumed_from: None })
     }
 
     /// Whether this process writes the run's files (the only one, or rank 0).
@@ -607,8 +653,10 @@ impl<'a> Trainer<'a> {
                 let _autocast = self.config.bf16.then(|| Autocast::bf16(device)).transpose()?;
                 self.encode_for_loss(g, device)?
             };
+            self.phases.end("forward", device);
             let loss = self.task_loss(g, &q, &p, None, &[])?;
             let value = loss.double_value(&[]);
+            self.phases.end("loss", device);
             if !value.is_finite() {
                 clear_grads(params)?;
                 return Ok(StepOutcome::Skipped { task: g.task.clone(), why: format!("a non-finite loss ({value})") });
@@ -617,6 +665,7 @@ impl<'a> Trainer<'a> {
             if loss.requires_grad() {
                 (loss * self.task_weight(g, groups)).backward();
             }
+            self.phases.end("backward", device);
             let grads: Vec<(String, Tensor)> = params.iter().map(|(n, t)| (n.clone(), t.grad())).collect();
             let grads = self.reduce_gradients(params, grads)?;
             if let Some(skip) = non_finite(&grads, &g.task, value) {
@@ -628,8 +677,10 @@ impl<'a> Trainer<'a> {
             // gradient, and the optimizer leaves it alone (as torch's `zero_grad()` does).
             clear_grads(params)?;
             losses.push((g.task.clone(), value));
+            self.phases.end("optimizer", device);
         }
         let stats = self.optimizer.finish_step()?;
+        self.phases.end("optimizer", device);
         Ok(StepOutcome::Updated { losses, stats })
     }
 
@@ -645,6 +696,7 @@ impl<'a> Trainer<'a> {
                 encoded.push(self.encode_for_loss(g, device)?);
             }
         }
+        self.phases.end("forward", device);
         let step_passages = (self.config.in_batch_negatives == InBatchNegatives::Step).then(|| Tensor::cat(&encoded.iter().map(|(_, p)| p).collect::<Vec<_>>(), 0));
         let step_texts: Vec<&str> = groups.iter().flat_map(|g| g.passages.iter().map(String::as_str)).collect();
         let mut losses = Vec::with_capacity(groups.len());
@@ -658,6 +710,7 @@ impl<'a> Trainer<'a> {
             }
             losses.push((g.task.clone(), value, loss * self.task_weight(g, groups)));
         }
+        self.phases.end("loss", device);
         let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
         let backward = |loss: &Tensor, keep_graph: bool| -> Result<Vec<(String, Tensor)>> {
             // A process with none of the batch's rows has no graph to go back through.
@@ -668,16 +721,19 @@ impl<'a> Trainer<'a> {
             // Each task's gradient on its own; the graph is kept until the last task's.
             for (i, (task, value, loss)) in losses.iter().enumerate() {
                 let grads = backward(loss, i + 1 < losses.len())?;
+                self.phases.end("backward", device);
                 let grads = self.reduce_gradients(params, grads)?;
                 if let Some(skip) = non_finite(&grads, task, *value) {
                     return Ok(skip);
                 }
                 self.optimizer.task_gradients(task, *value, grads)?;
+                self.phases.end("optimizer", device);
             }
         } else {
             let total = losses.iter().map(|(_, _, l)| l.shallow_clone()).reduce(|a, b| a + b).context("a step with no task")?;
             let value = losses.iter().map(|(_, v, _)| v).sum::<f64>();
             let grads = backward(&total, false)?;
+            self.phases.end("backward", device);
             let grads = self.reduce_gradients(params, grads)?;
             if let Some(skip) = non_finite(&grads, ALL_TASKS, value) {
                 return Ok(skip);
@@ -685,6 +741,7 @@ impl<'a> Trainer<'a> {
             self.optimizer.task_gradients(ALL_TASKS, value, grads)?;
         }
         let stats = self.optimizer.finish_step()?;
+        self.phases.end("optimizer", device);
         Ok(StepOutcome::Updated { losses: losses.into_iter().map(|(t, v, _)| (t, v)).collect(), stats })
     }
 
@@ -742,12 +799,14 @@ impl<'a> Trainer<'a> {
                 no_weight_decay: no_weight_decay.clone(),
                 seed: optimizer_seed,
             };
+            self.phases.start();
             let groups: Vec<TaskGroup> = self
                 .sampler
                 .next_step()
                 .iter()
                 .map(|sub| self.group_texts(sub))
                 .collect::<Result<_>>()?;
+            self.phases.end("sample", tch::Device::Cpu);
             let losses = match self.train_step(&params, &groups, ctx)? {
                 StepOutcome::Updated { losses, stats } => {
                     last_stats = stats;
@@ -788,6 +847,9 @@ impl<'a> Trainer<'a> {
                     line["communication_seconds_per_step"] = json!(self.communication_s / (step - last_logged).max(1) as f64);
                 }
                 self.communication_s = 0.0;
+                if let Some(phases) = self.phases.take(step - last_logged) {
+                    line["phases_seconds_per_step"] = phases;
+                }
                 if let Some(log) = log.as_mut() {
                     writeln!(log, "{line}")?;
                     log.flush()?;
