@@ -71,6 +71,17 @@ speed() {
     done
     $PY bench/gpu_data.py --speed-table "${files[@]}" || fail "step 11: table"
 }
+if [[ -n ${PROFILE_DIR:-} ]]; then
+    # bench/gpu_profile.sh: one row of the speed step, profiled on both sides (issue 33, item 2).
+    step "profile: the DPR step on $DEVICE, $PROFILE_SHAPE shape, dropout $PROFILE_DROPOUT${PROFILE_BF16:+, bf16} -> $PROFILE_DIR"
+    mkdir -p "$PROFILE_DIR"
+    $PY bench/gpu_data.py --tokenizer .gpu/minilm --speed-models "$W" >/dev/null || exit 1
+    timeout 300 $PY bench/train_step.py --only dpr --steps ${SPEED_STEPS:-10} --threads 8 --device "$DEVICE" ${PROFILE_BF16:+--bf16} --no-st \
+        --model "$W/speed-$PROFILE_SHAPE-d$PROFILE_DROPOUT" --host "$H" --profile "$PROFILE_DIR" --out "$PROFILE_DIR/train-step.json" 2>&1 | tail -8
+    status=${PIPESTATUS[0]}
+    ls -la "$PROFILE_DIR"
+    exit "$status"
+fi
 if [[ -n ${SPEED_ONLY:-} ]]; then
     speed
     echo; [[ $failed == 0 ]] && echo "gpu_check: speed done" || echo "gpu_check: speed step FAILED"

@@ -43,6 +43,13 @@ BM25 (a run that mined anyway is flagged), and the Python loops read the same fi
 
   .venv/bin/python bench/train_step.py [--steps 20] [--threads 2] [--only dpr|tsage]
       [--out bench/results/train-step-DATE.json] [--device cpu|cuda] [--bf16] [--no-st]
+      [--profile DIR]
+
+--profile DIR (bench/gpu_profile.sh): ours runs with RAK_STEP_PHASES=1 (each phase's seconds a
+step, the device synchronised at each phase's end; the mean over the measured steps goes in the
+result as `phases`), and the PyTorch loop's measured steps run under torch.profiler: DIR gets
+torch-profile.txt (operators by device time, then by CPU time) and torch-trace.json (a Chrome
+trace). Step times under either are inflated by the measuring: compare them with a run without.
 
 --device cuda runs ours, the PyTorch loop and sentence-transformers on the GPU (the torch loop
 synchronises before each step's clock stops); --bf16 trains all three with float32 weights
@@ -220,6 +227,8 @@ def run_host(a, work, name, tasks, optim, optim_settings, max_steps, seed):
     timed = os.path.exists("/usr/bin/time")
     full = (["/usr/bin/time", "-v", "-o", rss_file] if timed else []) + cmd
     env = dict(os.environ, **thread_env(a.threads))
+    if getattr(a, "profile", None):
+        env["RAK_STEP_PHASES"] = "1"
     log_path = os.path.join(out, "trainer_log.jsonl")
     stderr_path = os.path.join(work, f"{name}.stderr")
     load = os.getloadavg()
@@ -275,7 +284,10 @@ def run_host(a, work, name, tasks, optim, optim_settings, max_steps, seed):
     cumulative = {l["step"]: l["step"] * l["seconds_per_step"] for l in lines}
     step_s = [cumulative[s] - cumulative.get(s - 1, 0.0) for s in range(SKIP + 1, max_steps + 1) if s in cumulative and s - 1 in cumulative]
     grad_norms = [(l.get("optimizer") or {}).get("grad_norm") for l in lines]
+    measured = [l["phases_seconds_per_step"] for l in lines if l["step"] > SKIP and "phases_seconds_per_step" in l]
+    phases = {k: round(statistics.mean(m.get(k, 0.0) for m in measured), 5) for k in sorted({k for m in measured for k in m})} if measured else None
     return {
+        "phases": phases,
         "problems": problems + run_problems(lines, max_steps),
         "name": name,
         "cmd": " ".join(cmd),
@@ -386,7 +398,12 @@ def torch_loop(a, triples, max_steps):
         return F.normalize((out * mask).sum(1) / mask.sum(1).clamp(min=1e-9), dim=-1)
 
     step_s = []
+    profiler = None
     for s in range(max_steps):
+        if s == SKIP and getattr(a, "profile", None):
+            from torch.profiler import ProfilerActivity, profile
+            profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            profiler.__enter__()
         rows = triples[s * BATCH : (s + 1) * BATCH]
         t0 = time.perf_counter()
         q = tok([r[0] for r in rows], truncation=True, max_length=MAX_LENGTH, padding="longest", return_tensors="pt")
@@ -404,6 +421,16 @@ def torch_loop(a, triples, max_steps):
         if cuda:
             torch.cuda.synchronize()
         step_s.append(time.perf_counter() - t0)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        os.makedirs(a.profile, exist_ok=True)
+        averages = profiler.key_averages()
+        with open(os.path.join(a.profile, "torch-profile.txt"), "w") as f:
+            if cuda:
+                f.write(f"The PyTorch loop's {max_steps - SKIP} measured steps, by device time\n")
+                f.write(averages.table(sort_by="self_cuda_time_total", row_limit=40) + "\n")
+            f.write("By CPU time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+        profiler.export_chrome_trace(os.path.join(a.profile, "torch-trace.json"))
     return {
         **summary(step_s[SKIP:]),
         "optimizer": f"torch.optim.AdamW(foreach={opt.defaults.get('foreach')}, fused={opt.defaults.get('fused')})",
@@ -551,6 +578,9 @@ def table(result):
         ]
         if "st" in d:
             out.append(f"| sentence-transformers trainer | {d['st']['median_s']:.3f} | {d['ours_over_st']:.3f} |")
+        if d["ours"].get("phases"):
+            out.append("\nours by phase (s/step, the device synchronised at each phase's end): "
+                       + ", ".join(f"{k} {v:.4f}" for k, v in d["ours"]["phases"].items()))
     if "tsage" in result:
         t = result["tsage"]
         fmt = lambda v, f: "" if v is None else format(v, f)
@@ -586,9 +616,12 @@ def main():
     ap.add_argument("--device", default="cpu", help="cpu or cuda (all implementations)")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast, float32 weights (all implementations)")
     ap.add_argument("--no-st", action="store_true", help="leave sentence-transformers' trainer out")
+    ap.add_argument("--profile", help="a folder: profile both sides (see above)")
     a = ap.parse_args()
     for k in ("host", "model", "corpus", "task_dir"):
         setattr(a, k, os.path.abspath(getattr(a, k)))
+    if a.profile:
+        a.profile = os.path.abspath(a.profile)
     # Before torch is imported: the Python implementations run under the same caps as the host.
     os.environ.update(thread_env(a.threads))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
