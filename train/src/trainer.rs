@@ -928,20 +928,8 @@ fn clear_grads(params: &[(String, Tensor)]) -> Result<()> {
 /// A skipped step if a task's gradient holds a NaN or an infinity. Checked before the
 /// optimizer sees them: one would reach every later step through its state.
 fn non_finite(grads: &[(String, Tensor)], task: &str, loss: f64) -> Option<StepOutcome> {
-    let (name, _) = grads.iter().find(|(_, g)| !all_finite(g))?;
+    let name = rak_core::optim::first_non_finite(grads.iter().map(|(n, g)| (n.as_str(), g)))?;
     Some(StepOutcome::Skipped { task: task.to_string(), why: format!("a non-finite gradient of {name} (loss {loss})") })
-}
-
-/// Whether an (undefined, or any) gradient holds no NaN or infinity.
-fn all_finite(g: &Tensor) -> bool {
-    if !g.defined() {
-        return true;
-    }
-    // SAFETY: the gradient is only read, and nothing writes it during the call.
-    match unsafe { rak_core::optim::kernels::f32_slice(g) } {
-        Some(x) => !rak_core::optim::kernels::any_non_finite(x),
-        None => g.isfinite().all().int64_value(&[]) != 0,
-    }
 }
 
 /// No weight decay, by the name rule of transformers' `Trainer.get_decay_parameter_names`:

@@ -352,12 +352,7 @@ impl TSage {
         // A NaN or an infinity would reach every later step through the momentum (0 · inf is
         // NaN): refuse it before anything is folded in, and abandon the step. On the CPU with
         // the median, its first counting pass looks while it reads the gradient anyway.
-        let find_non_finite = || {
-            grads.iter().find(|(_, g)| match on_cpu {
-                true => kernels::any_non_finite(elements(g)),
-                false => g.isfinite().all().int64_value(&[]) == 0,
-            })
-        };
+        let find_non_finite = || super::first_non_finite(grads.iter().map(|(n, g)| (n.as_str(), g)));
         let checked_in_count = on_cpu && self.config.median_normalise;
         let mut non_finite = if checked_in_count { None } else { find_non_finite() };
         let sensitivity = |theta: &Tensor, g: &Tensor| (theta.to_kind(Kind::Float) * g.to_kind(Kind::Float)).abs();
@@ -400,8 +395,8 @@ impl TSage {
                 scale = 1.0 / (median + 1e-12);
             }
         }
-        if let Some((name, _)) = non_finite {
-            let name = name.clone();
+        if let Some(name) = non_finite {
+            let name = name.to_string();
             self.step = None;
             bail!("tsage: task {task:?}: the gradient of {name} is not finite (NaN or infinite); the step is abandoned: no parameter is updated and this task's momentum is untouched (tasks handed over before it this step are already folded in)");
         }
