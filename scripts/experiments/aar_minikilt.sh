@@ -103,7 +103,7 @@ if [[ $STAGE == rank || ( $STAGE == all && -n ${RANKINGS:-} ) ]]; then
     python3 -c 'import json,sys
 for l in open(sys.argv[1]):
     r = json.loads(l); print(json.dumps({"_id": r["_id"], "text": r["question"]}))' data/minikilt/shortqa/dev.jsonl > "$q"
-    for spec in minilm=$M $(for n in ${JUDGED:-aar human replug}; do echo "$n=$RUNS/$n"; done); do
+    for spec in minilm=$M $(for n in ${JUDGED-aar human replug}; do echo "$n=$RUNS/$n"; done); do
         name=${spec%%=*} dir=${spec#*=}
         [[ -f $RANKINGS/shortqa-$name.trec ]] && continue
         echo "== ranking: $name $(date -u +%H:%M:%S)"
@@ -120,7 +120,7 @@ if [[ $STAGE == all || $STAGE == judge ]]; then
     # JUDGED: which of the trained retrievers are judged (RETRIEVERS: which built-in ones).
     # With RANKINGS (STAGE=rank's output), the passages come from those rankings.
     models="" ranked=""
-    for name in ${JUDGED:-aar human replug}; do
+    for name in ${JUDGED-aar human replug}; do
         if [[ -n ${RANKINGS:-} ]]; then
             ranked+=" $name=$RANKINGS/shortqa-$name.trec"
         else

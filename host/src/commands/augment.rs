@@ -55,7 +55,8 @@ pub struct AugmentArgs {
     /// Passages per question.
     #[arg(long)]
     pub k: Option<usize>,
-    /// `none` (closed book), `bm25:INDEX_DIR` or `dense:INDEX_DIR`.
+    /// `none` (closed book), `bm25:INDEX_DIR`, `dense:INDEX_DIR` or `run:TREC_FILE` (a fixed
+    /// ranking of the questions' ids, e.g. another system's: no index or model needed).
     #[arg(long)]
     pub retriever: Option<String>,
     /// Encoder plugin for a dense retriever.
