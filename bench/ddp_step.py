@@ -60,7 +60,8 @@ def host_run(a, work, name, seed, nproc, batch):
     steps = range(ts.SKIP + 1, a.steps + ts.SKIP + 1)
     step_s = [total[s] - total[s - 1] for s in steps]
     comm = [l["communication_seconds_per_step"] for l in lines if l["step"] in steps and "communication_seconds_per_step" in l]
-    return {**ts.summary(step_s), "communication_median_s": round(ts.median(comm), 4) if comm else None, "losses": [l["loss"] for l in lines]}
+    problems = [] if "BM25 negatives from" in res.stderr else ["host train mined its own BM25 negatives (the seeded ones were not reused)"]
+    return {**ts.summary(step_s), "problems": problems, "communication_median_s": round(ts.median(comm), 4) if comm else None, "losses": [l["loss"] for l in lines]}
 
 
 def ddp_worker(rank, a, port, triples, result):

@@ -280,6 +280,11 @@ def run_host(a, work, name, tasks, optim, optim_settings, max_steps, seed):
         with open(stderr_path, errors="replace") as f:
             if "BM25 negatives from" not in f.read():
                 problems.append("host train mined its own BM25 negatives (the seeded ones were not reused)")
+                # The seed no longer matches (another corpus, examples or host version): this
+                # run's negatives and run.json seed the next runs instead.
+                for name in SEED_FILES:
+                    shutil.copyfile(os.path.join(out, name), os.path.join(seed, name + ".tmp"))
+                    os.replace(os.path.join(seed, name + ".tmp"), os.path.join(seed, name))
     lines = [l for l in log_lines(log_path) if "seconds_per_step" in l]
     cumulative = {l["step"]: l["step"] * l["seconds_per_step"] for l in lines}
     step_s = [cumulative[s] - cumulative.get(s - 1, 0.0) for s in range(SKIP + 1, max_steps + 1) if s in cumulative and s - 1 in cumulative]

@@ -786,45 +786,72 @@ fn a_server_that_goes_away_stops_the_run_and_a_rerun_asks_the_rest() {
     assert_eq!((s["items"].as_u64(), s["failed"].as_u64()), (Some(N as u64), Some(0)), "{s}");
 }
 
+/// `--retriever run:FILE` as the AAR judge stage uses it: `host search` over a dense index
+/// writes the ranking, and judging from it gives the prompts `dense:INDEX` gives; a question
+/// without a ranking, or with fewer than k passages, is an error naming it, before any request.
 #[test]
 fn a_fixed_ranking_gives_the_prompts_its_search_gave_and_a_missing_question_is_named() {
     let dir = TempDir::new("augment-ranked");
     let s = slice();
-    let bm25 = dir.path().join("bm25");
-    let out = host(&["index", "build", "--kind", "bm25", "--corpus", p(&s.corpus), "--output", p(&bm25)]);
+    let model = minilm_dir();
+    let (emb, flat) = (dir.path().join("emb"), dir.path().join("flat"));
+    for args in [
+        vec!["encode", "--encoder", "dpr", "--model", p(&model), "--input", p(&s.corpus), "--output", p(&emb)],
+        vec!["index", "build", "--kind", "flat", "--embeddings", p(&emb), "--output", p(&flat)],
+    ] {
+        let out = host(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+    // The first 6 short-answer questions as search queries (STAGE=rank's conversion).
+    let queries = dir.path().join("queries.jsonl");
+    let lines: Vec<String> = short_questions(6).iter().map(|(id, q, _)| json!({"_id": id, "text": q}).to_string()).collect();
+    std::fs::write(&queries, lines.join("\n") + "\n").unwrap();
+    let run = dir.path().join("ranking.trec");
+    let out = host(&["search", "--index", p(&flat), "--encoder", "dpr", "--model", p(&model), "--queries", p(&queries), "--k", "3", "--output", p(&run)]);
     assert!(out.status.success(), "{}", stderr(&out));
+
     let server = FakeServer::start(Options::default());
     let cfg = recipe_with_corpus(dir.path(), &server.url, "", &s.corpus);
     let searched = dir.path().join("searched.jsonl");
-    let out = augment(&cfg, "shortqa", 6, &searched, &["--retriever", &format!("bm25:{}", p(&bm25)), "--k", "3"]);
+    let dense = format!("dense:{}", p(&flat));
+    let out = augment(&cfg, "shortqa", 6, &searched, &["--retriever", &dense, "--k", "3", "--encoder", "dpr", "--encoder-model", p(&model)]);
     assert!(out.status.success(), "{}", stderr(&out));
-    // The same passages as a TREC run, listed worst first: the ranking is the scores', not the lines'.
-    let mut trec = String::new();
-    for r in records(&searched) {
-        for (i, id) in r["passages"].as_array().unwrap().iter().enumerate().rev() {
-            trec.push_str(&format!("{} Q0 {} {} {} bm25\n", r["_id"].as_str().unwrap(), id.as_str().unwrap(), i + 1, 10.0 - i as f64));
-        }
-    }
-    let run = dir.path().join("ranking.trec");
-    std::fs::write(&run, &trec).unwrap();
     let ranked = dir.path().join("ranked.jsonl");
-    let out = augment(&cfg, "shortqa", 6, &ranked, &["--retriever", &format!("run:{}", p(&run)), "--k", "3"]);
+    let from_run = format!("run:{}", p(&run));
+    let out = augment(&cfg, "shortqa", 6, &ranked, &["--retriever", &from_run, "--k", "3"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let by_id = |path: &Path| records(path).into_iter().map(|r| (r["_id"].as_str().unwrap().to_string(), r)).collect::<HashMap<_, _>>();
     let (a, b) = (by_id(&searched), by_id(&ranked));
     assert_eq!(a.len(), 6);
     for (id, r) in &a {
+        assert_eq!(r["passages"].as_array().unwrap().len(), 3, "{id}");
         assert_eq!(r["passages"], b[id]["passages"], "{id}");
         assert_eq!(r["prompt_sha256"], b[id]["prompt_sha256"], "{id}: the same passages make the same prompt");
     }
-    // A question the run does not rank is an error naming the file and the question, before any request.
+
+    let trec = std::fs::read_to_string(&run).unwrap();
     let first = short_questions(1).remove(0).0;
-    let without: String = trec.lines().filter(|l| !l.starts_with(&format!("{first} "))).map(|l| format!("{l}\n")).collect();
-    std::fs::write(&run, without).unwrap();
     let asked = server.log().len();
-    let out = augment(&cfg, "shortqa", 6, &dir.path().join("missing.jsonl"), &["--retriever", &format!("run:{}", p(&run)), "--k", "3"]);
-    assert!(!out.status.success());
-    let err = stderr(&out);
-    assert!(err.contains(p(&run)) && err.contains(&format!("{first:?}")) && err.contains("no ranking"), "{err}");
-    assert_eq!(server.log().len(), asked, "nothing asked");
+    let refused = |text: String, needles: &[&str]| {
+        std::fs::write(&run, text).unwrap();
+        let out = augment(&cfg, "shortqa", 6, &dir.path().join("refused.jsonl"), &["--retriever", &from_run, "--k", "3"]);
+        assert!(!out.status.success());
+        let err = stderr(&out);
+        assert!(err.contains(p(&run)) && err.contains(&format!("{first:?}")) && needles.iter().all(|n| err.contains(n)), "{err}");
+        assert_eq!(server.log().len(), asked, "nothing asked");
+    };
+    let lines_of = |keep: &dyn Fn(&str, usize) -> bool| -> String {
+        let mut seen: HashMap<String, usize> = HashMap::new();
+        trec.lines()
+            .filter(|l| {
+                let q = l.split_whitespace().next().unwrap().to_string();
+                let n = seen.entry(q.clone()).or_default();
+                *n += 1;
+                keep(&q, *n)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect()
+    };
+    refused(lines_of(&|q, _| q != first), &["no ranking"]);
+    refused(lines_of(&|q, n| q != first || n <= 2), &["2 ranked passages", "--k 3"]);
 }

@@ -99,7 +99,8 @@ if [[ $STAGE == rank || ( $STAGE == all && -n ${RANKINGS:-} ) ]]; then
     # later session, or on another machine, without the models or their indexes.
     [[ -n ${RANKINGS:-} ]] || { echo "STAGE=rank needs RANKINGS=DIR (where the rankings go)" >&2; exit 2; }
     mkdir -p "$RANKINGS"
-    q=$RANKINGS/.shortqa-queries.jsonl
+    q=$(mktemp --suffix=.jsonl)
+    trap 'rm -f "$q"' EXIT
     python3 -c 'import json,sys
 for l in open(sys.argv[1]):
     r = json.loads(l); print(json.dumps({"_id": r["_id"], "text": r["question"]}))' data/minikilt/shortqa/dev.jsonl > "$q"
@@ -114,6 +115,7 @@ for l in open(sys.argv[1]):
         $H search --index "$INDEXES/$name-flat" --encoder dpr --model "$dir" --queries "$q" --k 3 --output "$RANKINGS/shortqa-$name.trec"
     done
     rm -f "$q"
+    trap - EXIT
 fi
 
 if [[ $STAGE == all || $STAGE == judge ]]; then
@@ -127,7 +129,11 @@ if [[ $STAGE == all || $STAGE == judge ]]; then
             models+=" $name=$RUNS/$name"
         fi
     done
-    [[ -n ${RANKINGS:-} ]] && ranked+=" minilm=$RANKINGS/shortqa-minilm.trec"
+    if [[ -n ${RANKINGS:-} ]]; then
+        ranked+=" minilm=$RANKINGS/shortqa-minilm.trec"
+        # The rankings are of the short-answer questions only.
+        [[ ${TASKS:-} == shortqa ]] || { echo "STAGE=judge with RANKINGS needs TASKS=shortqa (the rankings hold the short-answer questions)" >&2; exit 2; }
+    fi
     for target in $TARGETS; do
         case $target in
             gemma3-270m) config=configs/augment/openai.toml ;;

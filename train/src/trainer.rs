@@ -643,10 +643,11 @@ impl<'a> Trainer<'a> {
     /// update). This is the seam the parity tests drive with fixed inputs.
     pub fn train_step(&mut self, params: &[(String, Tensor)], groups: &[TaskGroup], ctx: StepContext) -> Result<StepOutcome> {
         self.optimizer.begin_step(shallow(params), ctx)?;
+        let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
+        self.phases.end("optimizer", device);
         if !self.per_task_gradients || self.config.in_batch_negatives == InBatchNegatives::Step {
             return self.whole_step(params, groups);
         }
-        let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
         let mut losses = Vec::with_capacity(groups.len());
         for g in groups {
             let (q, p) = {

@@ -87,10 +87,11 @@ pub fn dropout(x: &Tensor, p: f64, train: bool) -> Tensor {
         if fillable_on_cpu(x) {
             return x * keyed_mask_cpu(&x.size(), threshold, keep as f32, &keys, call);
         }
-        // Elsewhere (CUDA, other dtypes) a bool mask, which is all `masked_fill` keeps for the
+        // Elsewhere (CUDA, other dtypes) a bool mask, which is all the product keeps for the
         // backward pass (1 byte an element, as torch's own dropout keeps), and the scale as a
-        // scalar, so a bf16 input is scaled in float and rounded once.
-        return x.masked_fill(&keyed_dropped_tensor(x, threshold, &keys, call), 0.0) * keep;
+        // scalar, so a bf16 input is scaled in float and rounded once. A product, not
+        // `masked_fill`: a NaN or infinity dropped stays NaN, as on the CPU and in torch.
+        return x * keyed_kept_tensor(x, threshold, &keys, call) * keep;
     }
     if !fillable_on_cpu(x) {
         return x.dropout(p, train);
@@ -156,11 +157,11 @@ fn keyed_mask_cpu(shape: &[i64], threshold: u32, keep: f32, keys: &[u64], call: 
     mask
 }
 
-/// Which elements the keyed mask drops (`true`), computed with tensor operations on `x`'s
+/// Which elements the keyed mask keeps (`true`), computed with tensor operations on `x`'s
 /// device: the same bits as [`keyed_mask_cpu`]. The words are int32 (4 bytes an element; the
 /// mixer's multiplications wrap modulo 2^32 as the CPU fill's do, and each right shift is made
 /// logical by masking off the bits an arithmetic shift copies from the sign).
-fn keyed_dropped_tensor(x: &Tensor, threshold: u32, keys: &[u64], call: u32) -> Tensor {
+fn keyed_kept_tensor(x: &Tensor, threshold: u32, keys: &[u64], call: u32) -> Tensor {
     let shape = x.size();
     let (device, int) = (x.device(), (Kind::Int, x.device()));
     let middle = middle_dims(&shape);
@@ -187,7 +188,7 @@ fn keyed_dropped_tensor(x: &Tensor, threshold: u32, keys: &[u64], call: u32) -> 
     // at a time), then compared.
     let mut bits = tmix(tmix(j.bitwise_xor_tensor(&k1)).bitwise_xor_tensor_(&hi));
     let _ = logical_shift_right_(&mut bits, 8);
-    bits.lt(threshold as i64)
+    bits.ge(threshold as i64)
 }
 
 /// `x ← x >> by` on 32-bit words held in int32, without the sign's copies.
@@ -329,8 +330,8 @@ mod tests {
             for call in [1, 2, 1000] {
                 let cpu = keyed_mask_cpu(&shape, (0.25 * (1u64 << 24) as f64) as u32, 1.0 / 0.75, &keys, call);
                 let x = Tensor::ones(shape.as_slice(), (Kind::Double, Device::Cpu)).set_requires_grad(true);
-                let dropped = keyed_dropped_tensor(&x, (0.25 * (1u64 << 24) as f64) as u32, &keys, call);
-                assert!(dropped.equal(&cpu.eq(0.0)), "shape {shape:?} call {call}");
+                let kept = keyed_kept_tensor(&x, (0.25 * (1u64 << 24) as f64) as u32, &keys, call);
+                assert!(kept.equal(&cpu.ne(0.0)), "shape {shape:?} call {call}");
                 // Through `dropout` in a keyed pass: the kept elements scaled, the rest 0.
                 let y = with_example_keys(&keys, || {
                     (1..call).for_each(|_| drop(next_keyed_call(&shape)));

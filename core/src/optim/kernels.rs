@@ -245,6 +245,8 @@ pub struct Counted {
 /// before anything is folded in: reading `g` once for both saves a pass over the gradient.
 pub fn sensitivity_counts(pairs: &[(&[f32], &[f32])], high: Option<u32>, hist: &mut [i64]) -> Counted {
     assert!(pairs.iter().all(|(t, g)| t.len() == g.len()));
+    // Each worker's counts are 32-bit: no bin can pass 2^32 while a task has fewer elements.
+    assert!(pairs.iter().map(|(t, _)| t.len() as u64).sum::<u64>() < 1 << 32, "over 2^32 parameter elements");
     let blocks: Vec<(usize, usize)> = pairs.iter().enumerate().flat_map(|(i, (t, _))| (0..t.len()).step_by(BLOCK).map(move |s| (i, s))).collect();
     let (counts, counted) = blocks
         .par_iter()

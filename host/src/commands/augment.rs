@@ -344,7 +344,7 @@ fn retrieve(registry: &Registry, args: &AugmentArgs, cfg: &AugmentConfig, spec: 
     }
     let (kind, dir) = spec.split_once(':').with_context(|| format!("--retriever {spec:?}: expected none, bm25:INDEX_DIR, dense:INDEX_DIR or run:TREC_FILE"))?;
     let run = if kind == "run" {
-        ranked_from_run_file(Path::new(dir), items)?
+        ranked_from_run_file(Path::new(dir), items, k)?
     } else {
         search_index(registry, args, cfg, spec, kind, dir, k, items)?
     };
@@ -401,11 +401,18 @@ fn search_index(registry: &Registry, args: &AugmentArgs, cfg: &AugmentConfig, sp
 
 /// Passages another system retrieved, from its TREC run file (`qid Q0 docid rank score tag`,
 /// ranked by score as trec_eval ranks them): judging a fixed ranking needs no index or model.
-/// Every question must have a ranking: a missing one would silently become a closed book.
-fn ranked_from_run_file(path: &Path, items: &[Probe]) -> Result<Run> {
+/// Every question must have a ranking of at least `k` passages: a missing or shorter one would
+/// silently become a closed book or fewer passages.
+fn ranked_from_run_file(path: &Path, items: &[Probe], k: usize) -> Result<Run> {
     let run = rak_retrieval::data::trec::read_run(path)?;
-    if let Some(p) = items.iter().find(|p| !run.contains(&p.id)) {
-        bail!("--retriever run:{}: question {:?} has no ranking in the run ({} questions have one)", path.display(), p.id, run.len());
+    for p in items {
+        match run.get(&p.id) {
+            None => bail!("--retriever run:{}: question {:?} has no ranking in the run ({} questions have one)", path.display(), p.id, run.len()),
+            Some(ranked) if ranked.len() < k => {
+                bail!("--retriever run:{}: question {:?} has {} ranked passages, fewer than --k {k}", path.display(), p.id, ranked.len())
+            }
+            Some(_) => {}
+        }
     }
     Ok(run)
 }
