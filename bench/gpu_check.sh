@@ -63,7 +63,7 @@ speed() {
         for drop in 0 0.1; do
             for b in "" --bf16; do
                 local f="$OUT/speed-$shape-d$drop${b:+-bf16}.json"
-                timeout 90 $PY bench/train_step.py --only dpr --steps ${SPEED_STEPS:-10} --threads 8 --device "$DEVICE" $b --no-st \
+                timeout 120 $PY bench/train_step.py --only dpr --steps ${SPEED_STEPS:-10} --threads 8 --device "$DEVICE" $b --no-st \
                     --model "$W/speed-$shape-d$drop" --host "$H" --out "$f" >/dev/null 2>"$f.err" || { tail -3 "$f.err"; fail "step 11: $shape dropout $drop $b"; }
                 files+=("$f")
             done
