@@ -22,6 +22,7 @@ pub mod models;
 pub mod optim;
 pub mod plugin;
 pub mod readers;
+pub mod rng;
 
 /// The stable plugin ABI (the `rak-abi` crate).
 pub use rak_abi as abi;

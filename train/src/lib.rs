@@ -12,7 +12,6 @@ pub mod data;
 pub mod loss;
 pub mod negatives;
 pub mod recipe;
-pub mod rng;
 pub mod run;
 pub mod sampler;
 pub mod schedule;

@@ -193,7 +193,7 @@ pub fn fill_empty(tasks: &mut [TaskData], count: usize, seed: u64) -> usize {
             if !ex.negatives.is_empty() || count == 0 {
                 continue;
             }
-            let mut rng = crate::rng::Rng::derive(seed, &[0xF111, ti as u64, ei as u64]);
+            let mut rng = rak_core::rng::Rng::derive(seed, &[0xF111, ti as u64, ei as u64]);
             let gold: HashSet<&str> = ex.positives.iter().map(String::as_str).collect();
             // Bounded: a pool holding nothing but this query's gold leaves it empty.
             for _ in 0..count * 16 {

@@ -15,7 +15,7 @@
 use crate::data::{corpus_ids, corpus_pages, corpus_texts, load_task, passage_texts, task_sources, LoadReport, TaskData};
 use crate::negatives;
 use crate::recipe::{sampler_kind, Recipe, TrainSection};
-use crate::rng::Rng;
+use rak_core::rng::Rng;
 use crate::trainer::{check_loss_settings, checkpoints, latest_checkpoint, LossKind, Sampler, TaskLossWeight, Trainer, TrainerConfig, LOG_FILE};
 use anyhow::{bail, Context, Result};
 use rak_core::dist::{ProcessGroup, Rendezvous};

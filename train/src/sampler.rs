@@ -9,7 +9,7 @@
 //!   task's examples are shuffled and cut into batches, and the order of all batches is
 //!   shuffled.
 
-use crate::rng::Rng;
+use rak_core::rng::Rng;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 

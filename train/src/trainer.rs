@@ -13,7 +13,7 @@
 
 use crate::data::TaskData;
 use crate::loss::{copies_of_any_positive, copies_of_positives, lm_supervised_loss, multi_positive_loss, nce_loss, nce_loss_against};
-use crate::rng::Rng;
+use rak_core::rng::Rng;
 use crate::sampler::{SubBatch, TacoSampler, TacoSamplerState, TaskPerBatchSampler, TaskPerBatchState};
 use crate::schedule::linear_warmup_decay;
 use anyhow::{bail, Context, Result};

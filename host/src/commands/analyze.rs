@@ -16,7 +16,7 @@ use rak_retrieval::pipeline::Progress;
 use rak_train::analyze::{analyze, commitment_rate, AnalysisConfig, Sensitivities, SensitivityAccumulator};
 use rak_train::data::{corpus_ids, load_task, passage_texts, task_sources, LoadReport};
 use rak_train::loss::nce_loss;
-use rak_train::rng::Rng;
+use rak_core::rng::Rng;
 use rak_train::trainer::{latest_checkpoint, OPTIMIZER_FILE};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashSet};

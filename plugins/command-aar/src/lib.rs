@@ -412,7 +412,7 @@ fn select_stage(
     };
     let a = &cfg.aar;
     let bar = host.progress("aar: select", queries.len() as u64)?;
-    let negatives_seed = select::Rng::derive(cfg.seed, &["aar-negatives"]).next_u64();
+    let negatives_seed = select::named_stream(cfg.seed, &["aar-negatives"]).next_u64();
     let mut examples = Vec::new();
     let (mut added_total, mut not_three, mut no_negatives, mut without_scores, mut one_scored) = (0usize, 0usize, 0usize, 0usize, 0usize);
     for q in queries {
@@ -451,7 +451,7 @@ fn select_stage(
             }));
             continue;
         }
-        let mut rng = select::Rng::derive(negatives_seed, &[&q.id]);
+        let mut rng = select::named_stream(negatives_seed, &[&q.id]);
         let negatives = select::select_negatives(&q.hits, &sel.positives, a.negatives_depth, a.negatives_sampled, &mut rng);
         if a.negatives_per_query > 0 && negatives.is_empty() {
             no_negatives += 1;

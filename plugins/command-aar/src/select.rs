@@ -7,52 +7,20 @@
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-/// A seeded stream (SplitMix64): a few lines, stored as one number, the same on every machine.
-pub struct Rng(u64);
+use rak_core::rng::Rng;
 
-impl Rng {
-    /// A stream for one purpose of a run: the first 8 bytes of SHA-256(seed, parts...), so
-    /// another seed or purpose gives an unrelated stream.
-    pub fn derive(seed: u64, parts: &[&str]) -> Self {
-        let mut h = Sha256::new();
-        h.update(seed.to_le_bytes());
-        for p in parts {
-            h.update((p.len() as u64).to_le_bytes());
-            h.update(p.as_bytes());
-        }
-        let d = h.finalize();
-        Rng(u64::from_le_bytes(d[..8].try_into().expect("8 bytes")))
+/// A stream for one purpose of a run: seeded with the first 8 bytes of SHA-256(seed, parts...),
+/// so another seed or purpose gives an unrelated stream (purposes here are named by strings, as
+/// query ids, where the trainer's [`Rng::derive`] takes numbers).
+pub fn named_stream(seed: u64, parts: &[&str]) -> Rng {
+    let mut h = Sha256::new();
+    h.update(seed.to_le_bytes());
+    for p in parts {
+        h.update((p.len() as u64).to_le_bytes());
+        h.update(p.as_bytes());
     }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (rejection sampling, no modulo bias); `n > 0`.
-    pub fn below(&mut self, n: u64) -> u64 {
-        let zone = u64::MAX - u64::MAX % n;
-        loop {
-            let x = self.next_u64();
-            if x < zone {
-                return x % n;
-            }
-        }
-    }
-
-    /// `k` distinct items of `items` (all of them when there are fewer), in draw order.
-    pub fn sample<T: Clone>(&mut self, items: &[T], k: usize) -> Vec<T> {
-        let mut idx: Vec<usize> = (0..items.len()).collect();
-        let k = k.min(idx.len());
-        for i in 0..k {
-            let j = i + self.below((idx.len() - i) as u64) as usize;
-            idx.swap(i, j);
-        }
-        idx[..k].iter().map(|&i| items[i].clone()).collect()
-    }
+    let d = h.finalize();
+    Rng(u64::from_le_bytes(d[..8].try_into().expect("8 bytes")))
 }
 
 /// The indices of the top `k` scored passages, best first; ties keep the retriever's order
@@ -290,9 +258,9 @@ mod tests {
     fn negatives_exclude_positives_and_are_a_seeded_sample() {
         let ranked: Vec<String> = (0..50).map(|i| format!("p{i}")).collect();
         let positives = ids(&["p0", "p3"]);
-        let a = select_negatives(&ranked, &positives, 20, 10, &mut Rng::derive(1, &["aar-negatives", "q1"]));
-        let b = select_negatives(&ranked, &positives, 20, 10, &mut Rng::derive(1, &["aar-negatives", "q1"]));
-        let c = select_negatives(&ranked, &positives, 20, 10, &mut Rng::derive(2, &["aar-negatives", "q1"]));
+        let a = select_negatives(&ranked, &positives, 20, 10, &mut named_stream(1, &["aar-negatives", "q1"]));
+        let b = select_negatives(&ranked, &positives, 20, 10, &mut named_stream(1, &["aar-negatives", "q1"]));
+        let c = select_negatives(&ranked, &positives, 20, 10, &mut named_stream(2, &["aar-negatives", "q1"]));
         assert_eq!(a, b);
         assert_ne!(a, c);
         assert_eq!(a.len(), 10);
@@ -302,14 +270,23 @@ mod tests {
             assert!(ranked[..20].contains(n), "{n} is deeper than the depth");
         }
         // Fewer than asked: all of them.
-        assert_eq!(select_negatives(&ranked[..4], &positives, 20, 10, &mut Rng::derive(0, &[])).len(), 2);
+        assert_eq!(select_negatives(&ranked[..4], &positives, 20, 10, &mut named_stream(0, &[])).len(), 2);
+    }
+
+    #[test]
+    fn named_streams_are_those_earlier_runs_drew() {
+        // The values a Python SHA-256 + SplitMix64 gives: a run resumed with a newer build
+        // samples the negatives its first part sampled.
+        let seed = named_stream(42, &["aar-negatives"]).next_u64();
+        assert_eq!(seed, 0xdd4a_7296_cf06_26a5);
+        assert_eq!(named_stream(seed, &["q1"]).0, 0xd8df_b521_0e82_2280);
     }
 
     #[test]
     fn subsets_are_spread_and_exact() {
         assert_eq!(spaced_subset(10, 3), vec![0, 3, 6]);
         assert_eq!(spaced_subset(3, 5), vec![0, 1, 2]);
-        let mut r = Rng::derive(5, &[]);
+        let mut r = named_stream(5, &[]);
         assert!((0..1000).all(|_| r.below(7) < 7));
     }
 }
