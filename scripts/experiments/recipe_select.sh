@@ -29,7 +29,9 @@
 #
 # Settings (environment):
 #   OUT=runs/select           outputs: METHOD-sSEED/ (the run), .eval/ (corpus embeddings,
-#                             index, TREC runs), METHOD-sSEED.SPLIT.metrics.json (per query)
+#                             index, TREC runs), METHOD-sSEED.SPLIT.metrics.json.gz (per
+#                             query). What the tables need is small and can be committed:
+#                             OUT=results/recipe-select keeps it across machines (its README)
 #   VAL=runs/minikilt-val     the carved data (carve_validation.py's --out)
 #   BUDGET=600                seconds of training for every system (taco.toml's 10 minutes)
 #   VARIANTS="naive-peerlike taco taco-noprefix taco-notsage taco-stepneg taco-t4"
@@ -153,7 +155,7 @@ for spec in "${specs[@]}"; do
         negs=$OUT/$PEER_OF-s$seed/negatives-episode-0.json
         [[ -f $negs ]] || die "peer-st:$seed needs $PEER_OF:$seed first (its $negs)"
         # A retrain starts clean: no earlier model, evaluation, or killed run's temporary.
-        rm -rf "$run" "$OUT/$name.eval" "$OUT/$name".*.metrics.json "$OUT/.$name.tmp-"*
+        rm -rf "$run" "$OUT/$name.eval" "$OUT/$name".*.metrics.json* "$OUT/.$name.tmp-"*
         start=$(date +%s)
         $PY scripts/experiments/peer_st.py --seconds "${PEER_SECONDS:-$BUDGET}" --seed "$seed" \
             --negatives "$negs" --model $M --data "$VAL" --out "$run"
@@ -180,9 +182,12 @@ for spec in "${specs[@]}"; do
     mkdir -p "$ev/runs"
     need=()
     for split in "${SPLITS[@]}"; do
-        [[ -f $OUT/$name.$split.metrics.json ]] || need+=("$split")
+        [[ -f $OUT/$name.$split.metrics.json.gz ]] || need+=("$split")
     done
     (( ${#need[@]} )) || continue
+    # A finished run kept without its model (results committed from another machine).
+    compgen -G "$model/*.safetensors" >/dev/null || compgen -G "$model/model.safetensors*" >/dev/null ||
+        die "$name: trained ($run/done) but its model is not here and ${need[*]} not evaluated: remove $run to retrain it"
     $H encode --encoder "$enc" --model "$model" "${len[@]}" --input $D/corpus.jsonl --output "$ev/corpus"
     [[ -f $ev/flat/index.json ]] || $H index build --kind flat --embeddings "$ev/corpus" --output "$ev/flat" >/dev/null
     for split in "${need[@]}"; do
@@ -196,5 +201,7 @@ for spec in "${specs[@]}"; do
             args+=(--run "$trec" --qrels "$VAL/tasks/$task/qrels.$split.tsv" --queries "$q" --task "$task")
         done
         $H eval --corpus $D/corpus.jsonl "${args[@]}" --per-query --output "$OUT/$name.$split.metrics.json" >/dev/null
+        # Gzipped (1 MB of per-query JSON becomes about 25 KB): small enough to commit.
+        gzip -nf "$OUT/$name.$split.metrics.json"
     done
 done

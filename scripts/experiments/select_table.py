@@ -6,7 +6,7 @@ probe and dev, and each system against a base with 95% intervals.
     python3 scripts/experiments/select_table.py runs/select [--val runs/minikilt-val]
         [--base taco --base peer-st] [--budget 600] [--resamples 2000]
 
-Reads OUT/NAME.SPLIT.metrics.json (`host eval --per-query`; NAME is METHOD-sSEED, or zeroshot),
+Reads OUT/NAME.SPLIT.metrics.json.gz (`host eval --per-query`, gzipped; NAME is METHOD-sSEED, or zeroshot),
 OUT/NAME/done (the training command's seconds), OUT/recipes/METHOD.toml (max_steps) or the
 peer's OUT/NAME/peer_run.json (steps), and VAL/tasks/TASK/queries.SPLIT.jsonl (gold pages).
 
@@ -23,6 +23,7 @@ peer's OUT/NAME/peer_run.json (steps), and VAL/tasks/TASK/queries.SPLIT.jsonl (g
 Standard library only.
 """
 import argparse
+import gzip
 import json
 import random
 import re
@@ -41,14 +42,15 @@ SPLIT_TITLES = {"val": "validation split", "unseen": "unseen-page probe", "dev":
 def load_runs(out):
     """{split: {method: {seed: {task: {qid: {metric: value}}}}}}"""
     runs = defaultdict(lambda: defaultdict(dict))
-    for p in sorted(out.glob("*.metrics.json")):
-        stem = p.name[: -len(".metrics.json")]
+    for p in sorted(out.glob("*.metrics.json.gz")):
+        stem = p.name[: -len(".metrics.json.gz")]
         name, _, split = stem.rpartition(".")
         if not name:
             continue
         m = re.fullmatch(r"(.+)-s(\d+)", name)
         method, seed = (m.group(1), int(m.group(2))) if m else (name, None)
-        data = json.loads(p.read_text(encoding="utf-8"))
+        with gzip.open(p, "rt", encoding="utf-8") as f:
+            data = json.load(f)
         tasks = {}
         for t, v in data["tasks"].items():
             if "per_query" not in v:
@@ -153,7 +155,7 @@ def main(argv=None):
     bases = args.base or ["taco", "peer-st"]
     runs = load_runs(args.out)
     if not runs:
-        sys.exit(f"{args.out}: no *.SPLIT.metrics.json")
+        sys.exit(f"{args.out}: no *.SPLIT.metrics.json.gz")
     splits = [s for s in ("val", "unseen", "dev") if s in runs] + sorted(s for s in runs if s not in SPLIT_TITLES)
 
     for split in splits:
