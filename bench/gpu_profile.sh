@@ -3,7 +3,7 @@
 # to the folder given: the DPR step of `host train` with RAK_STEP_PHASES=1 (seconds a step by
 # phase: sample, forward, loss, backward, optimizer, the device synchronised at each phase's
 # end) beside the PyTorch loop under torch.profiler (torch-profile.txt: operators by device and
-# by CPU time; torch-trace.json: a Chrome trace), and train-step.json with both sides' times.
+# by CPU time; torch-trace.json: a Chrome trace), and train-step.json with both sides' times (and gpu_check.log, what it printed).
 #
 #   bash bench/gpu_profile.sh DIR [minilm|base] [0|0.1] [bf16]     # default: base 0.1 (float32)
 #
@@ -15,5 +15,6 @@ cd "$(dirname "$0")/.."
 [[ $# -ge 1 ]] || { echo "usage: bench/gpu_profile.sh DIR [minilm|base] [0|0.1] [bf16]" >&2; exit 2; }
 case ${2:-base} in minilm|base) ;; *) echo "shape: minilm or base, not ${2}" >&2; exit 2 ;; esac
 case ${3:-0.1} in 0|0.1) ;; *) echo "dropout: 0 or 0.1, not ${3}" >&2; exit 2 ;; esac
+case ${4:-} in ""|bf16) ;; *) echo "dtype: bf16 or nothing (float32), not ${4}" >&2; exit 2 ;; esac
 dir=$(mkdir -p "$1" && cd "$1" && pwd)
 PROFILE_DIR=$dir PROFILE_SHAPE=${2:-base} PROFILE_DROPOUT=${3:-0.1} PROFILE_BF16=${4:+1} OUT=${OUT:-$dir} exec bash bench/gpu_check.sh

@@ -178,10 +178,15 @@ def seed_dir(a, work, tasks):
     name = "seed-" + "-".join(tasks)
     r = run_host(a, work, name, tasks, "adamw", {"weight_decay": WEIGHT_DECAY}, 1, None)
     os.makedirs(cache, exist_ok=True)
-    for f in SEED_FILES:
-        shutil.copyfile(os.path.join(work, name, f), os.path.join(cache, f + ".tmp"))
-        os.replace(os.path.join(cache, f + ".tmp"), os.path.join(cache, f))
+    keep_seed(os.path.join(work, name), cache)
     return cache, {"source": f"host train, {'+'.join(tasks)}, 1 step, BM25 (index built in the run)", "wall_s": r["wall_s"]}
+
+
+def keep_seed(run, cache):
+    """Copy a run's negatives and run.json into the seed folder, each atomically."""
+    for f in SEED_FILES:
+        shutil.copyfile(os.path.join(run, f), os.path.join(cache, f + ".tmp"))
+        os.replace(os.path.join(cache, f + ".tmp"), os.path.join(cache, f))
 
 
 def negatives_file(seed):
@@ -282,9 +287,7 @@ def run_host(a, work, name, tasks, optim, optim_settings, max_steps, seed):
                 problems.append("host train mined its own BM25 negatives (the seeded ones were not reused)")
                 # The seed no longer matches (another corpus, examples or host version): this
                 # run's negatives and run.json seed the next runs instead.
-                for name in SEED_FILES:
-                    shutil.copyfile(os.path.join(out, name), os.path.join(seed, name + ".tmp"))
-                    os.replace(os.path.join(seed, name + ".tmp"), os.path.join(seed, name))
+                keep_seed(out, seed)
     lines = [l for l in log_lines(log_path) if "seconds_per_step" in l]
     cumulative = {l["step"]: l["step"] * l["seconds_per_step"] for l in lines}
     step_s = [cumulative[s] - cumulative.get(s - 1, 0.0) for s in range(SKIP + 1, max_steps + 1) if s in cumulative and s - 1 in cumulative]

@@ -854,4 +854,19 @@ fn a_fixed_ranking_gives_the_prompts_its_search_gave_and_a_missing_question_is_n
     };
     refused(lines_of(&|q, _| q != first), &["no ranking"]);
     refused(lines_of(&|q, n| q != first || n <= 2), &["2 ranked passages", "--k 3"]);
+    // Scores that order the first question's passages against its rank column (as distances
+    // would): refused, not judged on the passages the scores put first.
+    let mut firsts: Vec<Vec<String>> = Vec::new();
+    let mut others = String::new();
+    for l in trec.lines() {
+        let cols: Vec<String> = l.split_whitespace().map(str::to_string).collect();
+        if cols[0] == first {
+            firsts.push(cols);
+        } else {
+            others += &format!("{l}\n");
+        }
+    }
+    let scores: Vec<String> = firsts.iter().rev().map(|c| c[4].clone()).collect();
+    let reversed: String = firsts.iter().zip(scores).map(|(c, score)| format!("{} Q0 {} {} {score} {}\n", c[0], c[2], c[3], c[5])).collect();
+    refused(reversed + &others, &["rank column", "by score"]);
 }

@@ -15,7 +15,7 @@ const TRAIN: &str = "optim = \"adamw\"\nlearning_rate = 5e-5\nper_device_train_b
 
 fn train_cmd(recipe: &Path, out: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new(host_bin());
-    c.args(["train", "--model", p(&minilm_dir()), "--config", p(recipe), "--output-dir", p(out)]).args(extra).env_remove("RAK_PLUGIN_PATH");
+    c.args(["train", "--model", p(&minilm_dir()), "--config", p(recipe), "--output-dir", p(out)]).args(extra).env_remove("RAK_PLUGIN_PATH").env_remove("RAK_STEP_PHASES");
     c
 }
 
@@ -800,4 +800,9 @@ fn step_phases_are_logged_when_asked() {
             assert!(sum <= step + 1e-3 && sum >= 0.5 * step, "{optim}: phases {sum} s of a {step} s step: {l}");
         }
     }
+    // `=0` means off: it must not add a device wait to every step.
+    let out = dir.path().join("off");
+    let o = run(train_cmd(&recipe, &out, &[]).env("RAK_STEP_PHASES", "0"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!std::fs::read_to_string(out.join("trainer_log.jsonl")).unwrap().contains("phases"), "RAK_STEP_PHASES=0 logged phases");
 }

@@ -44,7 +44,13 @@ EVERY=${EVERY-8}
 STAGE=${STAGE:-all}
 AUGMENT_OUT=${AUGMENT_OUT:-runs/augment}
 INDEXES=$AUGMENT_OUT/indexes
+D=data/minikilt
+. scripts/experiments/lib.sh  # dense_index NAME DIR
 mkdir -p "$RUNS"
+# Judging rankings: they hold the short-answer questions only (refused now, not after training).
+if [[ -n ${RANKINGS:-} && ( $STAGE == all || $STAGE == judge ) && ${TASKS:-} != shortqa ]]; then
+    echo "judging with RANKINGS needs TASKS=shortqa (the rankings hold the short-answer questions)" >&2; exit 2
+fi
 
 if [[ $STAGE == all || $STAGE == train ]]; then
     # The human-label baseline: the AAR recipe with K = 0.
@@ -66,7 +72,6 @@ if [[ $STAGE == all || $STAGE == train ]]; then
 fi
 
 if [[ $STAGE == all || $STAGE == eval ]]; then
-    D=data/minikilt
     ev=$RUNS/eval
     mkdir -p "$ev" "$INDEXES"
     systems="minilm=$M aar=$RUNS/aar human=$RUNS/human replug=$RUNS/replug${TRAINED:+ trained=$TRAINED}"
@@ -75,10 +80,7 @@ if [[ $STAGE == all || $STAGE == eval ]]; then
         echo "== retrieval: $name $(date -u +%H:%M:%S)"
         # The same corpus embeddings and index the judging uses (host encode refuses a model
         # changed in place, so a retrained model needs a new AUGMENT_OUT).
-        $H encode --encoder dpr --model "$dir" --input $D/corpus.jsonl --output "$INDEXES/$name-corpus"
-        if [[ ! -f $INDEXES/$name-flat/index.json || $INDEXES/$name-corpus/encode.json -nt $INDEXES/$name-flat/index.json ]]; then
-            $H index build --kind flat --embeddings "$INDEXES/$name-corpus" --output "$INDEXES/$name-flat" >/dev/null
-        fi
+        dense_index "$name" "$dir"
         args=()
         for task in squad wikidata; do
             q=$D/tasks/$task/queries.dev.jsonl
@@ -96,7 +98,10 @@ fi
 if [[ $STAGE == rank || ( $STAGE == all && -n ${RANKINGS:-} ) ]]; then
     # The 3 passages each judged retriever (and zero-shot MiniLM) gives every short-answer dev
     # question, as TREC runs under $RANKINGS: committed, they let the judge stage go on in a
-    # later session, or on another machine, without the models or their indexes.
+    # later session, or on another machine, without the models or their indexes. Beside each,
+    # shortqa-NAME.json records what made it (the encoder's checkpoint digest and the corpus's,
+    # from encode.json, and the questions' SHA-256): a ranking is kept only while the model
+    # that is here (when one is) is the one that made it.
     [[ -n ${RANKINGS:-} ]] || { echo "STAGE=rank needs RANKINGS=DIR (where the rankings go)" >&2; exit 2; }
     mkdir -p "$RANKINGS"
     q=$(mktemp --suffix=.jsonl)
@@ -106,13 +111,19 @@ for l in open(sys.argv[1]):
     r = json.loads(l); print(json.dumps({"_id": r["_id"], "text": r["question"]}))' data/minikilt/shortqa/dev.jsonl > "$q"
     for spec in minilm=$M $(for n in ${JUDGED-aar human replug}; do echo "$n=$RUNS/$n"; done); do
         name=${spec%%=*} dir=${spec#*=}
-        [[ -f $RANKINGS/shortqa-$name.trec ]] && continue
-        echo "== ranking: $name $(date -u +%H:%M:%S)"
-        $H encode --encoder dpr --model "$dir" --input data/minikilt/corpus.jsonl --output "$INDEXES/$name-corpus"
-        if [[ ! -f $INDEXES/$name-flat/index.json || $INDEXES/$name-corpus/encode.json -nt $INDEXES/$name-flat/index.json ]]; then
-            $H index build --kind flat --embeddings "$INDEXES/$name-corpus" --output "$INDEXES/$name-flat" >/dev/null
+        trec=$RANKINGS/shortqa-$name.trec rec=$RANKINGS/shortqa-$name.json
+        if [[ -f $trec ]]; then
+            [[ -f $rec ]] || { echo "$trec: no $rec says which model made it; remove the ranking to rank again" >&2; exit 2; }
+            [[ -d $dir ]] || continue  # the model is not here (another machine): nothing to compare
         fi
-        $H search --index "$INDEXES/$name-flat" --encoder dpr --model "$dir" --queries "$q" --k 3 --output "$RANKINGS/shortqa-$name.trec"
+        echo "== ranking: $name $(date -u +%H:%M:%S)"
+        dense_index "$name" "$dir"
+        if [[ -f $trec ]]; then
+            python3 scripts/experiments/ranking_record.py --check "$rec" "$INDEXES/$name-corpus/encode.json" data/minikilt/shortqa/dev.jsonl || exit 2
+            continue
+        fi
+        $H search --index "$INDEXES/$name-flat" --encoder dpr --model "$dir" --queries "$q" --k 3 --output "$trec"
+        python3 scripts/experiments/ranking_record.py --write "$rec" "$INDEXES/$name-corpus/encode.json" data/minikilt/shortqa/dev.jsonl
     done
     rm -f "$q"
     trap - EXIT
@@ -129,11 +140,7 @@ if [[ $STAGE == all || $STAGE == judge ]]; then
             models+=" $name=$RUNS/$name"
         fi
     done
-    if [[ -n ${RANKINGS:-} ]]; then
-        ranked+=" minilm=$RANKINGS/shortqa-minilm.trec"
-        # The rankings are of the short-answer questions only.
-        [[ ${TASKS:-} == shortqa ]] || { echo "STAGE=judge with RANKINGS needs TASKS=shortqa (the rankings hold the short-answer questions)" >&2; exit 2; }
-    fi
+    if [[ -n ${RANKINGS:-} ]]; then ranked+=" minilm=$RANKINGS/shortqa-minilm.trec"; fi
     for target in $TARGETS; do
         case $target in
             gemma3-270m) config=configs/augment/openai.toml ;;

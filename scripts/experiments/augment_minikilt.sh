@@ -59,16 +59,7 @@ mkdir -p "$INDEXES"
 if wants bm25 && [[ ! -f $INDEXES/bm25/index.json ]]; then
     $H index build --kind bm25 --corpus $D/corpus.jsonl --output "$INDEXES/bm25" >/dev/null
 fi
-# A dense index of the corpus for model DIR under $INDEXES/NAME-flat. `host encode` runs every
-# time: it does nothing when the embeddings are complete and made by the same checkpoint, and
-# refuses a checkpoint that changed (a model retrained in place); the index is rebuilt when
-# the embeddings are newer than it.
-dense_index() { # NAME DIR
-    $H encode --encoder dpr --model "$2" --input $D/corpus.jsonl --output "$INDEXES/$1-corpus"
-    if [[ ! -f $INDEXES/$1-flat/index.json || $INDEXES/$1-corpus/encode.json -nt $INDEXES/$1-flat/index.json ]]; then
-        $H index build --kind flat --embeddings "$INDEXES/$1-corpus" --output "$INDEXES/$1-flat" >/dev/null
-    fi
-}
+. scripts/experiments/lib.sh  # dense_index NAME DIR
 
 # RANKED: NAME=FILE each, a fixed ranking per retriever (see the header).
 declare -A RANKED_FILE
@@ -76,6 +67,9 @@ read -r -a RANKED_SPECS <<< "${RANKED:-}"
 for spec in "${RANKED_SPECS[@]}"; do
     name=${spec%%=*} file=${spec#*=}
     [[ $name != "$spec" && -n $name && -f $file ]] || { echo "RANKED: $spec is not NAME=FILE of an existing file" >&2; exit 2; }
+    # NAME becomes TASK-NAME.jsonl, and `none` is closed book, the baseline of every comparison.
+    [[ $name =~ ^[A-Za-z0-9_-]+$ ]] || { echo "RANKED: $name: a name is letters, digits, _ and - only" >&2; exit 2; }
+    [[ $name != none ]] || { echo "RANKED: none is closed book, not a ranking's name" >&2; exit 2; }
     RANKED_FILE[$name]=$file
     # A built-in name (minilm) is that retriever's passages from a fixed ranking instead.
     wants "$name" || RETRIEVERS+=("$name")
@@ -90,6 +84,7 @@ declare -A MODEL_DIR MODEL_TASK
 for spec in "${MODEL_SPECS[@]}"; do
     name=${spec%%=*} rest=${spec#*=}
     [[ $name != "$spec" && -n $name ]] || { echo "MODELS: $spec is not NAME=DIR[@TASK]" >&2; exit 2; }
+    [[ $name =~ ^[A-Za-z0-9_-]+$ ]] || { echo "MODELS: $name: a name is letters, digits, _ and - only" >&2; exit 2; }
     case $name in none|bm25|minilm) echo "MODELS: $name is a built-in retriever's name" >&2; exit 2 ;; esac
     [[ -z ${RANKED_FILE[$name]:-} ]] || { echo "MODELS: $name is also in RANKED" >&2; exit 2; }
     MODEL_DIR[$name]=${rest%%@*}

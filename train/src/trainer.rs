@@ -279,7 +279,7 @@ pub const STATE_FILE: &str = "trainer_state.json";
 pub const LOG_FILE: &str = "trainer_log.jsonl";
 
 /// Seconds of each phase of the steps since the last log line, measured when the environment
-/// sets `RAK_STEP_PHASES` (logged as `phases_seconds_per_step`): `sample` (the step's texts),
+/// sets `RAK_STEP_PHASES` (to anything but empty or `0`; logged as `phases_seconds_per_step`): `sample` (the step's texts),
 /// `forward` (tokenising and encoding, in the encoder plugin), `loss`, `backward` and
 /// `optimizer` (gradient checks and sums, the optimizer's work, clipping, the update). Each
 /// phase ends with a wait for the device (CUDA runs asynchronously), so the figures say what
@@ -293,7 +293,9 @@ struct Phases {
 
 impl Phases {
     fn from_env() -> Self {
-        Phases { on: std::env::var_os("RAK_STEP_PHASES").is_some(), last: std::time::Instant::now(), seconds: BTreeMap::new() }
+        // Set to anything but empty or 0: `RAK_STEP_PHASES=0` must not slow every step.
+        let on = std::env::var_os("RAK_STEP_PHASES").is_some_and(|v| !v.is_empty() && v != "0");
+        Phases { on, last: std::time::Instant::now(), seconds: BTreeMap::new() }
     }
 
     /// A step begins: what came before counts in no phase.

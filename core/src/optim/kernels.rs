@@ -17,6 +17,9 @@ use tch::{Device, Kind, Tensor};
 
 /// Elements per parallel block: a few hundred KB per stream, so blocks stay in L2.
 const BLOCK: usize = if cfg!(test) { 7 } else { 1 << 16 };
+/// Blocks counted into one set of 32-bit counts (fewer than 2^32 elements; tests take several
+/// groups of their small inputs).
+const GROUP_BLOCKS: usize = if cfg!(test) { 3 } else { u32::MAX as usize / BLOCK };
 
 /// Whether the loops here can take `x`: float32, contiguous, on the CPU.
 pub fn is_cpu_f32(x: &Tensor) -> bool {
@@ -229,8 +232,8 @@ fn any_non_finite_body(x: &[f32]) -> bool {
 pub struct Counted {
     /// Elements whose `|θ ⊙ g|` was exactly 0.
     pub zeros: i64,
-    /// Whether some gradient element was NaN or infinite (the first pass checks; the second,
-    /// run only after a first that found none, does not).
+    /// Whether some gradient element was NaN or infinite (the first pass checks; the second
+    /// does not, and T-SAGE skips it after a first that found one).
     pub non_finite: bool,
 }
 
@@ -245,9 +248,18 @@ pub struct Counted {
 /// before anything is folded in: reading `g` once for both saves a pass over the gradient.
 pub fn sensitivity_counts(pairs: &[(&[f32], &[f32])], high: Option<u32>, hist: &mut [i64]) -> Counted {
     assert!(pairs.iter().all(|(t, g)| t.len() == g.len()));
-    // Each worker's counts are 32-bit: no bin can pass 2^32 while a task has fewer elements.
-    assert!(pairs.iter().map(|(t, _)| t.len() as u64).sum::<u64>() < 1 << 32, "over 2^32 parameter elements");
     let blocks: Vec<(usize, usize)> = pairs.iter().enumerate().flat_map(|(i, (t, _))| (0..t.len()).step_by(BLOCK).map(move |s| (i, s))).collect();
+    // Each worker's counts are 32-bit (half the cache of 64-bit ones): a group of blocks holds
+    // fewer than 2^32 elements, so no bin overflows, and larger models take several groups.
+    let mut counted = Counted::default();
+    for group in blocks.chunks(GROUP_BLOCKS) {
+        let c = count_group(pairs, group, high, hist);
+        counted = Counted { zeros: counted.zeros + c.zeros, non_finite: counted.non_finite || c.non_finite };
+    }
+    counted
+}
+
+fn count_group(pairs: &[(&[f32], &[f32])], blocks: &[(usize, usize)], high: Option<u32>, hist: &mut [i64]) -> Counted {
     let (counts, counted) = blocks
         .par_iter()
         .fold(

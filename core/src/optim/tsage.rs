@@ -368,6 +368,10 @@ impl TSage {
                 let mut bad = false;
                 let mut count = |high: Option<u32>| -> Result<(Vec<i64>, i64)> {
                     let mut hist = vec![0i64; 1 << 16];
+                    if bad {
+                        // The first pass found a non-finite gradient: the median is dropped.
+                        return Ok((hist, 0));
+                    }
                     let c = kernels::sensitivity_counts(&pairs, high, &mut hist);
                     bad |= c.non_finite;
                     Ok((hist, c.zeros))
@@ -798,10 +802,10 @@ mod tests {
     #[test]
     fn a_non_finite_gradient_is_refused_and_abandons_the_step() {
         // With the median, the CPU path finds it in the median's first counting pass; without,
-        // in a pass of its own.
-        for (bad_value, cpu_kernels, median_normalise) in
-            [(f64::NAN, true, true), (f64::INFINITY, true, true), (f64::NEG_INFINITY, true, true), (f64::INFINITY, false, true), (f64::NAN, true, false)]
-        {
+        // in a pass of its own. In the first parameter or the last (another group of the
+        // counting kernel's blocks in tests).
+        let cases = [(f64::NAN, true, true), (f64::INFINITY, true, true), (f64::NEG_INFINITY, true, true), (f64::INFINITY, false, true), (f64::NAN, true, false)];
+        for ((bad_value, cpu_kernels, median_normalise), bad_param) in cases.into_iter().flat_map(|c| [(c, 0usize), (c, SHAPES.len() - 1)]) {
             let mut opt = TSage::new(TSageConfig { median_normalise, ..TSageConfig::default() }).unwrap();
             opt.cpu_kernels = cpu_kernels;
             let ps = params();
@@ -811,9 +815,10 @@ mod tests {
             opt.begin_step(ps.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect(), ctx).unwrap();
             opt.task_gradients("task0", grads(0, 0)).unwrap();
             let bad = grads(0, 1);
-            let _ = bad[0].1.get(3).fill_(bad_value);
+            let last = bad[bad_param].1.numel() as i64 - 1;
+            let _ = bad[bad_param].1.view(-1).get(last).fill_(bad_value);
             let err = opt.task_gradients("task1", bad).unwrap_err().to_string();
-            assert!(err.contains("task1") && err.contains("p0") && err.contains("not finite"), "{err}");
+            assert!(err.contains("task1") && err.contains(&format!("p{bad_param}")) && err.contains("not finite"), "{err}");
             assert!(opt.finish_step().is_err(), "{bad_value}: the step was abandoned");
             assert!(flat(&ps).equal(&before), "no update");
             let m = &opt.momentum["p0"];

@@ -56,7 +56,8 @@ pub struct AugmentArgs {
     #[arg(long)]
     pub k: Option<usize>,
     /// `none` (closed book), `bm25:INDEX_DIR`, `dense:INDEX_DIR` or `run:TREC_FILE` (a fixed
-    /// ranking of the questions' ids, e.g. another system's: no index or model needed).
+    /// ranking of the questions' ids, e.g. another system's: no index or model needed; its top
+    /// k by score, as trec_eval ranks, which must agree with its rank column).
     #[arg(long)]
     pub retriever: Option<String>,
     /// Encoder plugin for a dense retriever.
@@ -358,12 +359,18 @@ fn retrieve(registry: &Registry, args: &AugmentArgs, cfg: &AugmentConfig, spec: 
             texts.insert(p.id, (p.title, p.text));
         }
     }
-    ids.into_iter()
-        .map(|row| {
+    items
+        .iter()
+        .zip(ids)
+        .map(|(question, row)| {
             row.into_iter()
                 .map(|id| {
                     let (title, text) = texts.get(&id).cloned().with_context(|| {
-                        format!("passage {id:?} retrieved for a question is not in {}; is it the corpus the index or run was made from?", corpus.display())
+                        format!(
+                            "passage {id:?}, retrieved by --retriever {spec} for question {:?}, is not in {}; is it the corpus the index or run was made from?",
+                            question.id,
+                            corpus.display()
+                        )
                     })?;
                     Ok(Passage { id, title, text })
                 })
@@ -375,6 +382,9 @@ fn retrieve(registry: &Registry, args: &AugmentArgs, cfg: &AugmentConfig, spec: 
 /// The top-k of every question from an index (BM25, or dense with the encoder the recipe names).
 #[allow(clippy::too_many_arguments)]
 fn search_index(registry: &Registry, args: &AugmentArgs, cfg: &AugmentConfig, spec: &str, kind: &str, dir: &str, k: usize, items: &[Probe]) -> Result<Run> {
+    if !matches!(kind, "bm25" | "dense") {
+        bail!("--retriever {kind}:...: expected bm25, dense or run");
+    }
     let index = index::open(Path::new(dir))?;
     let queries: Vec<Query> = items
         .iter()
@@ -395,23 +405,45 @@ fn search_index(registry: &Registry, args: &AugmentArgs, cfg: &AugmentConfig, sp
             let mut encoder = registry.encoder(&enc, &encoder_settings(&model, &margs)?)?;
             search_queries(&index, Some(encoder.as_mut()), &queries, &opts, &Quiet)?
         }
-        (other, _) => bail!("--retriever {other}:...: expected bm25, dense or run"),
+        (other, _) => unreachable!("{other}: checked above"),
     })
 }
 
 /// Passages another system retrieved, from its TREC run file (`qid Q0 docid rank score tag`,
 /// ranked by score as trec_eval ranks them): judging a fixed ranking needs no index or model.
 /// Every question must have a ranking of at least `k` passages: a missing or shorter one would
-/// silently become a closed book or fewer passages.
+/// silently become a closed book or fewer passages. And the rank column must agree with the
+/// scores on the top `k`: a run whose scores do not order it (all 0, distances where lower is
+/// better) would otherwise show the target other passages than the system ranked first.
 fn ranked_from_run_file(path: &Path, items: &[Probe], k: usize) -> Result<Run> {
-    let run = rak_retrieval::data::trec::read_run(path)?;
+    use rak_retrieval::data::trec;
+    let run = trec::read_run(path)?;
+    let wanted: HashSet<&str> = items.iter().map(|p| p.id.as_str()).collect();
+    let mut by_rank: HashMap<String, Vec<(i64, String)>> = HashMap::new();
+    for line in trec::read_lines(path)? {
+        let l = line?;
+        if wanted.contains(l.qid.as_str()) {
+            by_rank.entry(l.qid).or_default().push((l.rank, l.docid));
+        }
+    }
     for p in items {
-        match run.get(&p.id) {
+        let ranked = match run.get(&p.id) {
             None => bail!("--retriever run:{}: question {:?} has no ranking in the run ({} questions have one)", path.display(), p.id, run.len()),
             Some(ranked) if ranked.len() < k => {
                 bail!("--retriever run:{}: question {:?} has {} ranked passages, fewer than --k {k}", path.display(), p.id, ranked.len())
             }
-            Some(_) => {}
+            Some(ranked) => ranked,
+        };
+        let mut lines = by_rank.remove(&p.id).unwrap_or_default();
+        lines.sort_by_key(|(rank, _)| *rank); // stable: equal ranks keep the file's order
+        let by_score: Vec<&str> = ranked.iter().take(k).map(|(id, _)| id.as_str()).collect();
+        let by_rank: Vec<&str> = lines.iter().take(k).map(|(_, id)| id.as_str()).collect();
+        if by_score != by_rank {
+            bail!(
+                "--retriever run:{}: question {:?}: its top {k} by the rank column is {by_rank:?} but by score {by_score:?}; passages are taken by score, as trec_eval ranks them: give scores that order the run as its ranks do",
+                path.display(),
+                p.id
+            );
         }
     }
     Ok(run)
