@@ -114,7 +114,8 @@ for l in open(sys.argv[1]):
         trec=$RANKINGS/shortqa-$name.trec rec=$RANKINGS/shortqa-$name.json
         if [[ -f $trec ]]; then
             [[ -f $rec ]] || { echo "$trec: no $rec says which model made it; remove the ranking to rank again" >&2; exit 2; }
-            [[ -d $dir ]] || continue  # the model is not here (another machine): nothing to compare
+            # No model here (another machine, or a training not finished): nothing to compare.
+            [[ -f $dir/model.safetensors ]] || continue
         fi
         echo "== ranking: $name $(date -u +%H:%M:%S)"
         dense_index "$name" "$dir"

@@ -5,7 +5,7 @@ and the SHA-256 of the questions file. A ranking whose model is not kept cannot 
 later unless this is written beside it.
 
     ranking_record.py --write RECORD ENCODE_JSON QUESTIONS   # after the search
-    ranking_record.py --check RECORD ENCODE_JSON QUESTIONS   # exit 2, naming what differs
+    ranking_record.py --check RECORD ENCODE_JSON QUESTIONS   # exit 1, naming what differs
 
 Standard library only.
 """

@@ -177,6 +177,8 @@ for spec in "${specs[@]}"; do
         $H train --encoder "$enc" --model $M --config "$recipe" --seed "$seed" --output-dir "$run" "${resume[@]}"
         echo "$(( $(date +%s) - start ))" > "$run/done"
     fi
+    # The encoder the recipe trained (a run finished earlier, evaluated now, as well).
+    [[ $method != zeroshot && $method != peer-st && -f $OUT/recipes/$method.toml ]] && enc=$(encoder_of "$OUT/recipes/$method.toml")
     [[ -n ${TRAIN_ONLY:-} ]] && continue
     ev=$OUT/$name.eval
     mkdir -p "$ev/runs"
@@ -201,7 +203,10 @@ for spec in "${specs[@]}"; do
             args+=(--run "$trec" --qrels "$VAL/tasks/$task/qrels.$split.tsv" --queries "$q" --task "$task")
         done
         $H eval --corpus $D/corpus.jsonl "${args[@]}" --per-query --output "$OUT/$name.$split.metrics.json" >/dev/null
-        # Gzipped (1 MB of per-query JSON becomes about 25 KB): small enough to commit.
-        gzip -nf "$OUT/$name.$split.metrics.json"
+        # Gzipped (1 MB of per-query JSON becomes about 25 KB): small enough to commit. Through a
+        # temporary name: a .gz that exists is a whole one (it marks the split as evaluated).
+        gzip -nc "$OUT/$name.$split.metrics.json" > "$OUT/.$name.$split.metrics.json.gz.tmp-$$"
+        mv "$OUT/.$name.$split.metrics.json.gz.tmp-$$" "$OUT/$name.$split.metrics.json.gz"
+        rm "$OUT/$name.$split.metrics.json"
     done
 done
