@@ -855,7 +855,8 @@ fn a_fixed_ranking_gives_the_prompts_its_search_gave_and_a_missing_question_is_n
     refused(lines_of(&|q, _| q != first), &["no ranking"]);
     refused(lines_of(&|q, n| q != first || n <= 2), &["2 ranked passages", "--k 3"]);
     // Scores that order the first question's passages against its rank column (as distances
-    // would): refused, not judged on the passages the scores put first.
+    // would): refused, not judged on the passages the scores put first. Tied scores are
+    // accepted, and the rank column orders them.
     let mut firsts: Vec<Vec<String>> = Vec::new();
     let mut others = String::new();
     for l in trec.lines() {
@@ -868,5 +869,11 @@ fn a_fixed_ranking_gives_the_prompts_its_search_gave_and_a_missing_question_is_n
     }
     let scores: Vec<String> = firsts.iter().rev().map(|c| c[4].clone()).collect();
     let reversed: String = firsts.iter().zip(scores).map(|(c, score)| format!("{} Q0 {} {} {score} {}\n", c[0], c[2], c[3], c[5])).collect();
-    refused(reversed + &others, &["rank column", "by score"]);
+    refused(reversed + &others, &["rank 2", "above rank 1", "fall with rank"]);
+    let tied: String = firsts.iter().map(|c| format!("{} Q0 {} {} 0.5 {}\n", c[0], c[2], c[3], c[5])).collect();
+    std::fs::write(&run, tied + &others).unwrap();
+    let tied_out = dir.path().join("tied.jsonl");
+    let out = augment(&cfg, "shortqa", 6, &tied_out, &["--retriever", &from_run, "--k", "3"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(by_id(&tied_out)[&first]["passages"], a[&first]["passages"], "tied scores keep the rank column's order");
 }

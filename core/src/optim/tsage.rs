@@ -378,11 +378,16 @@ impl TSage {
                 };
                 let median = lower_median_by_counting(&mut count, missing, skip_zeros)?;
                 // The first pass found one: the median of such counts means nothing, and the
-                // search below names the parameter.
-                bad.then(find_non_finite).flatten().map_or(Some(median), |found| {
-                    non_finite = Some(found);
+                // search names the parameter.
+                if bad {
+                    match find_non_finite() {
+                        Some(found) => non_finite = Some(found),
+                        None => bail!("internal error: T-SAGE's counting pass saw a non-finite gradient that the search for it did not find"),
+                    }
                     None
-                })
+                } else {
+                    Some(median)
+                }
             } else {
                 let chunks = |visit: &mut dyn FnMut(&Tensor)| {
                     for (theta, g) in with_grad() {

@@ -57,7 +57,7 @@ pub struct AugmentArgs {
     pub k: Option<usize>,
     /// `none` (closed book), `bm25:INDEX_DIR`, `dense:INDEX_DIR` or `run:TREC_FILE` (a fixed
     /// ranking of the questions' ids, e.g. another system's: no index or model needed; its top
-    /// k by score, as trec_eval ranks, which must agree with its rank column).
+    /// k by the rank column, whose scores must not rise along it).
     #[arg(long)]
     pub retriever: Option<String>,
     /// Encoder plugin for a dense retriever.
@@ -344,13 +344,15 @@ fn retrieve(registry: &Registry, args: &AugmentArgs, cfg: &AugmentConfig, spec: 
         bail!("--k must be positive with a retriever (or use --retriever none)");
     }
     let (kind, dir) = spec.split_once(':').with_context(|| format!("--retriever {spec:?}: expected none, bm25:INDEX_DIR, dense:INDEX_DIR or run:TREC_FILE"))?;
-    let run = if kind == "run" {
-        ranked_from_run_file(Path::new(dir), items, k)?
+    // Each question's top k passage ids, best first.
+    let top: HashMap<String, Vec<String>> = if kind == "run" {
+        top_k_from_run_file(Path::new(dir), items, k)?
     } else {
-        search_index(registry, args, cfg, spec, kind, dir, k, items)?
+        let run = search_index(registry, args, cfg, spec, kind, dir, k, items)?;
+        run.iter().map(|(q, docs)| (q.to_string(), docs.iter().take(k).map(|(id, _)| id.clone()).collect())).collect()
     };
     let corpus = args.corpus.clone().or(cfg.retrieval.corpus.clone()).context("retrieved passages need --corpus (or retrieval.corpus) for their texts")?;
-    let ids: Vec<Vec<String>> = items.iter().map(|p| run.get(&p.id).unwrap_or(&[]).iter().take(k).map(|(id, _)| id.clone()).collect()).collect();
+    let ids: Vec<Vec<String>> = items.iter().map(|p| top.get(&p.id).cloned().unwrap_or_default()).collect();
     let wanted: HashSet<&str> = ids.iter().flatten().map(String::as_str).collect();
     let mut texts: HashMap<String, (String, String)> = HashMap::new();
     for p in beir::read_corpus(&corpus)? {
@@ -409,44 +411,52 @@ fn search_index(registry: &Registry, args: &AugmentArgs, cfg: &AugmentConfig, sp
     })
 }
 
-/// Passages another system retrieved, from its TREC run file (`qid Q0 docid rank score tag`,
-/// ranked by score as trec_eval ranks them): judging a fixed ranking needs no index or model.
-/// Every question must have a ranking of at least `k` passages: a missing or shorter one would
-/// silently become a closed book or fewer passages. And the rank column must agree with the
-/// scores on the top `k`: a run whose scores do not order it (all 0, distances where lower is
-/// better) would otherwise show the target other passages than the system ranked first.
-fn ranked_from_run_file(path: &Path, items: &[Probe], k: usize) -> Result<Run> {
+/// Passages another system retrieved, from its TREC run file (`qid Q0 docid rank score tag`):
+/// judging a fixed ranking needs no index or model. Each question's top `k` by the rank column
+/// (equal ranks in file order), whose scores must not rise along it down to rank k + 1: scores
+/// that order the run otherwise (distances, where lower is better) would mean the system and
+/// trec_eval disagree on what it ranked first, and are refused; tied scores are fine, and keep
+/// the system's order. Every question must have at least `k` passages: a missing or shorter
+/// ranking would silently become a closed book or fewer passages.
+fn top_k_from_run_file(path: &Path, items: &[Probe], k: usize) -> Result<HashMap<String, Vec<String>>> {
     use rak_retrieval::data::trec;
-    let run = trec::read_run(path)?;
+    // Reads the whole file once for its checks (a passage listed twice for a question, bad lines).
+    let questions = trec::read_run(path)?.len();
     let wanted: HashSet<&str> = items.iter().map(|p| p.id.as_str()).collect();
-    let mut by_rank: HashMap<String, Vec<(i64, String)>> = HashMap::new();
+    let mut by_question: HashMap<String, Vec<trec::RunLine>> = HashMap::new();
     for line in trec::read_lines(path)? {
         let l = line?;
         if wanted.contains(l.qid.as_str()) {
-            by_rank.entry(l.qid).or_default().push((l.rank, l.docid));
+            by_question.entry(l.qid.clone()).or_default().push(l);
         }
     }
+    let mut top = HashMap::new();
     for p in items {
-        let ranked = match run.get(&p.id) {
-            None => bail!("--retriever run:{}: question {:?} has no ranking in the run ({} questions have one)", path.display(), p.id, run.len()),
-            Some(ranked) if ranked.len() < k => {
-                bail!("--retriever run:{}: question {:?} has {} ranked passages, fewer than --k {k}", path.display(), p.id, ranked.len())
-            }
-            Some(ranked) => ranked,
+        let Some(mut lines) = by_question.remove(&p.id) else {
+            bail!("--retriever run:{}: question {:?} has no ranking in the run ({questions} questions have one)", path.display(), p.id);
         };
-        let mut lines = by_rank.remove(&p.id).unwrap_or_default();
-        lines.sort_by_key(|(rank, _)| *rank); // stable: equal ranks keep the file's order
-        let by_score: Vec<&str> = ranked.iter().take(k).map(|(id, _)| id.as_str()).collect();
-        let by_rank: Vec<&str> = lines.iter().take(k).map(|(_, id)| id.as_str()).collect();
-        if by_score != by_rank {
-            bail!(
-                "--retriever run:{}: question {:?}: its top {k} by the rank column is {by_rank:?} but by score {by_score:?}; passages are taken by score, as trec_eval ranks them: give scores that order the run as its ranks do",
-                path.display(),
-                p.id
-            );
+        if lines.len() < k {
+            bail!("--retriever run:{}: question {:?} has {} ranked passages, fewer than --k {k}", path.display(), p.id, lines.len());
         }
+        lines.sort_by_key(|l| l.rank); // stable: equal ranks keep the file's order
+        for w in lines[..lines.len().min(k + 1)].windows(2) {
+            if w[1].score > w[0].score {
+                bail!(
+                    "--retriever run:{}: question {:?}: the passage at rank {} ({}, line {}) scores {}, above rank {}'s {}: the scores do not order the run as its ranks do (trec_eval ranks by score); give scores that fall with rank",
+                    path.display(),
+                    p.id,
+                    w[1].rank,
+                    w[1].docid,
+                    w[1].line,
+                    w[1].score,
+                    w[0].rank,
+                    w[0].score
+                );
+            }
+        }
+        top.insert(p.id.clone(), lines.into_iter().take(k).map(|l| l.docid).collect());
     }
-    Ok(run)
+    Ok(top)
 }
 
 #[derive(Default)]

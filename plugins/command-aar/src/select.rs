@@ -280,6 +280,11 @@ mod tests {
         let seed = named_stream(42, &["aar-negatives"]).next_u64();
         assert_eq!(seed, 0xdd4a_7296_cf06_26a5);
         assert_eq!(named_stream(seed, &["q1"]).0, 0xd8df_b521_0e82_2280);
+        // And the draw itself (the shared generator's `sample` and `below`), from the same
+        // Python: a change to rak_core's Rng made for the trainer must not move AAR's negatives.
+        let ranked: Vec<String> = (0..50).map(|i| format!("p{i}")).collect();
+        let drawn = select_negatives(&ranked, &ids(&["p0", "p3"]), 20, 10, &mut named_stream(seed, &["q1"]));
+        assert_eq!(drawn, ids(&["p18", "p7", "p9", "p15", "p8", "p2", "p14", "p16", "p6", "p1"]));
     }
 
     #[test]
