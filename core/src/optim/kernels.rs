@@ -237,6 +237,13 @@ pub struct Counted {
     pub non_finite: bool,
 }
 
+impl Counted {
+    /// What two passes over disjoint elements found together.
+    fn and(self, other: Counted) -> Counted {
+        Counted { zeros: self.zeros + other.zeros, non_finite: self.non_finite || other.non_finite }
+    }
+}
+
 /// Histogram of the bit patterns of `|θ ⊙ g|` over every `(θ, g)` of a task (non-negative floats
 /// order as their bits): with `high = None` of the high 16 bits, else of the low 16 bits among
 /// elements whose high bits are `high`. Adds into `hist` (65,536 bins).
@@ -253,8 +260,7 @@ pub fn sensitivity_counts(pairs: &[(&[f32], &[f32])], high: Option<u32>, hist: &
     // fewer than 2^32 elements, so no bin overflows, and larger models take several groups.
     let mut counted = Counted::default();
     for group in blocks.chunks(GROUP_BLOCKS) {
-        let c = count_group(pairs, group, high, hist);
-        counted = Counted { zeros: counted.zeros + c.zeros, non_finite: counted.non_finite || c.non_finite };
+        counted = counted.and(count_group(pairs, group, high, hist));
     }
     counted
 }
@@ -268,14 +274,14 @@ fn count_group(pairs: &[(&[f32], &[f32])], blocks: &[(usize, usize)], high: Opti
                 let (t, g) = pairs[i];
                 let e = BLOCK.min(t.len() - s);
                 let (zeros, bad) = count_block(&t[s..s + e], &g[s..s + e], high, &mut counts);
-                (counts, Counted { zeros: c.zeros + zeros, non_finite: c.non_finite || bad })
+                (counts, c.and(Counted { zeros, non_finite: bad }))
             },
         )
         .reduce(
             || (vec![0u32; 1 << 16], Counted::default()),
             |(mut a, ca), (b, cb)| {
                 a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                (a, Counted { zeros: ca.zeros + cb.zeros, non_finite: ca.non_finite || cb.non_finite })
+                (a, ca.and(cb))
             },
         );
     hist.iter_mut().zip(&counts).for_each(|(h, &c)| *h += c as i64);
