@@ -162,6 +162,9 @@ fn every_fault_is_retried_and_every_item_answered_once() {
     assert_eq!(server.log().len(), before);
     let s2: Value = serde_json::from_str(&stdout(&again)).unwrap();
     assert_eq!((s2["target_stats"]["requests"].as_u64(), s2["target_stats"]["cache_hits"].as_u64()), (Some(0), Some(0)));
+    // What this invocation asked is told apart from what it kept.
+    assert_eq!((s2["timing"]["asked"].as_u64(), s2["timing"]["kept_from_earlier_runs"].as_u64()), (Some(0), Some(18)), "{s2}");
+    assert_eq!(summary["timing"]["kept_from_earlier_runs"].as_u64(), Some(0), "{summary}");
     assert_eq!(records(&out_path).len(), 18);
     // A fresh output asks nothing either: every reply is in the cache.
     let fresh = dir.path().join("fresh.jsonl");

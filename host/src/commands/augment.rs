@@ -6,8 +6,11 @@
 //! same output is refused while the first goes. The summary on stdout is JSON: `accuracy`
 //! counts failed items wrong (the headline), `accuracy_answered` leaves them out; the exit
 //! code is 0 when every item was answered and 3 when some failed (their error records say
-//! why; rerunning asks them again). A target whose server goes away stops the run (exit 1)
-//! once every worker's last item found no server, the answers so far kept.
+//! why; rerunning asks them again). Accuracy covers every record of the output; the request
+//! counts (`target_stats`) and `timing` cover this invocation only, and
+//! `timing.kept_from_earlier_runs` says how many answers a resumed run found already written.
+//! A target whose server goes away stops the run (exit 1) once every worker's last item found
+//! no server, the answers so far kept.
 
 use super::encode::{encoder_settings, resolve_model, ModelArgs};
 use crate::augment::config::{AugmentConfig, Task, TaskPrompts};
@@ -178,6 +181,7 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
         if retriever == "none" { String::new() } else { format!(" (k = {k})") }
     );
 
+    let kept = done.len();
     let mut records: Vec<Value> = done.into_values().collect();
     let bar = super::progress(pending.len() as u64, "augment");
     let mut tally = Tally::default();
@@ -272,7 +276,14 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
     if !reader {
         summary["base_url"] = settings["base_url"].clone();
     }
-    summary["timing"] = json!({"asked": asked.0, "seconds": asked.1, "items_per_second": if asked.1 > 0.0 { asked.0 as f64 / asked.1 } else { 0.0 }});
+    // `target_stats` and `timing` are this invocation's: a resumed run says how many answers
+    // it kept from earlier ones, whose requests and seconds are not counted again.
+    summary["timing"] = json!({
+        "asked": asked.0,
+        "kept_from_earlier_runs": kept,
+        "seconds": asked.1,
+        "items_per_second": if asked.1 > 0.0 { asked.0 as f64 / asked.1 } else { 0.0 },
+    });
     let failed = summary["failed"].as_u64().unwrap_or(0) > 0;
     Ok((summary, failed))
 }
