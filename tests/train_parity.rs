@@ -153,7 +153,7 @@ type Recorded = Vec<(String, f64, Vec<(String, Option<Tensor>)>)>;
 struct Recording {
     inner: Box<dyn Optimizer>,
     record: Arc<Mutex<Option<Recorded>>>,
-    /// Ask for the summed gradient (one backward pass) instead of each task's.
+    /// Ask for the summed gradient instead of each task's.
     joint: bool,
 }
 
@@ -451,7 +451,7 @@ fn check(name: &str) {
         ("losses (every step and task)", &loss),
         ("step-0 per-task gradients", &grad),
         ("weights after the steps (elements with a gradient above eps)", &weight),
-        ("step 0 in one pass: the summed losses' gradient against the per-task gradients' sum; losses with the whole step's in-batch negatives against the formula; losses weighted by queries against the equal weights' gradients", &whole),
+        ("step 0 summed: the summed losses' gradient against the per-task gradients' sum; losses with the whole step's in-batch negatives against the formula; losses weighted by queries against the equal weights' gradients", &whole),
         ("step 0 under bf16 autocast: query embeddings, losses, gradient norms (tolerance from PyTorch's bf16 - float32)", &bf16),
     ];
     let mut failures = Vec::new();
@@ -500,8 +500,8 @@ fn recorded_step(reg: &Registry, plugin: &str, settings: &Value, groups: &[TaskG
 }
 
 /// The two other ways through a step, against the per-task step the PyTorch parity holds:
-/// - an optimizer that takes the summed gradient (adamw; one backward pass over every task)
-///   gets the sum of the per-task gradients;
+/// - an optimizer that takes the summed gradient (adamw; the tasks' backward passes adding
+///   into the parameters' gradients) gets the sum of the per-task gradients;
 /// - with the whole step's passages as in-batch negatives, each task's loss is the NCE of its
 ///   queries against every task's passages (its positives at its own rows), computed here
 ///   from the embeddings.

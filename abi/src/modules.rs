@@ -85,7 +85,7 @@ pub struct OptimizerMod {
     /// Optional (added after the first release; a plugin without it is taken to need them):
     /// whether the optimizer needs each task's gradient on its own. One that does not (plain
     /// AdamW on the sum) gets one `task_gradients` call per step, named `*`, with the gradient
-    /// of the sum of the tasks' losses from one backward pass.
+    /// of the sum of the tasks' losses.
     pub needs_task_gradients: extern "C" fn(h: Handle) -> Res<bool>,
 }
 

@@ -152,7 +152,8 @@ pub trait Optimizer: Send {
     fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()>;
     /// Whether each task's gradient must come on its own (T-SAGE, PCGrad, CGD, GradNorm). One
     /// that returns false is handed the gradient of the summed losses once per step, as task
-    /// [`ALL_TASKS`], from one backward pass over every task's sub-batch.
+    /// [`ALL_TASKS`] (each task's backward adding into it, so one task's graph is held at a
+    /// time).
     fn needs_task_gradients(&self) -> Result<bool> {
         Ok(true)
     }

@@ -56,7 +56,7 @@ impl Optimizer for AdamWPlugin {
         self.adam.load_state(state)
     }
 
-    /// It steps on the sum of the task gradients, which one backward pass gives.
+    /// It steps on the sum of the task gradients, which the trainer adds up as it goes.
     fn needs_task_gradients(&self) -> Result<bool> {
         Ok(false)
     }
