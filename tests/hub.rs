@@ -512,3 +512,17 @@ fn aar_train_takes_a_model_source_as_white_box_and_checks_everything_before_any_
     assert!(e.contains(&format!("source white-box fid:{}", snapshot.display())), "{e}");
     assert!(e.contains(&format!("google/flan-t5-base at {MAIN}")), "{e}");
 }
+
+/// What the Hub download fetches is what the encoders read and save (`rak-hub` keeps its own
+/// copy of the list, since it does not link libtorch).
+#[test]
+fn the_hub_fetches_the_files_the_encoders_read() {
+    use rak_core::encoders::files;
+    assert_eq!(rak_hub::REQUIRED, files::REQUIRED);
+    assert_eq!(rak_hub::WEIGHTS, files::WEIGHTS);
+    let mut hub: Vec<&str> = rak_hub::OPTIONAL.to_vec();
+    let mut core = files::optional();
+    hub.sort_unstable();
+    core.sort_unstable();
+    assert_eq!(hub, core);
+}

@@ -57,7 +57,8 @@ pub const WEIGHTS_INDEX: &str = "model.safetensors.index.json";
 /// Files the loaders read when a model has them (sentence-transformers settings, the
 /// tokenizer's length limit, the toolkit's own encoder settings), or that saving a trained
 /// model copies beside it. A sentence-transformers model's module configs (`1_Pooling/`)
-/// come on top, as its `modules.json` lists them.
+/// come on top, as its `modules.json` lists them. These lists are `rak_core::encoders::files`'
+/// (this crate does not link libtorch); `tests/hub.rs` checks that they agree.
 pub const OPTIONAL: &[&str] = &[
     "modules.json",
     "sentence_bert_config.json",

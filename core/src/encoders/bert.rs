@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
 /// The settings file a saved encoder carries next to its weights.
-pub const SETTINGS_FILE: &str = "rak_encoder.json";
+pub const SETTINGS_FILE: &str = super::files::SETTINGS;
 
 /// Settings of a BERT dual encoder. Unset fields come from the checkpoint's `rak_encoder.json`,
 /// then its sentence-transformers files, then the defaults shown.
@@ -367,8 +367,7 @@ fn copy_sentence_transformers_files(from: &Path, to: &Path) -> Result<()> {
     if from == to {
         return Ok(());
     }
-    let top = ["modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"];
-    let mut names: Vec<PathBuf> = top.iter().map(PathBuf::from).collect();
+    let mut names: Vec<PathBuf> = super::files::SENTENCE_TRANSFORMERS.iter().map(PathBuf::from).collect();
     names.extend(module_files(from)?);
     for name in names {
         let src = from.join(&name);

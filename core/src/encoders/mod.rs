@@ -2,6 +2,7 @@
 //! wrap (`dpr`, `taser`; `taco` over T5), kept in core so third parties can reuse them.
 
 pub mod bert;
+pub mod files;
 pub mod taco;
 
 use anyhow::{bail, Result};

@@ -246,7 +246,7 @@ impl crate::plugin::Encoder for TacoEncoder {
         self.model.save(dir)?;
         save_tokenizer(&self.tokenizer, dir)?;
         if self.dir != dir {
-            for name in ["tokenizer_config.json", "special_tokens_map.json", "spiece.model", "generation_config.json"] {
+            for name in super::files::T5 {
                 let src = self.dir.join(name);
                 if src.exists() {
                     let bytes = std::fs::read(&src).with_context(|| format!("{}: cannot read", src.display()))?;

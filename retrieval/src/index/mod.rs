@@ -312,23 +312,10 @@ fn written_before_the_record(dir: &Path, present: &[String]) -> bool {
         return present.iter().filter(other).all(|rel| rel == "index.json" || files.contains(&rel.as_str()) || (meta.kind == "bm25" && segment(rel)));
     }
     // The checkpoint files of the trainer (rak-train's OPTIMIZER_FILE, STATE_FILE) and of the
-    // encoders' saves (core/src/encoders: the model, its tokenizer and settings, and what they
-    // copy of a sentence-transformers or T5 checkpoint); a two-tower model's in subfolders.
+    // encoders' saves (`rak_core::encoders::files`: the model, its tokenizer and settings, and
+    // what they copy of a sentence-transformers or T5 checkpoint); a two-tower model's in
+    // subfolders.
     const STATE: &str = "trainer_state.json";
-    const MODEL: &[&str] = &[
-        "config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "rak_encoder.json",
-        "modules.json",
-        "sentence_bert_config.json",
-        "config_sentence_transformers.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "vocab.txt",
-        "spiece.model",
-        "generation_config.json",
-    ];
     if !is_trainer_state(&dir.join(STATE)) {
         return false;
     }
@@ -342,7 +329,7 @@ fn written_before_the_record(dir: &Path, present: &[String]) -> bool {
     // in, not one a save copied.
     const MODULE: &[&str] = &["config.json", "model.safetensors", "pytorch_model.bin"];
     let model_entry = |at: &Path, rel: &str| {
-        MODEL.contains(&rel) || modules(at).iter().any(|m| rel == m || rel.strip_prefix(m.as_str()).and_then(|r| r.strip_prefix('/')).is_some_and(|f| MODULE.contains(&f)))
+        rak_core::encoders::files::is_model_file(rel) || modules(at).iter().any(|m| rel == m || rel.strip_prefix(m.as_str()).and_then(|r| r.strip_prefix('/')).is_some_and(|f| MODULE.contains(&f)))
     };
     present.iter().filter(other).all(|rel| {
         if [STATE, "optimizer.safetensors", "query_encoder", "passage_encoder"].contains(&rel.as_str()) || model_entry(dir, rel) {
