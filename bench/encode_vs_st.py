@@ -6,7 +6,7 @@ passage texts, titles dropped so both encode exactly the same strings). Both sor
 before batching: sentence-transformers by characters, `host encode` by tokens. Reports passages/s
 of each, their ratio, and the largest difference between the two sets of embeddings.
 
-  .venv/bin/python bench/encode_vs_st.py [--limit N] [--batch-size 64] [--max-length 256]
+  .venv/bin/python bench/encode_vs_st.py [--limit N] [--batch-size 64] [--max-length 256] [--bf16]
 """
 import argparse
 import json
@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--max-length", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--host", default=os.path.join(ROOT, "target/release/host"))
+    ap.add_argument("--bf16", action="store_true", help="both in bf16 (ours --bf16, sentence-transformers' model cast to bfloat16): on a CPU with AMX, its bf16 matrix units")
     args = ap.parse_args()
 
     rows = [json.loads(l) for l in open(args.corpus)]
@@ -49,7 +50,7 @@ def main():
     out_dir = os.path.join(work, "ours")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     cmd = [args.host, "encode", "--encoder", "dpr", "--model", args.model, "--input", plain, "--output", out_dir,
-           "--batch-size", str(args.batch_size), "--max-length", str(args.max_length), "--part-size", "1000000"]
+           "--batch-size", str(args.batch_size), "--max-length", str(args.max_length), "--part-size", "1000000"] + (["--bf16"] if args.bf16 else [])
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, stderr=subprocess.DEVNULL)
     ours_s = time.perf_counter() - t0
@@ -62,6 +63,8 @@ def main():
     t0 = time.perf_counter()
     st = SentenceTransformer(args.model, device="cpu")
     st.max_seq_length = args.max_length
+    if args.bf16:
+        st = st.to(torch.bfloat16)
     ref = st.encode(texts, batch_size=args.batch_size, convert_to_numpy=True)
     st_s = time.perf_counter() - t0
 
@@ -70,6 +73,7 @@ def main():
         "batch_size": args.batch_size,
         "max_length": args.max_length,
         "threads": args.threads,
+        "bf16": args.bf16,
         "host_encode_s": round(ours_s, 2),
         "sentence_transformers_s": round(st_s, 2),
         "host_passages_per_s": round(len(texts) / ours_s, 2),
