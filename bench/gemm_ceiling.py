@@ -5,8 +5,8 @@ A DPR training step and an encoding batch are almost all matrix products of abou
 rows with MiniLM's weights (384 wide, 1,536 in the feed-forward block): forward `x @ Wᵀ`, and in
 backward the input gradient `g @ W` and the weight gradient `gᵀ @ x`. Timing those products alone
 says how fast any implementation built on the same libraries could go, and so whether a speed
-goal is a matter of our code or of the cores (docs/BENCHMARKS.md, "Why neither float32 goal
-can be met on this machine").
+goal is a matter of our code or of the cores (docs/BENCHMARKS.md, "How far the float32 goals
+are from these cores' arithmetic").
 
     .venv/bin/python bench/gemm_ceiling.py [--threads 2] [--rows 8192] [--seconds 2]
         [--out bench/results/gemm-ceiling-DATE.json]

@@ -772,7 +772,7 @@ fn the_output_folder_is_the_run_s_own_and_overwrite_removes_only_what_it_wrote()
     assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
 }
 
-/// `RAK_STEP_PHASES` logs where each step's time went, for the one-backward path (AdamW) and
+/// `RAK_STEP_PHASES` logs where each step's time went, for the summed-gradient path (AdamW) and
 /// the per-task one (T-SAGE); the phases fit in the step (a run without it logs none:
 /// `a_killed_run_resumes_to_the_same_result`).
 #[test]

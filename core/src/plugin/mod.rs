@@ -153,7 +153,8 @@ pub trait Optimizer: Send {
     /// Whether each task's gradient must come on its own (T-SAGE, PCGrad, CGD, GradNorm). One
     /// that returns false is handed the gradient of the summed losses once per step, as task
     /// [`ALL_TASKS`] (each task's backward adding into it, so one task's graph is held at a
-    /// time).
+    /// time; with the whole step's passages as in-batch negatives, from one backward pass over
+    /// every task's graph).
     fn needs_task_gradients(&self) -> Result<bool> {
         Ok(true)
     }
