@@ -16,7 +16,9 @@
 # negatives: run that first), or zeroshot.
 #
 # Equal wall clock. The peer lays its learning-rate schedule over a time budget and stops when
-# it is spent (peer_st.py), so it gets --seconds $BUDGET. `host train` runs a step count, so
+# it is spent (peer_st.py), so its first run gets --seconds $BUDGET; the steps that run took
+# are kept ($OUT/calib/peer-st.json) and every later seed trains that many steps (its schedule
+# over those steps), so a faster or slower machine on another day changes no system's steps. `host train` runs a step count, so
 # each recipe's steps are fitted to the budget once, before its first seed: a calibration run
 # of $CAL_STEPS steps ($OUT/calib/METHOD.json) gives its seconds a step (the last logging
 # window, after warm-up and T-SAGE's 30-step burn-in) and its fixed cost (loading, BM25
@@ -39,7 +41,7 @@
 #   CAL_STEPS=40              steps of a calibration run (a multiple of 10)
 #   STEPS=N                   no calibration: every recipe trains N steps (a quick check of
 #                             the pipeline; the peer still gets PEER_SECONDS)
-#   PEER_SECONDS=$BUDGET      the peer's budget
+#   PEER_SECONDS=$BUDGET      the peer's budget (given: every seed trains for it, no steps kept)
 #   PEER_OF=naive-peerlike    the run whose negatives-episode-0.json the peer trains with (any
 #                             recipe with hard_negatives = 1 and negative_depth = 1 mines the
 #                             same top BM25 negative)
@@ -157,9 +159,24 @@ for spec in "${specs[@]}"; do
         # A retrain starts clean: no earlier model, evaluation, or killed run's temporary.
         rm -rf "$run" "$OUT/$name.eval" "$OUT/$name".*.metrics.json* "$OUT/.$name.tmp-"*
         start=$(date +%s)
-        $PY scripts/experiments/peer_st.py --seconds "${PEER_SECONDS:-$BUDGET}" --seed "$seed" \
+        peer_cal=$OUT/calib/peer-st.json
+        budget=(--seconds "${PEER_SECONDS:-$BUDGET}")
+        if [[ -z ${PEER_SECONDS:-} && -z ${STEPS:-} && -f $peer_cal ]]; then
+            # The steps of the peer's first run; the time limit only guards against a hang.
+            budget=(--seconds $(( 4 * BUDGET )) --max-steps "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["steps"])' "$peer_cal")")
+        fi
+        $PY scripts/experiments/peer_st.py "${budget[@]}" --seed "$seed" \
             --negatives "$negs" --model $M --data "$VAL" --out "$run"
         echo "$(( $(date +%s) - start ))" > "$run/done"
+        if [[ -z ${PEER_SECONDS:-} && -z ${STEPS:-} && ! -f $peer_cal ]]; then
+            python3 - "$run/peer_run.json" "$name" "$BUDGET" "$peer_cal" <<'EOF'
+import json, os, sys
+run, name, budget, out = json.load(open(sys.argv[1])), sys.argv[2], float(sys.argv[3]), sys.argv[4]
+rec = {"steps": run["steps"], "from": f"{name}'s run of {budget:.0f} s (stopped by {run['stopped_by']})", "budget": budget}
+open(out + ".tmp", "w").write(json.dumps(rec, indent=2) + "\n")
+os.replace(out + ".tmp", out)
+EOF
+        fi
     elif [[ $method != zeroshot && ! -f $run/done ]]; then
         recipe=$OUT/recipes/$method.toml
         steps=$(steps_for "$method")
