@@ -30,7 +30,7 @@ pub fn optional() -> Vec<&'static str> {
 
 /// Whether `name` (relative to the model folder) is one of the files above.
 pub fn is_model_file(name: &str) -> bool {
-    REQUIRED.contains(&name) || name == WEIGHTS || optional().contains(&name)
+    REQUIRED.contains(&name) || name == WEIGHTS || name == SETTINGS || SENTENCE_TRANSFORMERS.contains(&name) || T5.contains(&name)
 }
 
 #[cfg(test)]
