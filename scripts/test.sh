@@ -30,6 +30,7 @@ scripts/llama-server.sh model >/dev/null
 # The experiment scripts' own tests (standard library only; seconds).
 python scripts/experiments/test_carve_validation.py
 python scripts/experiments/test_ranking_record.py
+python scripts/experiments/test_select_table.py
 cargo build --release --workspace
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT

@@ -20,6 +20,8 @@ peer's OUT/NAME/peer_run.json (steps), and VAL/tasks/TASK/queries.SPLIT.jsonl (g
    the gold pages (all queries of a page together: the unseen probe holds few pages, and
    queries on one page do not vary independently). Neither interval counts the spread over
    training seeds; the per-seed differences show it.
+3. The method's parts, per split: each part as WITH − WITHOUT (PARTS below: the task prefix is
+   taco − taco-noprefix, tempered sampling taco-t4 − taco), the same columns as 2.
 Standard library only.
 """
 import argparse
@@ -36,6 +38,10 @@ METRICS = [("mrr@10", "MRR@10"), ("rprec_page", "page R-precision")]
 # Rows in this order (others after them, by name).
 ORDER = ["zeroshot", "peer-st", "naive", "naive-peerlike", "taco", "taco-noprefix", "taco-notsage",
          "taco-stepneg", "taco-t4"]
+# The method's parts (issue 32, item 5): (part, the system with it, the system without it).
+PARTS = [("task prefix", "taco", "taco-noprefix"), ("T-SAGE (against AdamW)", "taco", "taco-notsage"),
+         ("task-scoped in-batch negatives (against the step's)", "taco", "taco-stepneg"),
+         ("tempered sampling, c = 4 (against c = 1)", "taco-t4", "taco")]
 SPLIT_TITLES = {"val": "validation split", "unseen": "unseen-page probe", "dev": "dev (the report)"}
 
 
@@ -189,16 +195,34 @@ def main(argv=None):
             print("|---|---|---:|---|---|---|")
             b = methods[base]
             for method, a in ordered(methods):
-                if method == base:
-                    continue
-                for key, title in METRICS:
-                    ma = {s: macro(r, key) for s, r in a.items()}
-                    mb = {s: macro(r, key) for s, r in b.items()}
-                    delta = 100 * (statistics.mean(ma.values()) - statistics.mean(mb.values()))
-                    paired = [f"{100 * (ma[s] - mb[s]):+.2f} (s{s})" for s in sorted(set(ma) & set(mb)) if s is not None]
-                    (ql, qh), (pl, ph) = intervals(a, b, tasks, key, clusters, args.resamples, rng)
-                    print(f"| {method} | macro {title} | {delta:+.2f} | {', '.join(paired) or '–'} | "
-                          f"[{100 * ql:+.2f}, {100 * qh:+.2f}] | [{100 * pl:+.2f}, {100 * ph:+.2f}] |")
+                if method != base:
+                    print_difference(method, a, b, tasks, clusters, args.resamples, rng)
+
+    for split in splits:
+        methods = runs[split]
+        parts = [(name, w, wo) for name, w, wo in PARTS if w in methods and wo in methods]
+        if not parts:
+            continue
+        tasks = sorted(next(iter(methods[parts[0][1]].values())))
+        clusters = {t: pages_of(args.val, split, t) for t in tasks}
+        print(f"\n**The method's parts on the {SPLIT_TITLES.get(split, split)}** (WITH − WITHOUT, points; "
+              f"95% bootstrap intervals as above)\n")
+        print("| part (with − without) | metric | Δ (mean over seeds) | Δ per seed | 95% CI, queries | 95% CI, pages |")
+        print("|---|---|---:|---|---|---|")
+        for name, w, wo in parts:
+            print_difference(f"{name} ({w} − {wo})", methods[w], methods[wo], tasks, clusters, args.resamples, rng)
+
+
+def print_difference(label, a, b, tasks, clusters, resamples, rng):
+    """Two table rows (one per metric): A − B, the mean over seeds, per seed, and the intervals."""
+    for key, title in METRICS:
+        ma = {s: macro(r, key) for s, r in a.items()}
+        mb = {s: macro(r, key) for s, r in b.items()}
+        delta = 100 * (statistics.mean(ma.values()) - statistics.mean(mb.values()))
+        paired = [f"{100 * (ma[s] - mb[s]):+.2f} (s{s})" for s in sorted(set(ma) & set(mb)) if s is not None]
+        (ql, qh), (pl, ph) = intervals(a, b, tasks, key, clusters, resamples, rng)
+        print(f"| {label} | macro {title} | {delta:+.2f} | {', '.join(paired) or '–'} | "
+              f"[{100 * ql:+.2f}, {100 * qh:+.2f}] | [{100 * pl:+.2f}, {100 * ph:+.2f}] |")
 
 
 if __name__ == "__main__":
