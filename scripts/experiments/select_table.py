@@ -39,9 +39,9 @@ METRICS = [("mrr@10", "MRR@10"), ("rprec_page", "page R-precision")]
 ORDER = ["zeroshot", "peer-st", "naive", "naive-peerlike", "taco", "taco-noprefix", "taco-notsage",
          "taco-stepneg", "taco-t4"]
 # The method's parts (issue 32, item 5): (part, the system with it, the system without it).
-PARTS = [("task prefix", "taco", "taco-noprefix"), ("T-SAGE (against AdamW)", "taco", "taco-notsage"),
-         ("task-scoped in-batch negatives (against the step's)", "taco", "taco-stepneg"),
-         ("tempered sampling, c = 4 (against c = 1)", "taco-t4", "taco")]
+PARTS = [("task prefix", "taco", "taco-noprefix"), ("T-SAGE, not AdamW", "taco", "taco-notsage"),
+         ("task-scoped negatives, not the step's", "taco", "taco-stepneg"),
+         ("tempered sampling c = 4, not c = 1", "taco-t4", "taco")]
 SPLIT_TITLES = {"val": "validation split", "unseen": "unseen-page probe", "dev": "dev (the report)"}
 
 

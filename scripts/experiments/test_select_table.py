@@ -53,7 +53,7 @@ class SelectTable(unittest.TestCase):
         prefix = rows["task prefix (taco − taco-noprefix)"]
         self.assertIn("| +5.00 | +10.00 (s42), +0.00 (s43) | [+5.00, +5.00] | [+5.00, +5.00] |", prefix)
         # Tempered sampling: taco-t4 − taco, the other way round.
-        self.assertIn("| -15.00 | -20.00 (s42), -10.00 (s43) |", rows["tempered sampling, c = 4 (against c = 1) (taco-t4 − taco)"])
+        self.assertIn("| -15.00 | -20.00 (s42), -10.00 (s43) |", rows["tempered sampling c = 4, not c = 1 (taco-t4 − taco)"])
         # The same pair in the table against the base taco is METHOD − taco.
         self.assertIn("| taco-noprefix | macro MRR@10 | -5.00 |", text)
         # Systems table: two seeds, mean ± sd of the macro MRR@10.
