@@ -73,6 +73,19 @@ die() { echo "recipe_select.sh: $*" >&2; exit 2; }
 mkdir -p "$OUT/recipes" "$OUT/calib"
 [[ -f $VAL/STATS.json ]] || python3 scripts/experiments/carve_validation.py --data $D --out "$VAL"
 
+# record_time RUN START: the training command's seconds into RUN/done, and a warning when they
+# are more than 10% off the budget: the machine's speed changed since the calibration, or other
+# work shared the cores. select_table.py marks such a run with †; its model is still the one its
+# steps give, but the budgets are no longer equal: calibrate again on a quiet machine (remove
+# $OUT/calib/METHOD.json and the method's runs).
+record_time() {
+    local secs=$(( $(date +%s) - $2 ))
+    echo "$secs" > "$1/done"
+    if [[ -z ${STEPS:-} ]] && (( secs * 10 < BUDGET * 9 || secs * 10 > BUDGET * 11 )); then
+        echo "recipe_select.sh: warning: $(basename "$1") trained in $secs s, more than 10% off the budget of $BUDGET s" >&2
+    fi
+}
+
 # set_key FILE KEY VALUE: replace the line `KEY = ...` of a recipe (it must have one).
 set_key() {
     grep -q "^$2 = " "$1" || die "$1: no '$2 = ' line to replace"
@@ -167,7 +180,7 @@ for spec in "${specs[@]}"; do
         fi
         $PY scripts/experiments/peer_st.py "${budget[@]}" --seed "$seed" \
             --negatives "$negs" --model $M --data "$VAL" --out "$run"
-        echo "$(( $(date +%s) - start ))" > "$run/done"
+        record_time "$run" "$start"
         if [[ -z ${PEER_SECONDS:-} && -z ${STEPS:-} && ! -f $peer_cal ]]; then
             python3 - "$run/peer_run.json" "$name" "$BUDGET" "$peer_cal" <<'EOF'
 import json, os, sys
@@ -192,7 +205,7 @@ EOF
         compgen -G "$run/checkpoint-*" >/dev/null && resume=(--resume-from-checkpoint latest)
         start=$(date +%s)
         $H train --encoder "$enc" --model $M --config "$recipe" --seed "$seed" --output-dir "$run" "${resume[@]}"
-        echo "$(( $(date +%s) - start ))" > "$run/done"
+        record_time "$run" "$start"
     fi
     # The encoder the recipe trained (a run finished earlier, evaluated now, as well).
     [[ $method != zeroshot && $method != peer-st && -f $OUT/recipes/$method.toml ]] && enc=$(encoder_of "$OUT/recipes/$method.toml")
