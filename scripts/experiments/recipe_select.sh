@@ -69,20 +69,25 @@ PY=.venv/bin/python
 die() { echo "recipe_select.sh: $*" >&2; exit 2; }
 [[ -x $H ]] || die "$H: no such binary (cargo build --release --workspace, or set HOST)"
 [[ -d $M ]] || die "$M: the model is missing (setup.sh fetches it)"
+[[ $BUDGET =~ ^[0-9]+$ ]] || die "BUDGET=$BUDGET: give whole seconds"
 (( CAL_STEPS >= 20 && CAL_STEPS % 10 == 0 )) || die "CAL_STEPS=$CAL_STEPS: give a multiple of 10, at least 20"
 mkdir -p "$OUT/recipes" "$OUT/calib"
 [[ -f $VAL/STATS.json ]] || python3 scripts/experiments/carve_validation.py --data $D --out "$VAL"
 
-# record_time RUN START: the training command's seconds into RUN/done, and a warning when they
-# are more than 10% off the budget: the machine's speed changed since the calibration, or other
-# work shared the cores. select_table.py marks such a run with †; its model is still the one its
-# steps give, but the budgets are no longer equal: calibrate again on a quiet machine (remove
-# $OUT/calib/METHOD.json and the method's runs).
+# record_time RUN START BUDGET [resumed]: the training command's seconds into RUN/done, and a
+# warning when they are more than 10% off BUDGET: the machine's speed changed since the
+# calibration, or other work shared the cores. select_table.py marks such a run with †; its
+# model is still the one its steps give, but the budgets are no longer equal: calibrate again on
+# a quiet machine (remove $OUT/calib/METHOD.json, and each METHOD-sSEED/ with its
+# METHOD-sSEED.eval/ and METHOD-sSEED.*.metrics.json.gz). A resumed run's seconds are only the
+# resumed part's, so they say nothing of the machine.
 record_time() {
     local secs=$(( $(date +%s) - $2 ))
     echo "$secs" > "$1/done"
-    if [[ -z ${STEPS:-} ]] && (( secs * 10 < BUDGET * 9 || secs * 10 > BUDGET * 11 )); then
-        echo "recipe_select.sh: warning: $(basename "$1") trained in $secs s, more than 10% off the budget of $BUDGET s" >&2
+    if [[ -n ${4:-} ]]; then
+        echo "recipe_select.sh: $(basename "$1") was resumed: its done ($secs s) holds the resumed part only" >&2
+    elif [[ -z ${STEPS:-} ]] && (( secs * 10 < $3 * 9 || secs * 10 > $3 * 11 )); then
+        echo "recipe_select.sh: warning: $(basename "$1") trained in $secs s, more than 10% off the budget of $3 s" >&2
     fi
 }
 
@@ -180,7 +185,7 @@ for spec in "${specs[@]}"; do
         fi
         $PY scripts/experiments/peer_st.py "${budget[@]}" --seed "$seed" \
             --negatives "$negs" --model $M --data "$VAL" --out "$run"
-        record_time "$run" "$start"
+        record_time "$run" "$start" "${PEER_SECONDS:-$BUDGET}"
         if [[ -z ${PEER_SECONDS:-} && -z ${STEPS:-} && ! -f $peer_cal ]]; then
             python3 - "$run/peer_run.json" "$name" "$BUDGET" "$peer_cal" <<'EOF'
 import json, os, sys
@@ -202,10 +207,15 @@ EOF
         mv "$recipe.new" "$recipe"
         enc=$(encoder_of "$recipe")
         resume=()
-        compgen -G "$run/checkpoint-*" >/dev/null && resume=(--resume-from-checkpoint latest)
+        if compgen -G "$run/checkpoint-*" >/dev/null; then
+            resume=(--resume-from-checkpoint latest)
+        else
+            # A run trained from the start: no evaluation of an earlier model may stand for it.
+            rm -rf "$OUT/$name.eval" "$OUT/$name".*.metrics.json* "$OUT/.$name.tmp-"*
+        fi
         start=$(date +%s)
         $H train --encoder "$enc" --model $M --config "$recipe" --seed "$seed" --output-dir "$run" "${resume[@]}"
-        record_time "$run" "$start"
+        record_time "$run" "$start" "$BUDGET" "${resume[*]}"
     fi
     # The encoder the recipe trained (a run finished earlier, evaluated now, as well).
     [[ $method != zeroshot && $method != peer-st && -f $OUT/recipes/$method.toml ]] && enc=$(encoder_of "$OUT/recipes/$method.toml")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tables of scripts/experiments/recipe_select.sh's runs (issue 32, item 5; docs/RESULTS.md,
 "Recipes chosen on a validation split"): each system on the validation split, the unseen-page
-probe and dev, and each system against a base with 95% intervals.
+probe and dev, each system against a base, and the method's parts, with 95% intervals.
 
     python3 scripts/experiments/select_table.py runs/select [--val runs/minikilt-val]
         [--base taco --base peer-st] [--budget 600] [--resamples 2000]
@@ -14,12 +14,15 @@ peer's OUT/NAME/peer_run.json (steps), and VAL/tasks/TASK/queries.SPLIT.jsonl (g
    10% off --budget: not an equal-time run), the steps, each task's MRR@10 and the macro MRR@10
    and page R-precision, mean ± sd over the seeds.
 2. Differences, per base and split: METHOD − BASE in macro MRR@10 and macro page R-precision
-   (the mean over tasks of each task's mean; scores in points), the mean over seeds and each
-   seed's own difference (paired by seed), and two 95% percentile bootstrap intervals of the
+   (the mean over tasks of each task's mean; scores in points), the mean over the seeds both
+   systems have (all of a system's seeds when the other has none, as zeroshot) and each seed's
+   own difference, and two 95% percentile bootstrap intervals of the
    difference of the seed-averaged scores, resampled within each task: of the queries, and of
    the gold pages (all queries of a page together: the unseen probe holds few pages, and
    queries on one page do not vary independently). Neither interval counts the spread over
-   training seeds; the per-seed differences show it.
+   training seeds; the per-seed differences show it. Each comparison draws its resamples from a
+   generator seeded by the split and the pair, so A − B and B − A get mirrored intervals and a
+   row does not change when other systems are added.
 3. The method's parts, per split: each part as WITH − WITHOUT (PARTS below: the task prefix is
    taco − taco-noprefix, tempered sampling taco-t4 − taco), the same columns as 2.
 Standard library only.
@@ -146,7 +149,9 @@ def intervals(a, b, tasks, metric, clusters, resamples, rng):
                     total += sum(rng.choices(d, k=len(d))) / len(d)
             stats.append(total / len(per_task))
         stats.sort()
-        out.append((stats[int(0.025 * resamples)], stats[min(resamples - 1, int(0.975 * resamples))]))
+        # Symmetric ranks, so that B − A's interval is exactly A − B's mirrored.
+        k = int(0.025 * resamples)
+        out.append((stats[k], stats[resamples - 1 - k]))
     return out
 
 
@@ -181,7 +186,6 @@ def main(argv=None):
             seed_txt = ", ".join(str(s) for s in seeds if s is not None) or "–"
             print(f"| {method} | {seed_txt} | {t} | {st} | " + " | ".join(cells + mac) + " |")
 
-    rng = random.Random(0)
     for base in bases:
         for split in splits:
             methods = runs[split]
@@ -196,7 +200,7 @@ def main(argv=None):
             b = methods[base]
             for method, a in ordered(methods):
                 if method != base:
-                    print_difference(method, a, b, tasks, clusters, args.resamples, rng)
+                    print_difference(method, (method, a), (base, b), tasks, clusters, args.resamples, split)
 
     for split in splits:
         methods = runs[split]
@@ -210,12 +214,22 @@ def main(argv=None):
         print("| part (with − without) | metric | Δ (mean over seeds) | Δ per seed | 95% CI, queries | 95% CI, pages |")
         print("|---|---|---:|---|---|---|")
         for name, w, wo in parts:
-            print_difference(f"{name} ({w} − {wo})", methods[w], methods[wo], tasks, clusters, args.resamples, rng)
+            print_difference(f"{name} ({w} − {wo})", (w, methods[w]), (wo, methods[wo]), tasks, clusters,
+                             args.resamples, split)
 
 
-def print_difference(label, a, b, tasks, clusters, resamples, rng):
-    """Two table rows (one per metric): A − B, the mean over seeds, per seed, and the intervals."""
+def print_difference(label, named_a, named_b, tasks, clusters, resamples, split):
+    """Two table rows (one per metric): A − B over the seeds both have, per seed, and the intervals."""
+    (name_a, a), (name_b, b) = named_a, named_b
+    if None not in a and None not in b:
+        common = set(a) & set(b)
+        if not common:
+            print(f"| {label} | – | no seed in common | – | – | – |")
+            return
+        a, b = {s: a[s] for s in common}, {s: b[s] for s in common}
     for key, title in METRICS:
+        # Seeded by the split and the pair, not its order: A − B and B − A resample alike.
+        rng = random.Random("|".join([split, key] + sorted([name_a, name_b])))
         ma = {s: macro(r, key) for s, r in a.items()}
         mb = {s: macro(r, key) for s, r in b.items()}
         delta = 100 * (statistics.mean(ma.values()) - statistics.mean(mb.values()))

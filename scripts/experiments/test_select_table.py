@@ -20,8 +20,12 @@ QUERIES = {"q1": "Page A", "q2": "Page A", "q3": "Page B", "q4": "Page C"}
 
 
 def write_metrics(out, name, split, base, shift):
-    """Every query of task `t` scores base + shift (MRR@10) and half that (page R-precision)."""
-    per_query = {q: {"mrr@10": base + shift, "rprec_page": (base + shift) / 2} for q in QUERIES}
+    """Query q of task `t` scores base + shift (or shift[q]) in MRR@10 and half that in page
+    R-precision."""
+    per_query = {}
+    for q in QUERIES:
+        x = base + (shift[q] if isinstance(shift, dict) else shift)
+        per_query[q] = {"mrr@10": x, "rprec_page": x / 2}
     with gzip.open(out / f"{name}.{split}.metrics.json.gz", "wt", encoding="utf-8") as f:
         json.dump({"tasks": {"t": {"per_query": per_query}}}, f)
 
@@ -58,6 +62,27 @@ class SelectTable(unittest.TestCase):
         self.assertIn("| taco-noprefix | macro MRR@10 | -5.00 |", text)
         # Systems table: two seeds, mean ± sd of the macro MRR@10.
         self.assertIn("| taco | 42, 43 | 600 | – | 0.6500 ± 0.0707 |", text)
+
+    def test_systems_are_compared_on_the_seeds_both_have(self):
+        text = self.table({"taco-s42": 0.2, "taco-s43": 0.1, "taco-t4-s42": 0.0})
+        # taco-t4 − taco on seed 42 alone: -20 points, not -15 (taco's two seeds against one).
+        self.assertIn("| tempered sampling c = 4, not c = 1 (taco-t4 − taco) | macro MRR@10 | -20.00 | -20.00 (s42) | "
+                      "[-20.00, -20.00] |", text)
+        self.assertIn("| taco-t4 | macro MRR@10 | -20.00 | -20.00 (s42) |", text)
+        self.assertIn("no seed in common", self.table({"taco-s42": 0.1, "taco-noprefix-s43": 0.0}))
+
+    def test_a_pair_s_intervals_are_mirrored_whichever_way_it_is_taken(self):
+        # Differences that vary by query: the intervals have width, and pages differ from queries.
+        text = self.table({"taco-s42": {"q1": 0.3, "q2": 0.25, "q3": 0.0, "q4": 0.1}, "taco-noprefix-s42": 0.1})
+        def intervals(row_start):
+            row = next(line for line in text.splitlines() if line.startswith(row_start))
+            return [tuple(float(x) for x in cell.strip(" []").split(", ")) for cell in row.strip(" |").split(" | ")[-2:]]
+        part = intervals("| task prefix (taco − taco-noprefix) | macro MRR@10 |")
+        base = intervals("| taco-noprefix | macro MRR@10 |")
+        self.assertEqual(base, [(-hi, -lo) for lo, hi in part])
+        (ql, qh), (pl, ph) = part
+        self.assertTrue(ql < 6.25 < qh and pl <= 6.25 <= ph, part)
+        self.assertNotEqual((ql, qh), (pl, ph))
 
     def test_parts_missing_a_system_are_left_out(self):
         text = self.table({"taco-s42": 0.1, "taco-noprefix-s42": 0.0})
