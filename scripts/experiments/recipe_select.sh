@@ -18,9 +18,9 @@
 # Equal wall clock. The peer lays its learning-rate schedule over a time budget and stops when
 # it is spent (peer_st.py), so its first run gets --seconds $BUDGET; the steps that run took
 # are kept ($OUT/calib/peer-st.json) and every later seed trains that many steps (its schedule
-# over those steps), so a faster or slower machine on another day changes no system's steps. `host train` runs a step count, so
-# each recipe's steps are fitted to the budget once, before its first seed: a calibration run
-# of $CAL_STEPS steps ($OUT/calib/METHOD.json) gives its seconds a step (the last logging
+# over those steps), so a faster or slower machine on another day changes no system's steps.
+# `host train` runs a step count, so each recipe's steps are fitted to the budget once, before
+# its first seed: a calibration run of $CAL_STEPS steps ($OUT/calib/METHOD.json) gives its seconds a step (the last logging
 # window, after warm-up and T-SAGE's 30-step burn-in) and its fixed cost (loading, BM25
 # mining, saving: the whole command's time less its steps), and max_steps = (BUDGET - fixed) /
 # (seconds a step). The whole `host train` command then takes about $BUDGET, as minikilt.sh
@@ -90,6 +90,10 @@ record_time() {
         echo "recipe_select.sh: warning: $(basename "$1") trained in $secs s, more than 10% off the budget of $3 s" >&2
     fi
 }
+
+# drop_evaluation NAME: a run trained from the start loses any evaluation of an earlier model
+# and any killed run's temporary.
+drop_evaluation() { rm -rf "$OUT/$1.eval" "$OUT/$1".*.metrics.json* "$OUT/.$1.tmp-"*; }
 
 # set_key FILE KEY VALUE: replace the line `KEY = ...` of a recipe (it must have one).
 set_key() {
@@ -175,7 +179,8 @@ for spec in "${specs[@]}"; do
         negs=$OUT/$PEER_OF-s$seed/negatives-episode-0.json
         [[ -f $negs ]] || die "peer-st:$seed needs $PEER_OF:$seed first (its $negs)"
         # A retrain starts clean: no earlier model, evaluation, or killed run's temporary.
-        rm -rf "$run" "$OUT/$name.eval" "$OUT/$name".*.metrics.json* "$OUT/.$name.tmp-"*
+        rm -rf "$run"
+        drop_evaluation "$name"
         start=$(date +%s)
         peer_cal=$OUT/calib/peer-st.json
         budget=(--seconds "${PEER_SECONDS:-$BUDGET}")
@@ -210,8 +215,7 @@ EOF
         if compgen -G "$run/checkpoint-*" >/dev/null; then
             resume=(--resume-from-checkpoint latest)
         else
-            # A run trained from the start: no evaluation of an earlier model may stand for it.
-            rm -rf "$OUT/$name.eval" "$OUT/$name".*.metrics.json* "$OUT/.$name.tmp-"*
+            drop_evaluation "$name"
         fi
         start=$(date +%s)
         $H train --encoder "$enc" --model $M --config "$recipe" --seed "$seed" --output-dir "$run" "${resume[@]}"
