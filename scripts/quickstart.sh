@@ -25,10 +25,12 @@ $H encode --encoder dpr --model $M --input $D/corpus.jsonl --output "$OUT/minilm
 
 # Multitask training from MiniLM; the trained model is a folder `host` encodes with directly.
 # A model trained from another recipe (quick starts before 2026-11-29 trained naive.toml), and
-# what was made from it, is made again; $OUT/multitask.recipe.toml records the recipe used.
+# what was made from it, is made again; $OUT/multitask.recipe.toml records the recipe used
+# (its comments may change without a retraining).
 T=$OUT/multitask
 RECIPE=configs/minikilt/quickstart.toml
-if ! cmp -s "$RECIPE" "$OUT/multitask.recipe.toml"; then
+settings() { grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' "$1" 2>/dev/null || true; }
+if [[ "$(settings "$RECIPE")" != "$(settings "$OUT/multitask.recipe.toml")" ]]; then
     if [[ -e $T ]]; then echo "quickstart: $T was trained from another recipe; training again from $RECIPE" >&2; fi
     rm -rf "$T" "$OUT/multitask-emb" "$OUT/multitask-flat" "$OUT"/runs/multitask.* "$OUT/multitask.dev.metrics.json"
     cp "$RECIPE" "$OUT/multitask.recipe.toml.tmp" && mv "$OUT/multitask.recipe.toml.tmp" "$OUT/multitask.recipe.toml"
