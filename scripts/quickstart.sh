@@ -24,16 +24,29 @@ $H encode --encoder dpr --model $M --input $D/corpus.jsonl --output "$OUT/minilm
 [[ -f $OUT/minilm-flat/index.json ]] || $H index build --kind flat --embeddings "$OUT/minilm" --output "$OUT/minilm-flat" >/dev/null
 
 # Multitask training from MiniLM; the trained model is a folder `host` encodes with directly.
-# A model trained from another recipe (quick starts before 2026-11-29 trained naive.toml), and
-# what was made from it, is made again; $OUT/multitask.recipe.toml records the recipe used
-# (its comments may change without a retraining).
+# $OUT/multitask.recipe.toml records the recipe the model was trained from: when the recipe's
+# settings change (whole-line comments do not count), the model and what was made from it are
+# made again. Outputs of that name with no record (quick starts before 2026-11-29 trained
+# naive.toml, or someone else's files) are refused, never removed.
 T=$OUT/multitask
 RECIPE=configs/minikilt/quickstart.toml
+STAMP=$OUT/multitask.recipe.toml
+MADE_FROM_MODEL=("$T" "$OUT/multitask-emb" "$OUT/multitask-flat" "$OUT"/runs/multitask.* "$OUT/multitask.dev.metrics.json")
 settings() { grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' "$1" 2>/dev/null || true; }
-if [[ "$(settings "$RECIPE")" != "$(settings "$OUT/multitask.recipe.toml")" ]]; then
-    if [[ -e $T ]]; then echo "quickstart: $T was trained from another recipe; training again from $RECIPE" >&2; fi
-    rm -rf "$T" "$OUT/multitask-emb" "$OUT/multitask-flat" "$OUT"/runs/multitask.* "$OUT/multitask.dev.metrics.json"
-    cp "$RECIPE" "$OUT/multitask.recipe.toml.tmp" && mv "$OUT/multitask.recipe.toml.tmp" "$OUT/multitask.recipe.toml"
+if [[ "$(settings "$RECIPE")" != "$(settings "$STAMP")" ]]; then
+    if [[ -f $STAMP ]]; then
+        echo "quickstart: $T was trained from another recipe; training again from $RECIPE" >&2
+        rm -rf "${MADE_FROM_MODEL[@]}"
+    else
+        found=()
+        for f in "${MADE_FROM_MODEL[@]}"; do [[ -e $f ]] && found+=("$f"); done
+        if (( ${#found[@]} )); then
+            echo "quickstart: $OUT holds outputs of a multitask model with no record of its recipe ($STAMP): ${found[*]}" >&2
+            echo "quickstart: quick starts before 2026-11-29 trained naive.toml; remove them to train $RECIPE, or set OUT to another folder" >&2
+            exit 1
+        fi
+    fi
+    cp "$RECIPE" "$STAMP.tmp" && mv "$STAMP.tmp" "$STAMP"
 fi
 if [[ ! -f $T/model.safetensors ]]; then
     resume=()
