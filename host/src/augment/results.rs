@@ -17,7 +17,7 @@ use anyhow::{bail, Context, Result};
 use rak_core::fsutil;
 use serde_json::Value;
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions, TryLockError};
+use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
@@ -46,20 +46,16 @@ impl OutputLock {
         // Never removed: a process that opened the file before a removal would lock the old
         // one while the next locks a new file under the same name, and both would write.
         let mut file = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&path).with_context(|| format!("{}: cannot open", path.display()))?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
-                let mut holder = String::new();
-                let _ = file.read_to_string(&mut holder);
-                let holder = holder.trim();
-                let who = if holder.is_empty() { String::new() } else { format!(" (pid {holder})") };
-                bail!(
-                    "{}: another host augment{who} is writing this output (it holds {}); wait for it to finish or use another --output",
-                    output.display(),
-                    path.display()
-                );
-            }
-            Err(TryLockError::Error(e)) => return Err(e).with_context(|| format!("{}: cannot lock", path.display())),
+        if !fsutil::try_lock_exclusive(&file).with_context(|| format!("{}: cannot lock", path.display()))? {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            let holder = holder.trim();
+            let who = if holder.is_empty() { String::new() } else { format!(" (pid {holder})") };
+            bail!(
+                "{}: another host augment{who} is writing this output (it holds {}); wait for it to finish or use another --output",
+                output.display(),
+                path.display()
+            );
         }
         // Who holds it, for the message a second run prints.
         let _ = file.set_len(0).and_then(|_| file.rewind()).and_then(|_| write!(file, "{}", std::process::id()));
@@ -230,6 +226,36 @@ mod tests {
         assert!(e.contains("another host augment") && e.contains(&format!("pid {}", std::process::id())), "{e}");
         drop(first);
         assert!(open(&p, &expected, "s", false).is_ok(), "free again once the first is done");
+    }
+
+    /// A child this process spawns holds a copy of every open descriptor between its fork
+    /// and its exec, the lock's too: a lock just dropped is briefly still held (CI failed so,
+    /// a test spawning `sh` beside this module's). Taking it again must wait that out.
+    #[test]
+    fn a_lock_just_dropped_is_free_while_children_are_being_spawned() {
+        let p = tmp("spawning");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let spawner = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = std::process::Command::new("true").status();
+                }
+            })
+        };
+        let mut refused = None;
+        for _ in 0..1000 {
+            match OutputLock::take(&p) {
+                Ok(lock) => drop(lock),
+                Err(e) => {
+                    refused = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        spawner.join().unwrap();
+        assert!(refused.is_none(), "{refused:?}");
     }
 
     #[test]

@@ -439,7 +439,6 @@ pub struct RunLock(#[allow(dead_code)] std::fs::File);
 impl RunLock {
     pub fn take(path: &Path) -> Result<RunLock> {
         use std::io::{Read, Seek, Write};
-        use std::os::unix::io::AsRawFd;
         let mut file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -447,8 +446,7 @@ impl RunLock {
             .truncate(false)
             .open(path)
             .with_context(|| format!("{}: cannot open", path.display()))?;
-        // Safety: flock on a descriptor this function owns.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        if !rak_core::fsutil::try_lock_exclusive(&file).with_context(|| format!("{}: cannot lock", path.display()))? {
             let mut holder = String::new();
             let _ = file.read_to_string(&mut holder);
             bail!(
@@ -472,6 +470,21 @@ mod tests {
     /// A resumed or redone stage clears the later ones, but for the score stage, whose key is
     /// what it scores: a retrieval killed after a redo keeps the scores; a cleared final stage
     /// leaves OUT's model until a new one replaces it.
+    /// One run per folder: a second is refused naming the first's process; the folder is free
+    /// again once the first is done.
+    #[test]
+    fn a_second_run_on_a_folder_is_refused_while_the_first_holds_it() {
+        let dir = std::env::temp_dir().join(format!("aar-stages-lock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(".aar.lock");
+        let first = RunLock::take(&path).unwrap();
+        let e = RunLock::take(&path).err().unwrap().to_string();
+        assert!(e.contains(&format!("another aar-train (pid {})", std::process::id())), "{e}");
+        drop(first);
+        assert!(RunLock::take(&path).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn a_resumed_stage_clears_the_later_ones_but_the_scores() {
         let out = std::env::temp_dir().join(format!("aar-stages-{}", std::process::id()));
