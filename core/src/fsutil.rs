@@ -64,24 +64,6 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|f| f.sync_all()).with_context(|| format!("{}: cannot sync the directory to disk", dir.display()))
 }
 
-/// Take an exclusive `flock` on `file` without waiting for another process: `Ok(false)` when
-/// another holds it. A lock held only by a child this process is spawning is waited out: the
-/// child holds a copy of every descriptor from its fork to its exec (microseconds to
-/// milliseconds), so a lock this process has just dropped can read as taken. Another run holds
-/// its lock for its life, so asking again for up to a second tells the two apart.
-pub fn try_lock_exclusive(file: &File) -> std::io::Result<bool> {
-    use std::fs::TryLockError;
-    for attempt in 0..=50 {
-        match file.try_lock() {
-            Ok(()) => return Ok(true),
-            Err(TryLockError::Error(e)) => return Err(e),
-            Err(TryLockError::WouldBlock) if attempt < 50 => std::thread::sleep(std::time::Duration::from_millis(20)),
-            Err(TryLockError::WouldBlock) => {}
-        }
-    }
-    Ok(false)
-}
-
 /// Whether a process with this id runs (or is a zombie not yet reaped). `kill(pid, 0)` sends
 /// nothing; it fails with ESRCH only when there is no such process (EPERM: it exists but
 /// belongs to another user). A reused id reads as alive, which only keeps a stale file.

@@ -17,7 +17,7 @@ use anyhow::{bail, Context, Result};
 use rak_core::fsutil;
 use serde_json::Value;
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
+use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
@@ -30,7 +30,16 @@ pub struct Results {
 /// The exclusive right to write one output, held until dropped. The kernel releases it when
 /// the process ends however it ends, so a killed run leaves no stale lock to clear.
 pub struct OutputLock {
-    _file: File,
+    file: File,
+}
+
+impl Drop for OutputLock {
+    /// Unlocked explicitly, not only closed: the lock belongs to the open file, and a child this
+    /// process is spawning holds a copy of its descriptor from fork to exec, so a close alone
+    /// would leave it held until then (CI failed so, beside a test spawning `sh`).
+    fn drop(&mut self) {
+        let _ = self.file.unlock();
+    }
 }
 
 impl OutputLock {
@@ -46,8 +55,10 @@ impl OutputLock {
         // Never removed: a process that opened the file before a removal would lock the old
         // one while the next locks a new file under the same name, and both would write.
         let mut file = OpenOptions::new().create(true).truncate(false).read(true).write(true).open(&path).with_context(|| format!("{}: cannot open", path.display()))?;
-        if !fsutil::try_lock_exclusive(&file).with_context(|| format!("{}: cannot lock", path.display()))? {
-            let mut holder = String::new();
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => {
+                let mut holder = String::new();
             let _ = file.read_to_string(&mut holder);
             let holder = holder.trim();
             let who = if holder.is_empty() { String::new() } else { format!(" (pid {holder})") };
@@ -56,10 +67,12 @@ impl OutputLock {
                 output.display(),
                 path.display()
             );
+            }
+            Err(TryLockError::Error(e)) => return Err(e).with_context(|| format!("{}: cannot lock", path.display())),
         }
         // Who holds it, for the message a second run prints.
         let _ = file.set_len(0).and_then(|_| file.rewind()).and_then(|_| write!(file, "{}", std::process::id()));
-        Ok(OutputLock { _file: file })
+        Ok(OutputLock { file })
     }
 }
 
@@ -229,8 +242,8 @@ mod tests {
     }
 
     /// A child this process spawns holds a copy of every open descriptor between its fork
-    /// and its exec, the lock's too: a lock just dropped is briefly still held (CI failed so,
-    /// a test spawning `sh` beside this module's). Taking it again must wait that out.
+    /// and its exec, the lock's too: a lock only closed would briefly stay held (CI failed so,
+    /// beside a test spawning `sh`). One dropped is free at once, children or not.
     #[test]
     fn a_lock_just_dropped_is_free_while_children_are_being_spawned() {
         let p = tmp("spawning");

@@ -434,7 +434,15 @@ pub fn check_output_dir(out: &Path, inputs: &[(&str, &Path)]) -> Result<()> {
 
 /// An exclusive lock on the run's folder for as long as it is held (one run per output folder:
 /// two would append to the same record files). Released when the process ends, however.
-pub struct RunLock(#[allow(dead_code)] std::fs::File);
+pub struct RunLock(std::fs::File);
+
+impl Drop for RunLock {
+    /// Unlocked explicitly, not only closed: the lock belongs to the open file, which a child
+    /// being spawned holds a copy of from fork to exec (see `OutputLock` in `host augment`).
+    fn drop(&mut self) {
+        let _ = self.0.unlock();
+    }
+}
 
 impl RunLock {
     pub fn take(path: &Path) -> Result<RunLock> {
@@ -446,14 +454,18 @@ impl RunLock {
             .truncate(false)
             .open(path)
             .with_context(|| format!("{}: cannot open", path.display()))?;
-        if !rak_core::fsutil::try_lock_exclusive(&file).with_context(|| format!("{}: cannot lock", path.display()))? {
-            let mut holder = String::new();
-            let _ = file.read_to_string(&mut holder);
-            bail!(
-                "{}: another aar-train (pid {}) is running on this output folder; wait for it or stop it",
-                path.display(),
-                holder.split_whitespace().next().unwrap_or("unknown")
-            );
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut holder = String::new();
+                let _ = file.read_to_string(&mut holder);
+                bail!(
+                    "{}: another aar-train (pid {}) is running on this output folder; wait for it or stop it",
+                    path.display(),
+                    holder.split_whitespace().next().unwrap_or("unknown")
+                );
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(e).with_context(|| format!("{}: cannot lock", path.display())),
         }
         file.set_len(0)?;
         file.rewind()?;
@@ -467,9 +479,6 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    /// A resumed or redone stage clears the later ones, but for the score stage, whose key is
-    /// what it scores: a retrieval killed after a redo keeps the scores; a cleared final stage
-    /// leaves OUT's model until a new one replaces it.
     /// One run per folder: a second is refused naming the first's process; the folder is free
     /// again once the first is done.
     #[test]
@@ -485,6 +494,9 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// A resumed or redone stage clears the later ones, but for the score stage, whose key is
+    /// what it scores: a retrieval killed after a redo keeps the scores; a cleared final stage
+    /// leaves OUT's model until a new one replaces it.
     #[test]
     fn a_resumed_stage_clears_the_later_ones_but_the_scores() {
         let out = std::env::temp_dir().join(format!("aar-stages-{}", std::process::id()));
