@@ -35,7 +35,7 @@ fn main() -> anyhow::Result<()> {
     match mode.as_str() {
         "flat" => {
             // The matrix already read as `base`, not read a second time.
-            let flat = FlatIndex::new(base.into_vec(), d, ids)?;
+            let flat = FlatIndex::new(base.into_values(), d, ids)?;
             let t = Instant::now();
             let hits = flat.search_with(FlatBackend::Torch, queries.data(), d, k)?;
             let s = t.elapsed().as_secs_f64();
@@ -58,7 +58,7 @@ fn main() -> anyhow::Result<()> {
             let mut h = match &reuse {
                 Some(dir) if dir.exists() => HnswIndex::load(dir)?,
                 // The index takes `base` over (one copy of the matrix, as `host index build`).
-                _ => HnswIndex::build_owned(base.into_vec(), d, ids, HnswParams { m, ef_construction: efc, ef_search: efs[0] }, builder, &|_| ())?,
+                _ => HnswIndex::build_owned(base.into_values(), d, ids, HnswParams { m, ef_construction: efc, ef_search: efs[0] }, builder, &|_| ())?,
             };
             if let Some(dir) = reuse.filter(|d| !d.exists()) {
                 h.save(&dir)?;

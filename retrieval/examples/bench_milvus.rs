@@ -39,7 +39,7 @@ fn main() -> anyhow::Result<()> {
     let build_s = t.elapsed().as_secs_f64();
     let index = MilvusIndex::load(&dir)?;
 
-    let q = queries.into_vec();
+    let q = queries.into_values();
     let t = Instant::now();
     let mut one: Vec<Vec<Hit>> = Vec::with_capacity(nq);
     for row in q.chunks(dim) {

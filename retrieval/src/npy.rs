@@ -7,6 +7,7 @@
 //! whole row. Reading copies the values into memory ([`NpyF32`]) or streams them a block of
 //! rows at a time ([`NpyRows`]); files are never memory-mapped (see [`NpyF32`] for why).
 
+use crate::aligned::AlignedVec;
 use anyhow::{bail, Context, Result};
 use std::fs::File;
 use std::io::{BufWriter, Seek, SeekFrom, Write};
@@ -158,7 +159,8 @@ pub fn partial_path(path: &Path) -> PathBuf {
 /// [`NpyRows`] streams a file instead, for work that needs one pass and no copy.
 pub struct NpyF32 {
     path: PathBuf,
-    data: Vec<f32>,
+    /// Cache-line aligned: see `aligned`.
+    data: AlignedVec,
     rows: usize,
     dim: usize,
 }
@@ -169,8 +171,8 @@ impl NpyF32 {
     pub fn open(path: &Path) -> Result<Self> {
         let mut r = NpyRows::open(path)?;
         let (rows, dim) = (r.rows(), r.dim());
-        let mut data = Vec::new();
-        r.read_rows(rows, &mut data)?;
+        let mut data = AlignedVec::zeroed(rows * dim);
+        r.read_into(&mut data)?;
         Ok(Self { path: path.to_path_buf(), data, rows, dim })
     }
 
@@ -192,7 +194,7 @@ impl NpyF32 {
         &self.data[i * self.dim..(i + 1) * self.dim]
     }
     /// The values, row-major, without a copy.
-    pub fn into_vec(self) -> Vec<f32> {
+    pub fn into_values(self) -> AlignedVec {
         self.data
     }
 }
@@ -249,14 +251,25 @@ impl NpyRows {
         } else {
             buf.resize(n * self.dim, 0.0);
         }
+        self.read_into(buf)?;
+        Ok(n)
+    }
+
+    /// Fill `out` with the next `out.len() / dim` rows (a whole number of them, at most the
+    /// rows left).
+    pub fn read_into(&mut self, out: &mut [f32]) -> Result<()> {
+        let n = if self.dim == 0 { 0 } else { out.len() / self.dim };
+        if n * self.dim != out.len() || n > self.rows - self.done {
+            bail!("{}: cannot read {} values as rows of {} ({} rows left)", self.path.display(), out.len(), self.dim, self.rows - self.done);
+        }
         // f32 little-endian on disk; this crate targets little-endian machines only.
-        // Safety: any bytes are a valid f32; the view covers exactly `buf`'s values.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr() as *mut u8, std::mem::size_of_val(buf.as_slice())) };
+        // Safety: any bytes are a valid f32; the view covers exactly `out`'s values.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(out)) };
         std::io::Read::read_exact(&mut self.file, bytes).with_context(|| {
             format!("{}: cannot read rows {}..{} (was the file changed while being read?)", self.path.display(), self.done, self.done + n)
         })?;
         self.done += n;
-        Ok(n)
+        Ok(())
     }
 }
 

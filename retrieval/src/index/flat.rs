@@ -4,6 +4,7 @@
 //! on load), `ids.txt`.
 
 use super::{check_ids, check_matrix, check_queries, check_rows, simd, Hit, IndexMeta, Scored};
+use crate::aligned::AlignedVec;
 use crate::npy::{self, NpyF32, NpyRows, NpyWriter};
 use anyhow::{Context, Result};
 use rayon::prelude::*;
@@ -23,16 +24,19 @@ pub enum FlatBackend {
 }
 
 pub struct FlatIndex {
-    /// `[len, dim]` row-major, checked finite. Owned, never memory-mapped: see `npy::NpyF32`.
-    vectors: Vec<f32>,
+    /// `[len, dim]` row-major, checked finite. Owned, never memory-mapped: see `npy::NpyF32`;
+    /// cache-line aligned: see `aligned`.
+    vectors: AlignedVec,
     dim: usize,
     ids: Vec<String>,
     meta: IndexMeta,
 }
 
 impl FlatIndex {
-    /// An in-memory index over `vectors` (`[ids.len(), dim]`, row-major).
-    pub fn new(vectors: Vec<f32>, dim: usize, ids: Vec<String>) -> Result<Self> {
+    /// An in-memory index over `vectors` (`[ids.len(), dim]`, row-major; a `Vec<f32>` is
+    /// copied into an aligned buffer).
+    pub fn new(vectors: impl Into<AlignedVec>, dim: usize, ids: Vec<String>) -> Result<Self> {
+        let vectors = vectors.into();
         let rows = check_matrix("embeddings", &vectors, dim)?;
         check_ids(&ids, rows)?;
         let meta = IndexMeta::new("flat", dim, rows, "ip", serde_json::json!({}));
@@ -44,7 +48,7 @@ impl FlatIndex {
     pub fn from_npy(embeddings: &Path, ids: Vec<String>) -> Result<Self> {
         let arr = NpyF32::open(embeddings)?;
         let (rows, dim) = (arr.rows(), arr.dim());
-        let vectors = arr.into_vec();
+        let vectors = arr.into_values();
         check_matrix(&embeddings.display().to_string(), &vectors, dim)?;
         check_ids(&ids, rows).with_context(|| embeddings.display().to_string())?;
         let meta = IndexMeta::new("flat", dim, rows, "ip", serde_json::json!({}));
@@ -114,7 +118,7 @@ impl FlatIndex {
             anyhow::bail!("{}: index.json says ({}, {}), embeddings.npy is ({}, {})", dir.display(), meta.count, meta.dim, arr.rows(), arr.dim());
         }
         let dim = arr.dim();
-        let vectors = arr.into_vec();
+        let vectors = arr.into_values();
         check_matrix(&path.display().to_string(), &vectors, dim)?;
         Ok(Self { vectors, dim, ids, meta })
     }

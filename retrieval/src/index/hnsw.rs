@@ -35,6 +35,7 @@
 
 use super::hnsw_build::{self, beam_search, greedy, BuiltGraph, Scorer, SCRATCH};
 use super::{check_ids, check_matrix, check_queries, simd, Hit, IndexMeta, Scored};
+use crate::aligned::AlignedVec;
 use crate::npy::{self, NpyF32};
 use anyhow::{bail, Context, Result};
 use hnsw_rs::prelude::{Distance, Hnsw};
@@ -164,8 +165,9 @@ fn builder_hnsw_rs() -> HnswBuilder {
 
 pub struct HnswIndex {
     graph: Graph,
-    /// `[len, dim]` row-major, checked finite; owned, never memory-mapped (see `npy::NpyF32`).
-    vectors: Vec<f32>,
+    /// `[len, dim]` row-major, checked finite; owned, never memory-mapped (see `npy::NpyF32`);
+    /// cache-line aligned (see `aligned`: the build is memory-bound).
+    vectors: AlignedVec,
     dim: usize,
     params: HnswParams,
     max_norm: f32,
@@ -369,14 +371,14 @@ impl HnswIndex {
         progress: &(dyn Fn(usize) + Sync),
     ) -> Result<Self> {
         params.validate()?;
-        Self::build_owned(vectors.to_vec(), dim, ids, params, builder, progress)
+        Self::build_owned(AlignedVec::from_slice(vectors), dim, ids, params, builder, progress)
     }
 
     /// [`build_with_progress`](Self::build_with_progress) over vectors the index takes over:
     /// the graph is built on them and they are what the index searches, so a build holds one
     /// copy of the matrix, not two (the hnsw_rs builder keeps its own copy while it runs).
     pub fn build_owned(
-        vectors: Vec<f32>,
+        vectors: AlignedVec,
         dim: usize,
         ids: Vec<String>,
         params: HnswParams,
@@ -548,7 +550,7 @@ impl HnswIndex {
         if vectors.rows() != meta.count || vectors.dim() != meta.dim {
             bail!("{}: index.json says ({}, {}), vectors.npy is ({}, {})", dir.display(), meta.count, meta.dim, vectors.rows(), vectors.dim());
         }
-        let vectors = vectors.into_vec();
+        let vectors = vectors.into_values();
         check_matrix(&path.display().to_string(), &vectors, meta.dim)?;
         let graph = Graph::read(&dir.join("graph.bin"), meta.count)?;
         Ok(Self {

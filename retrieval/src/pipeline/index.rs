@@ -97,7 +97,7 @@ pub fn build_index(spec: &IndexSpec, output: &Path, progress: &dyn Progress) -> 
                     progress.inc((done - before) as u64);
                 }
             };
-            let idx = HnswIndex::build_owned(vectors.into_vec(), dim, ids, *params, *builder, &report)?;
+            let idx = HnswIndex::build_owned(vectors.into_values(), dim, ids, *params, *builder, &report)?;
             progress.finish();
             idx.save(output)?;
             idx.meta().clone()
