@@ -2,7 +2,7 @@
 //! index scores.
 //!
 //! Why: the dot-product kernels load 64 bytes at a time (AVX-512). A `Vec<f32>` is only
-//! 16-byte aligned, and where its buffer lands depends on what the process allocated before.
+//! 16-byte aligned (malloc's; Rust promises 4), and where its buffer lands depends on what the process allocated before.
 //! With rows of 384 floats (1,536 bytes, a multiple of 64) a matrix that starts off a cache
 //! line has every load of every row straddle two lines: `host index build` (matrix at 48 mod
 //! 64) built HNSW on 30k × 384 vectors in 11.0-11.7 s, in 9.1-10.0 s aligned, alternating

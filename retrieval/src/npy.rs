@@ -251,6 +251,11 @@ impl NpyRows {
         } else {
             buf.resize(n * self.dim, 0.0);
         }
+        if self.dim == 0 {
+            // No bytes to read, but the rows are handed out all the same.
+            self.done += n;
+            return Ok(n);
+        }
         self.read_into(buf)?;
         Ok(n)
     }
@@ -372,4 +377,26 @@ pub fn write_ids(path: &Path, ids: &[impl AsRef<str>]) -> Result<()> {
         text.push('\n');
     }
     rak_core::fsutil::write_bytes(path, text.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `(rows, 0)` file has no bytes to read, but its rows are still handed out once each:
+    /// a loop reading until 0 ends.
+    #[test]
+    fn rows_of_zero_width_are_handed_out_once() {
+        let path = std::env::temp_dir().join(format!("rak-npy-{}-zero-width.npy", std::process::id()));
+        std::fs::write(&path, header_bytes(5, 0, WRITER_HEADER_LEN)).unwrap();
+        let mut r = NpyRows::open(&path).unwrap();
+        let mut buf = Vec::new();
+        assert_eq!(r.read_rows(3, &mut buf).unwrap(), 3);
+        assert_eq!(r.read_rows(3, &mut buf).unwrap(), 2);
+        assert_eq!(r.read_rows(3, &mut buf).unwrap(), 0);
+        assert!(buf.is_empty());
+        let m = NpyF32::open(&path).unwrap();
+        assert_eq!((m.rows(), m.dim(), m.data().len()), (5, 0, 0));
+        std::fs::remove_file(&path).unwrap();
+    }
 }
