@@ -2,14 +2,13 @@
 //! index scores.
 //!
 //! Why: the dot-product kernels load 64 bytes at a time (AVX-512). A `Vec<f32>` is only
-//! 16-byte aligned (malloc's; Rust promises 4), and where its buffer lands depends on what the process allocated before.
-//! With rows of 384 floats (1,536 bytes, a multiple of 64) a matrix that starts off a cache
-//! line has every load of every row straddle two lines: `host index build` (matrix at 48 mod
-//! 64) built HNSW on 30k × 384 vectors in 11.0-11.7 s, in 9.1-10.0 s aligned, alternating
+//! 16-byte aligned (malloc's; Rust promises 4), and where its buffer lands depends on what
+//! the process allocated before. With rows of 384 floats (1,536 bytes, a multiple of 64) a
+//! matrix that starts off a cache line has every load of every row straddle two lines: `host
+//! index build` (matrix at 48 mod 64) built HNSW on 30k × 384 vectors in 11.0-11.7 s, in 9.1-10.0 s aligned, alternating
 //! (docs/BENCHMARKS.md, "HNSW build"), and one benchmark binary, aligned by chance, had read
 //! as 1.5× faster than `host` on the same code.
 
-use std::alloc::Layout;
 use std::ops::{Deref, DerefMut};
 
 /// One cache line of values.
@@ -24,24 +23,9 @@ pub struct AlignedVec {
 }
 
 impl AlignedVec {
-    /// `len` zeros, from zeroed memory (no pass writing them).
+    /// `len` zeros.
     pub fn zeroed(len: usize) -> Self {
-        let n = len.div_ceil(16);
-        if n == 0 {
-            return Self { lines: Vec::new(), len };
-        }
-        let layout = Layout::array::<Line>(n).expect("an f32 buffer fits the address space");
-        // Safety: the layout is non-zero in size; a null return is the allocation failure
-        // `handle_alloc_error` reports. All-zero bytes are a valid `Line`, and the buffer is
-        // handed to a `Vec<Line>` with the same layout, which frees it with that layout.
-        let lines = unsafe {
-            let p = std::alloc::alloc_zeroed(layout) as *mut Line;
-            if p.is_null() {
-                std::alloc::handle_alloc_error(layout);
-            }
-            Vec::from_raw_parts(p, n, n)
-        };
-        Self { lines, len }
+        Self { lines: vec![Line([0.0; 16]); len.div_ceil(16)], len }
     }
 
     /// A copy of `values`.

@@ -59,14 +59,14 @@ impl OutputLock {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => {
                 let mut holder = String::new();
-            let _ = file.read_to_string(&mut holder);
-            let holder = holder.trim();
-            let who = if holder.is_empty() { String::new() } else { format!(" (pid {holder})") };
-            bail!(
-                "{}: another host augment{who} is writing this output (it holds {}); wait for it to finish or use another --output",
-                output.display(),
-                path.display()
-            );
+                let _ = file.read_to_string(&mut holder);
+                let holder = holder.trim();
+                let who = if holder.is_empty() { String::new() } else { format!(" (pid {holder})") };
+                bail!(
+                    "{}: another host augment{who} is writing this output (it holds {}); wait for it to finish or use another --output",
+                    output.display(),
+                    path.display()
+                );
             }
             Err(TryLockError::Error(e)) => return Err(e).with_context(|| format!("{}: cannot lock", path.display())),
         }
