@@ -106,12 +106,7 @@ fn hashbow_built_from_a_copy(name: &str, edit: impl Fn(&Path)) -> PathBuf {
     let cargo_toml = copy.join("tests/third-party/hashbow/Cargo.toml");
     let text = std::fs::read_to_string(&cargo_toml).unwrap();
     std::fs::write(&cargo_toml, text.replace("[lib]\n", &format!("[lib]\nname = \"{lib}\"\n"))).unwrap();
-    let status = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(["build", "--release", "--quiet", "-p", "hashbow-encoder", "--manifest-path"])
-        .arg(copy.join("tests/third-party/Cargo.toml"))
-        .env("CARGO_TARGET_DIR", plugin_target_dir())
-        .status()
-        .expect("run cargo");
+    let status = plugin_build(&copy.join("tests/third-party/Cargo.toml")).args(["-p", "hashbow-encoder"]).status().expect("run cargo");
     assert!(status.success(), "building hashbow from {} failed", copy.display());
     plugin_target_dir().join("release").join(format!("lib{lib}.so"))
 }

@@ -603,6 +603,11 @@ fn training_keeps_float32_weights_whatever_the_encoder_settings_say() {
     }
 }
 
+/// Every encoder with every optimizer, in float32; in bf16 as well for every optimizer with
+/// dpr, and with one optimizer of each gradient path (AdamW's summed gradient, T-SAGE's per-task
+/// gradients) for taser and taco: the optimizers see the same float32 gradients whichever
+/// encoder made them, so the other eight bf16 runs (a minute and a half of CI) checked nothing
+/// new, and train_parity holds each encoder's bf16 step to PyTorch's autocast.
 #[test]
 fn every_encoder_trains_with_every_optimizer_in_float32_and_bf16() {
     let dir = TempDir::new("train-matrix");
@@ -633,7 +638,8 @@ fn every_encoder_trains_with_every_optimizer_in_float32_and_bf16() {
             // both hold (TASER's experts are new), flattened in name order.
             let mut updates = Vec::new();
             let mut step_losses: Vec<Vec<f64>> = Vec::new();
-            for bf16 in [false, true] {
+            let precisions: &[bool] = if *encoder == "dpr" || i < 2 { &[false, true] } else { &[false] };
+            for &bf16 in precisions {
                 let out = dir.path().join(format!("{encoder}-{i}-{}", if bf16 { "bf16" } else { "f32" }));
                 let mut c = Command::new(host_bin());
                 c.args(["train", "--model", p(model), "--config", p(&config), "--output-dir", p(&out)]).env_remove("RAK_PLUGIN_PATH");
@@ -663,6 +669,9 @@ fn every_encoder_trains_with_every_optimizer_in_float32_and_bf16() {
                 updates.push(delta);
                 // 36 runs of a model, a checkpoint and its optimizer state: 10 GB if kept.
                 std::fs::remove_dir_all(&out).unwrap();
+            }
+            if updates.len() < 2 {
+                continue;
             }
             // AdamW's first steps move every element by about lr whatever its gradient's size,
             // so both precisions move the weights by about as much. Where the embeddings are
