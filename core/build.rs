@@ -24,13 +24,20 @@ fn torch_cpp(lib_dir: &std::path::Path) -> cc::Build {
     b
 }
 
-/// The small C++ files: libtorch's oneDNN linear operators called by name, and the autograd
-/// controls tch lacks (see their headers).
+/// The small C++ files: libtorch's oneDNN linear operators called by name, the autograd
+/// controls tch lacks, libtorch's multi-tensor operators, and the keyed dropout kernel's host
+/// side (NVRTC and the CUDA driver opened at run time: no CUDA headers needed) (see their
+/// headers).
 fn compile_onednn_shim(lib_dir: &std::path::Path) {
-    println!("cargo:rerun-if-changed=csrc/onednn.cpp");
-    println!("cargo:rerun-if-changed=csrc/autograd.cpp");
-    println!("cargo:rerun-if-changed=csrc/guarded.h");
-    torch_cpp(lib_dir).file("csrc/onednn.cpp").file("csrc/autograd.cpp").compile("rak_onednn");
+    let files = ["onednn.cpp", "autograd.cpp", "multi_tensor.cpp", "cuda_kernels.cpp"];
+    for file in files.iter().chain(&["guarded.h", "keyed_mask.cuh"]) {
+        println!("cargo:rerun-if-changed=csrc/{file}");
+    }
+    let mut build = torch_cpp(lib_dir);
+    for file in files {
+        build.file(format!("csrc/{file}"));
+    }
+    build.compile("rak_onednn");
 }
 
 /// The c10d shim (`csrc/dist.cpp`): multi-process training over libtorch's own TCPStore and

@@ -72,10 +72,10 @@ fn main() {
         for step in 0..STEPS {
             let t0 = Instant::now();
             for g in &grads {
-                sum.add(lend(g));
+                sum.add(lend(g)).unwrap();
             }
             let mut g = sum.take();
-            clip_grad_norm(&mut g, 1.0);
+            clip_grad_norm(&mut g, 1.0).unwrap();
             let t1 = Instant::now();
             adam.step(&params, &g, &ctx(step)).unwrap();
             println!("adamw step {step}: sum + clip {:.3} s, update {:.3} s, total {:.3} s", (t1 - t0).as_secs_f64(), t1.elapsed().as_secs_f64(), t0.elapsed().as_secs_f64());

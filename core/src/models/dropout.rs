@@ -15,36 +15,45 @@
 //! pass, the element's coordinates)` alone, so an example's masks do not depend on which other
 //! examples share its batch, how long they are, or which process encodes it: a data-parallel
 //! run then trains as one process does, dropout on. Coordinates, not flat offsets, key the
-//! elements, so padding the batch to another length moves no mask. The same hash runs as
-//! tensor operations on other devices and dtypes, giving the same masks: on CUDA about 20
-//! elementwise kernels over int32 words (int64 before: twice the memory traffic, and each
-//! 32-bit multiply split in six operations) instead of torch's one fused kernel, the mask
-//! kept for backward as bool (1 byte an element, as torch keeps its own), and BERT's attention
-//! on its math path to apply it. A one-pass kernel of its own would need CUDA code that
-//! libtorch's tensor API cannot express (issue 33).
+//! elements, so padding the batch to another length moves no mask. On CUDA the same hash
+//! runs as one kernel of our own (`csrc/keyed_mask.cuh`, compiled by NVRTC when first needed,
+//! one byte an element, as torch keeps its own masks), the example keys copied to the device
+//! once a pass; elsewhere (or if the kernel cannot run) as int32 tensor operations, about 20
+//! elementwise kernels. Either way the mask is kept for backward as bool, the CPU fill's bit
+//! for bit, and BERT's attention takes its math path to apply it.
+
+mod cuda;
 
 use crate::optim::kernels::{f32_slice_mut, multiversion};
 use std::cell::RefCell;
 use tch::{Device, Kind, Tensor};
 
 thread_local! {
-    /// The example keys of the forward pass running on this thread, and how many dropout
-    /// calls it has made. Thread-local because the models' signatures carry only `train`; the
-    /// keys never cross a plugin boundary this way (the encoder that sets them and the model
-    /// code that reads them are one copy of this crate).
-    static KEYED: RefCell<Option<(Vec<u64>, u32)>> = const { RefCell::new(None) };
+    /// The keyed pass running on this thread. Thread-local because the models' signatures
+    /// carry only `train`; the keys never cross a plugin boundary this way (the encoder that
+    /// sets them and the model code that reads them are one copy of this crate).
+    static KEYED: RefCell<Option<Pass>> = const { RefCell::new(None) };
+}
+
+/// A keyed forward pass: its example keys, how many dropout calls it has made, and the keys
+/// as an int64 tensor on the device that asked for them (copied once a pass).
+struct Pass {
+    keys: Vec<u64>,
+    calls: u32,
+    on_device: Option<Tensor>,
 }
 
 /// Runs `f` (a training forward pass over `keys.len()` examples) with per-example masks.
 pub fn with_example_keys<R>(keys: &[u64], f: impl FnOnce() -> R) -> R {
-    struct Restore(Option<(Vec<u64>, u32)>);
+    struct Restore(Option<Pass>);
     impl Drop for Restore {
         fn drop(&mut self) {
             let previous = self.0.take();
             KEYED.with(|k| *k.borrow_mut() = previous);
         }
     }
-    let _restore = Restore(KEYED.with(|k| k.borrow_mut().replace((keys.to_vec(), 0))));
+    let pass = Pass { keys: keys.to_vec(), calls: 0, on_device: None };
+    let _restore = Restore(KEYED.with(|k| k.borrow_mut().replace(pass)));
     f()
 }
 
@@ -55,15 +64,28 @@ pub fn with_example_keys<R>(keys: &[u64], f: impl FnOnce() -> R) -> R {
 fn next_keyed_call(shape: &[i64]) -> Option<(Vec<u64>, u32)> {
     KEYED.with(|k| {
         let mut k = k.borrow_mut();
-        let (keys, calls) = k.as_mut()?;
+        let pass = k.as_mut()?;
         let middle = middle_dims(shape);
         assert!(
-            shape.first() == Some(&(keys.len() as i64)) && middle.len() <= 2 && middle.iter().all(|&d| d < 1 << 16),
+            shape.first() == Some(&(pass.keys.len() as i64)) && middle.len() <= 2 && middle.iter().all(|&d| d < 1 << 16),
             "keyed dropout over {} examples cannot key a tensor of shape {shape:?} (the batch first, then at most two dimensions under 65,536 before the last)",
-            keys.len()
+            pass.keys.len()
         );
-        *calls += 1;
-        Some((keys.clone(), *calls))
+        pass.calls += 1;
+        Some((pass.keys.clone(), pass.calls))
+    })
+}
+
+/// The running pass's keys as int64 on `device`, copied there at the first call that asks.
+fn keys_on(device: Device) -> Option<Tensor> {
+    KEYED.with(|k| {
+        let mut k = k.borrow_mut();
+        let pass = k.as_mut()?;
+        if pass.on_device.as_ref().is_none_or(|t| t.device() != device) {
+            let words: Vec<i64> = pass.keys.iter().map(|&key| key as i64).collect();
+            pass.on_device = Some(Tensor::from_slice(&words).to_device(device));
+        }
+        pass.on_device.as_ref().map(Tensor::shallow_clone)
     })
 }
 
@@ -87,11 +109,19 @@ pub fn dropout(x: &Tensor, p: f64, train: bool) -> Tensor {
         if fillable_on_cpu(x) {
             return x * keyed_mask_cpu(&x.size(), threshold, keep as f32, &keys, call);
         }
-        // Elsewhere (CUDA, other dtypes) a bool mask, which is all the product keeps for the
-        // backward pass (1 byte an element, as torch's own dropout keeps), and the scale as a
-        // scalar, so a bf16 input is scaled in float and rounded once. A product, not
-        // `masked_fill`: a NaN or infinity dropped stays NaN, as on the CPU and in torch.
-        return x * keyed_kept_tensor(x, threshold, &keys, call) * keep;
+        // Elsewhere (CUDA, other dtypes) a bool mask, applied as torch's own dropout applies
+        // its mask: one kernel (`native_dropout_backward`, itself differentiable) computing
+        // `mask · x · scale` in float and rounding once, so a NaN or infinity dropped stays
+        // NaN, as on the CPU; backward keeps the mask, 1 byte an element.
+        let kept = match x.device().is_cuda().then(|| cuda::keyed_kept(&x.size(), x.device(), threshold, call)) {
+            Some(Ok(kept)) => kept,
+            Some(Err(e)) => {
+                cuda::warn_once(&e);
+                keyed_kept_tensor(x, threshold, &keys, call)
+            }
+            None => keyed_kept_tensor(x, threshold, &keys, call),
+        };
+        return Tensor::native_dropout_backward(x, &kept, keep);
     }
     if !fillable_on_cpu(x) {
         return x.dropout(p, train);
@@ -341,6 +371,74 @@ mod tests {
                 y.sum(Kind::Double).backward();
                 assert!(x.grad().to_kind(Kind::Float).equal(&cpu), "shape {shape:?} call {call}: d/dx is the mask");
             }
+        }
+    }
+
+    /// The shapes and calls the keyed-mask tests run over: every rank the keys take, a
+    /// hidden-state and an attention shape, and batches whose keys differ in either half.
+    fn keyed_cases() -> Vec<(Vec<i64>, Vec<u64>, u32)> {
+        let keys = [u64::MAX, 0, 0x1234_5678_9abc_def0, 42, 9, 1 << 40, 7, 0xdead_beef];
+        let shapes = [vec![5i64], vec![3, 40], vec![2, 7, 33], vec![2, 3, 6, 6], vec![4, 64, 128], vec![2, 12, 17, 17], vec![8, 1, 300]];
+        let mut out = Vec::new();
+        for shape in shapes {
+            for call in [1, 2, 1000] {
+                out.push((shape.clone(), keys[..shape[0] as usize].to_vec(), call));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_cuda_kernel_s_arithmetic_draws_the_cpu_fill_s_masks() {
+        // csrc/keyed_mask.cuh compiled for the host: the element function the GPU runs.
+        for (shape, keys, call) in keyed_cases() {
+            for p in [0.1, 0.5] {
+                let threshold = (p * (1u64 << 24) as f64).round() as u32;
+                let cpu = keyed_mask_cpu(&shape, threshold, 1.0 / (1.0 - p as f32), &keys, call);
+                assert!(cuda::host_mask(&shape, &keys, threshold, call).equal(&cpu.ne(0.0)), "shape {shape:?} call {call} p {p}");
+            }
+        }
+    }
+
+    #[test]
+    fn nvrtc_compiles_the_cuda_kernel() {
+        // No GPU is needed to compile; a libtorch without CUDA has no NVRTC to compile with.
+        if !cuda::torch_is_cuda_build() {
+            eprintln!("skipped: this libtorch is not a CUDA build");
+            return;
+        }
+        // Ampere, Hopper (the machines gpu_check runs on) and one NVRTC may not know exactly.
+        for (major, minor) in [(8, 0), (9, 0), (12, 9)] {
+            cuda::compile_check(major, minor).unwrap_or_else(|e| panic!("sm_{major}{minor}: {e:#}"));
+        }
+    }
+
+    /// On a GPU only (bench/gpu_check.sh runs it there): the kernel's masks through
+    /// `dropout` in a keyed pass, against the CPU fill, bit for bit.
+    #[test]
+    fn on_cuda_the_kernel_draws_the_cpu_fill_s_masks() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no CUDA device");
+            return;
+        }
+        let device = Device::Cuda(0);
+        for (shape, keys, call) in keyed_cases() {
+            let threshold = (0.25 * (1u64 << 24) as f64) as u32;
+            let cpu = keyed_mask_cpu(&shape, threshold, 1.0 / 0.75, &keys, call);
+            let gpu = with_example_keys(&keys, || {
+                (1..call).for_each(|_| drop(next_keyed_call(&shape)));
+                assert!(next_keyed_call(&shape).is_some());
+                cuda::keyed_kept(&shape, device, threshold, call).expect("the kernel runs")
+            });
+            assert!(gpu.to_device(Device::Cpu).equal(&cpu.ne(0.0)), "shape {shape:?} call {call}");
+            let x = Tensor::ones(shape.as_slice(), (Kind::Float, device)).set_requires_grad(true);
+            let y = with_example_keys(&keys, || {
+                (1..call).for_each(|_| drop(next_keyed_call(&shape)));
+                dropout(&x, 0.25, true)
+            });
+            assert!(y.to_device(Device::Cpu).equal(&cpu), "shape {shape:?} call {call}: dropout's values");
+            y.sum(Kind::Float).backward();
+            assert!(x.grad().to_device(Device::Cpu).equal(&cpu), "shape {shape:?} call {call}: d/dx is the mask");
         }
     }
 

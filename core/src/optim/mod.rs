@@ -5,6 +5,7 @@
 pub mod cgd;
 pub mod gradnorm;
 pub mod kernels;
+pub mod multi;
 pub mod pcgrad;
 #[cfg(test)]
 mod testutil;
@@ -15,7 +16,7 @@ use crate::plugin::StepContext;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 /// AdamW hyper-parameters; defaults are PyTorch's (and tch's `nn::AdamW`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -67,12 +68,18 @@ struct Moments {
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     step: i64,
+    /// The step count as the fused multi-tensor update reads it (a float32 scalar on the
+    /// parameter's device, advanced there), and the count it holds; made again from `step`
+    /// when they disagree (a restored checkpoint).
+    device_step: Option<(Tensor, i64)>,
 }
 
 /// AdamW moments by parameter name, following `torch.optim.AdamW` (decoupled weight decay,
 /// bias-corrected moments, `eps` added after the bias-corrected square root). Each step's
 /// learning rate is scaled per parameter by the context's `lr_scale`; parameters named in
-/// `no_weight_decay` get none.
+/// `no_weight_decay` get none. Contiguous float32 parameters on the CPU step in this crate's
+/// fused loops; the others (a GPU's) in libtorch's fused multi-tensor AdamW, one call for each
+/// group of parameters that share a device, a dtype, a learning rate and a weight decay.
 pub struct AdamW {
     pub config: AdamWConfig,
     moments: BTreeMap<String, Moments>,
@@ -89,17 +96,20 @@ impl AdamW {
     pub fn step(&mut self, params: &[(String, Tensor)], grads: &BTreeMap<String, Tensor>, ctx: &StepContext) -> Result<()> {
         let c = self.config.clone();
         let _guard = tch::no_grad_guard();
+        // Parameters for libtorch's fused update, with what a group shares: (device, dtype,
+        // learning rate, weight decay), (parameter, gradient, name).
+        let mut fused = Vec::new();
         for (name, p) in params {
             let Some(g) = grads.get(name).filter(|g| g.defined()) else { continue };
             if g.size() != p.size() {
                 bail!("gradient of {name} has shape {:?}, the parameter {:?}", g.size(), p.size());
             }
             let lr = ctx.lr * ctx.lr_scale.get(name).copied().unwrap_or(1.0);
-            let mut p = p.shallow_clone();
+            let p = p.shallow_clone();
             let m = self
                 .moments
                 .entry(name.clone())
-                .or_insert_with(|| Moments { exp_avg: Tensor::zeros_like(&p), exp_avg_sq: Tensor::zeros_like(&p), step: 0 });
+                .or_insert_with(|| Moments { exp_avg: Tensor::zeros_like(&p), exp_avg_sq: Tensor::zeros_like(&p), step: 0, device_step: None });
             if m.exp_avg.device() != p.device() {
                 // Restored from a checkpoint, which keeps state on the CPU.
                 m.exp_avg = m.exp_avg.to_device(p.device());
@@ -111,32 +121,38 @@ impl AdamW {
                 bail!("AdamW moments of {name} have shapes {:?} and {:?}, the parameter {:?} (a checkpoint of another model?)", m.exp_avg.size(), m.exp_avg_sq.size(), p.size());
             }
             m.step += 1;
-            let bias1 = 1.0 - c.beta1.powi(m.step as i32);
-            let bias2 = 1.0 - c.beta2.powi(m.step as i32);
-            let decay = if c.weight_decay != 0.0 && !ctx.no_weight_decay.contains(name) { 1.0 - lr * c.weight_decay } else { 1.0 };
+            let weight_decay = if c.weight_decay != 0.0 && !ctx.no_weight_decay.contains(name) { c.weight_decay } else { 0.0 };
             // SAFETY: four distinct tensors of one shape (checked above): the parameter and the
             // moments written by nothing else, the gradient only read. Written through their
             // memory, the parameters' autograd version counters do not move: the step runs
             // after backward, when no graph holds them.
-            let fused = unsafe { (kernels::f32_slice_mut(&p), kernels::f32_slice(g), kernels::f32_slice_mut(&m.exp_avg), kernels::f32_slice_mut(&m.exp_avg_sq)) };
-            if let (Some(pv), Some(gv), Some(mv), Some(vv)) = fused {
+            let on_cpu = unsafe { (kernels::f32_slice_mut(&p), kernels::f32_slice(g), kernels::f32_slice_mut(&m.exp_avg), kernels::f32_slice_mut(&m.exp_avg_sq)) };
+            if let (Some(pv), Some(gv), Some(mv), Some(vv)) = on_cpu {
                 let consts = kernels::AdamWStep {
-                    decay: decay as f32,
+                    decay: (1.0 - lr * weight_decay) as f32,
                     one_minus_beta1: (1.0 - c.beta1) as f32,
                     beta2: c.beta2 as f32,
                     one_minus_beta2: (1.0 - c.beta2) as f32,
-                    bias2_sqrt: bias2.sqrt() as f32,
+                    bias2_sqrt: (1.0 - c.beta2.powi(m.step as i32)).sqrt() as f32,
                     eps: c.eps as f32,
-                    step_size: (-lr / bias1) as f32,
+                    step_size: (-lr / (1.0 - c.beta1.powi(m.step as i32))) as f32,
                 };
                 kernels::adamw(pv, gv, mv, vv, consts);
                 continue;
             }
-            if decay != 1.0 {
-                let _ = p.g_mul_scalar_(decay);
+            // libtorch's fused update walks its tensors' memory in order (its CPU kernel) or
+            // refuses them (CUDA's) unless all four are contiguous, of one dtype: other layouts
+            // step as torch.optim.AdamW's single-tensor loop does, in tch operations.
+            let dense = [&p, g, &m.exp_avg, &m.exp_avg_sq].iter().all(|t| t.is_contiguous() && t.kind() == p.kind());
+            if dense {
+                fused.push(((p.device(), p.kind(), lr, weight_decay), (p, g.shallow_clone(), name.clone())));
+                continue;
             }
-            // As torch.optim.AdamW's single-tensor loop (`lerp_` for the first moment, the
-            // denominator built in place).
+            let mut p = p;
+            if weight_decay != 0.0 {
+                let _ = p.g_mul_scalar_(1.0 - lr * weight_decay);
+            }
+            let (bias1, bias2) = (1.0 - c.beta1.powi(m.step as i32), 1.0 - c.beta2.powi(m.step as i32));
             let _ = m.exp_avg.lerp_(g, 1.0 - c.beta1);
             let _ = m.exp_avg_sq.g_mul_scalar_(c.beta2);
             let _ = m.exp_avg_sq.addcmul_(&(g * (1.0 - c.beta2)), g);
@@ -144,6 +160,37 @@ impl AdamW {
             let _ = denom.g_div_scalar_(bias2.sqrt());
             let _ = denom.g_add_scalar_(c.eps);
             let _ = p.addcdiv_(&(&m.exp_avg * (-lr / bias1)), &denom);
+        }
+        for ((_, _, lr, weight_decay), group) in multi::grouped(fused) {
+            let mut steps = Vec::with_capacity(group.len());
+            for (p, _, name) in &group {
+                let m = self.moments.get_mut(name).expect("moments made above");
+                // Advanced on the device below, from the count before this step.
+                let before = m.step - 1;
+                if !matches!(&m.device_step, Some((t, at)) if *at == before && t.device() == p.device()) {
+                    m.device_step = Some((Tensor::from(before as f32).to_device(p.device()), before));
+                }
+                steps.push(m.device_step.as_ref().expect("set above").0.shallow_clone());
+            }
+            let moments: Vec<&Moments> = group.iter().map(|(_, _, name)| &self.moments[name]).collect();
+            let step_refs: Vec<&Tensor> = steps.iter().collect();
+            multi::add_scalar_(&step_refs, 1.0)?;
+            let run = multi::FusedAdamW {
+                params: group.iter().map(|(p, _, _)| p).collect(),
+                grads: group.iter().map(|(_, g, _)| g).collect(),
+                exp_avgs: moments.iter().map(|m| &m.exp_avg).collect(),
+                exp_avg_sqs: moments.iter().map(|m| &m.exp_avg_sq).collect(),
+                steps: step_refs,
+            };
+            run.run(lr, c.beta1, c.beta2, weight_decay, c.eps)?;
+            // Only now do the device counts hold this step (a failed call leaves them to be
+            // made again from `step`).
+            for (_, _, name) in &group {
+                let m = self.moments.get_mut(name).expect("moments made above");
+                if let Some((_, at)) = m.device_step.as_mut() {
+                    *at = m.step;
+                }
+            }
         }
         Ok(())
     }
@@ -186,7 +233,7 @@ impl AdamW {
         let mut moments = BTreeMap::new();
         for ((name, exp_avg), exp_avg_sq) in avg.into_iter().zip(sq.into_values()) {
             let Some(step) = steps.remove(&name).or(global_step) else { bail!("AdamW state has no step count for {name:?}") };
-            moments.insert(name, Moments { exp_avg, exp_avg_sq, step });
+            moments.insert(name, Moments { exp_avg, exp_avg_sq, step, device_step: None });
         }
         if let Some(name) = steps.keys().next() {
             bail!("AdamW state has a step count for {name:?} but no moments");
@@ -197,32 +244,64 @@ impl AdamW {
 }
 
 /// Scale `grads` in place so their global L2 norm is at most `max_norm`, as
-/// `torch.nn.utils.clip_grad_norm_` does (factor `max_norm / (norm + 1e-6)` when below 1).
-/// Returns the norm before clipping.
-pub fn clip_grad_norm(grads: &mut BTreeMap<String, Tensor>, max_norm: f64) -> f64 {
+/// `torch.nn.utils.clip_grad_norm_` does (per-tensor norms, their norm and the factor
+/// `max_norm / (norm + 1e-6)` clamped at 1, in float32 on the gradients' device). Returns
+/// the norm before clipping as a one-element tensor on that device: off the CPU, reading it
+/// waits for the device, so callers read it once their update is queued. On the CPU the factor
+/// is read and the gradients are multiplied only when it is under 1 (a pass over every
+/// gradient saved; the product by 1 changes nothing).
+pub fn clip_grad_norm(grads: &mut BTreeMap<String, Tensor>, max_norm: f64) -> Result<ClippedNorm> {
     let _guard = tch::no_grad_guard();
-    let sq: Vec<Tensor> = grads.values().filter(|g| g.defined()).map(|g| g.to_kind(Kind::Float).square().sum(Kind::Float)).collect();
-    if sq.is_empty() {
-        return 0.0;
+    let defined: Vec<&Tensor> = grads.values().filter(|g| g.defined()).collect();
+    if defined.is_empty() {
+        return Ok(ClippedNorm(Tensor::from(0f32)));
     }
-    let norm = Tensor::stack(&sq, 0).sum(Kind::Float).sqrt().double_value(&[]);
-    let coef = max_norm / (norm + 1e-6);
-    if coef < 1.0 {
-        for g in grads.values_mut().filter(|g| g.defined()) {
-            let _ = g.g_mul_scalar_(coef);
+    // Gradients of one dtype and device in a model; the operators take one of each per list.
+    let device = defined[0].device();
+    let by_placement = multi::grouped(defined.into_iter().map(|g| ((g.device(), g.kind()), g)));
+    // Squared norms by group: off the CPU libtorch's `_foreach_norm` (torch's own clipping's);
+    // on the CPU a sum per gradient, because there `_foreach_norm` sums float32 in float32
+    // order: 3.5e-5 off a float64 norm over MiniLM-sized gradients, where `sum` (cascaded) is
+    // 5e-8 off, and that noise decided whether two processes trained as one.
+    let mut squares = Vec::with_capacity(by_placement.len());
+    for ((placement, _), list) in &by_placement {
+        let part = match placement {
+            tch::Device::Cpu => Tensor::stack(&list.iter().map(|g| g.to_kind(tch::Kind::Float).square().sum(tch::Kind::Float)).collect::<Vec<_>>(), 0),
+            _ => multi::norms(list)?.square(),
+        };
+        squares.push(part.to_device(device));
+    }
+    let norm = Tensor::cat(&squares, 0).sum(tch::Kind::Float).sqrt();
+    // `max_norm / (norm + 1e-6)` as torch evaluates a number over a tensor: the reciprocal
+    // times the number (`Tensor.__rtruediv__`), so the factor is torch's to the bit.
+    let coef = ((norm.shallow_clone() + 1e-6).reciprocal() * max_norm).clamp_max(1.0);
+    // A NaN factor multiplies too, as torch's does.
+    if device != tch::Device::Cpu || coef.double_value(&[]).is_nan() || coef.double_value(&[]) < 1.0 {
+        for ((device, _), list) in &by_placement {
+            multi::mul_(list, &coef.to_device(*device))?;
         }
     }
-    norm
+    Ok(ClippedNorm(norm))
+}
+
+/// The global gradient norm [`clip_grad_norm`] found, still on the gradients' device.
+pub struct ClippedNorm(Tensor);
+
+impl ClippedNorm {
+    /// The norm (a wait for the device).
+    pub fn value(&self) -> f64 {
+        self.0.double_value(&[])
+    }
 }
 
 /// The name of the first gradient (in `grads`' order) holding a NaN or an infinity. Float32
-/// CPU gradients are scanned in place; for the others (a GPU's) a flag per gradient is made on
-/// their device and all the flags come to the host in one copy: reading each one alone made
-/// the host wait for the device once per parameter (101 times a MiniLM step, 199 a BERT-base
-/// one), each wait leaving the device idle until the next kernels were queued.
+/// CPU gradients are scanned in place; the others (a GPU's) by one multi-tensor check per
+/// device and dtype whose flag comes to the host in one copy (reading one flag per parameter
+/// made the host wait for the device 101 times a MiniLM step, 199 a BERT-base one), and only
+/// when it is set, one flag per gradient to name the first.
 pub fn first_non_finite<'a>(grads: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Option<&'a str> {
     let grads: Vec<(&str, &Tensor)> = grads.into_iter().collect();
-    let mut flags = Vec::new();
+    let mut others = Vec::new();
     let mut first_on_cpu = None;
     for (i, &(_, g)) in grads.iter().enumerate().filter(|(_, (_, g))| g.defined()) {
         // SAFETY: the gradient is only read, and nothing writes it during the call.
@@ -232,22 +311,24 @@ pub fn first_non_finite<'a>(grads: impl IntoIterator<Item = (&'a str, &'a Tensor
                     first_on_cpu = Some(i);
                 }
             }
-            None => flags.push((i, g.isfinite().logical_not().any())),
+            None => others.push(((g.device(), g.kind()), i)),
         }
     }
     let mut bad: Vec<usize> = first_on_cpu.into_iter().collect();
-    if !flags.is_empty() {
-        let stacked = Tensor::f_stack(&flags.iter().map(|(_, f)| f.shallow_clone()).collect::<Vec<_>>(), 0)
-            .and_then(|t| t.f_to_kind(Kind::Int64))
-            .and_then(|t| Vec::<i64>::try_from(t.to_device(tch::Device::Cpu)));
-        // Gradients on several devices cannot be stacked: each flag read alone then.
-        let all = stacked.unwrap_or_else(|_| flags.iter().map(|(_, f)| f.int64_value(&[])).collect());
-        bad.extend(flags.iter().zip(all).filter(|(_, f)| *f != 0).map(|((i, _), _)| *i));
+    for (_, list) in multi::grouped(others) {
+        let tensors: Vec<&Tensor> = list.iter().map(|&i| grads[i].1).collect();
+        // A check that cannot run (a dtype it does not take) counts as a hit: the flags below
+        // then decide, one per gradient.
+        let found = multi::any_non_finite(&tensors).map_or(true, |f| f.double_value(&[0]) != 0.0);
+        if found {
+            bad.extend(list.iter().copied().filter(|&i| grads[i].1.isfinite().logical_not().any().int64_value(&[]) != 0).take(1));
+        }
     }
     bad.into_iter().min().map(|i| grads[i].0)
 }
 
-/// Per-task gradients folded into one sum by name, as they arrive (plain multitask training).
+/// Per-task gradients folded into one sum by name, as they arrive (plain multitask training):
+/// copied and added by multi-tensor operators, one call per task for all its gradients.
 #[derive(Default)]
 pub struct GradSum {
     sum: BTreeMap<String, Tensor>,
@@ -255,18 +336,31 @@ pub struct GradSum {
 
 impl GradSum {
     /// Add one task's gradients (copied: the caller reuses its storage).
-    pub fn add(&mut self, grads: Vec<(String, Tensor)>) {
+    pub fn add(&mut self, grads: Vec<(String, Tensor)>) -> Result<()> {
         let _guard = tch::no_grad_guard();
+        // New names are copied, known ones added, each set grouped by device and dtype.
+        let (mut fresh, mut known) = (Vec::new(), Vec::new());
         for (name, g) in grads.into_iter().filter(|(_, g)| g.defined()) {
-            match self.sum.get_mut(&name) {
+            let placement = (g.device(), g.kind());
+            match self.sum.get(&name) {
+                Some(s) if (s.device(), s.kind()) == placement => known.push((placement, (s.shallow_clone(), g))),
+                // Another device or dtype than the sum so far (no model of ours makes one):
+                // added on its own, promoted as torch's in-place add promotes.
                 Some(s) => {
-                    let _ = s.g_add_(&g);
+                    let _ = s.shallow_clone().f_add_(&g)?;
                 }
-                None => {
-                    self.sum.insert(name, g.copy());
-                }
+                None => fresh.push((placement, (name, g))),
             }
         }
+        for (_, pairs) in multi::grouped(known) {
+            let (sums, adds): (Vec<&Tensor>, Vec<&Tensor>) = pairs.iter().map(|(s, g)| (s, g)).unzip();
+            multi::add_(&sums, &adds)?;
+        }
+        for (_, list) in multi::grouped(fresh) {
+            let copies = multi::copies(&list.iter().map(|(_, g)| g).collect::<Vec<_>>())?;
+            self.sum.extend(list.into_iter().map(|(n, _)| n).zip(copies));
+        }
+        Ok(())
     }
 
     /// The sum so far, leaving this empty.
@@ -278,17 +372,18 @@ impl GradSum {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tch::Kind;
 
     #[test]
     fn clipping_matches_torch() {
         let mut g: BTreeMap<String, Tensor> =
             [("a".to_string(), Tensor::from_slice(&[3.0f32, 0.0])), ("b".to_string(), Tensor::from_slice(&[4.0f32]))].into();
-        let norm = clip_grad_norm(&mut g, 1.0);
+        let norm = clip_grad_norm(&mut g, 1.0).unwrap().value();
         assert!((norm - 5.0).abs() < 1e-6);
         let coef = 1.0 / (5.0 + 1e-6);
         assert!((g["a"].double_value(&[0]) - 3.0 * coef).abs() < 1e-6);
         let mut small: BTreeMap<String, Tensor> = [("a".to_string(), Tensor::from_slice(&[0.3f32]))].into();
-        clip_grad_norm(&mut small, 1.0);
+        clip_grad_norm(&mut small, 1.0).unwrap();
         assert!((small["a"].double_value(&[0]) - 0.3).abs() < 1e-7, "under the limit: unchanged");
     }
 
@@ -316,6 +411,110 @@ mod tests {
             let before = if name == "w" { start.shallow_clone() } else { start.get(0) };
             assert!((x.to_kind(Kind::Double) - before).abs().max().double_value(&[]) > 0.01, "{name} moved");
         }
+    }
+
+    /// Values in [-1, 1] that vary along a tensor and with `salt`, without torch's generator
+    /// (which other tests running at the same time draw from).
+    fn noise(shape: &[i64], salt: f64) -> Tensor {
+        let n: i64 = shape.iter().product();
+        ((Tensor::arange(n, (Kind::Double, tch::Device::Cpu)) + salt) * 0.731).sin().view(shape)
+    }
+
+    /// Parameters in several groups (learning-rate scales, no weight decay) and one without a
+    /// gradient in a step: the CPU's fused loops and libtorch's fused multi-tensor update
+    /// (float64 on the CPU here; CUDA's float32 in the test below) take the same steps, and
+    /// the per-parameter step counts survive a save and load between the two paths.
+    fn grouped_steps(kind: Kind, device: tch::Device) -> Vec<(String, Tensor)> {
+        let shapes: [(&str, Vec<i64>); 4] = [("a.weight", vec![6, 5]), ("a.bias", vec![6]), ("b.weight", vec![3, 4, 2]), ("c.LayerNorm.weight", vec![7])];
+        let params: Vec<(String, Tensor)> = shapes.iter().enumerate().map(|(i, (n, s))| (n.to_string(), noise(s, i as f64).to_kind(kind).to_device(device))).collect();
+        let ctx = StepContext {
+            lr: 0.03,
+            lr_scale: [("b.weight".to_string(), 0.5)].into(),
+            no_weight_decay: ["a.bias".to_string(), "c.LayerNorm.weight".to_string()].into(),
+            ..Default::default()
+        };
+        let mut opt = AdamW::new(AdamWConfig { weight_decay: 0.1, ..Default::default() });
+        for step in 0..5 {
+            let grads: BTreeMap<String, Tensor> = params
+                .iter()
+                .filter(|(n, _)| !(step == 2 && n == "b.weight"))
+                .map(|(n, p)| (n.clone(), (noise(&p.size(), 10.0 * n.len() as f64 + step as f64) * (step + 1) as f64).to_kind(kind).to_device(device)))
+                .collect();
+            opt.step(&params, &grads, &ctx).unwrap();
+            if step == 3 {
+                let mut again = AdamW::new(opt.config.clone());
+                again.load_state(opt.state().into_iter().map(|(n, t)| (n, t.to_device(tch::Device::Cpu))).collect()).unwrap();
+                opt = again;
+            }
+        }
+        params
+    }
+
+    #[test]
+    fn the_multi_tensor_update_takes_the_cpu_loop_s_steps() {
+        let cpu = grouped_steps(Kind::Float, tch::Device::Cpu);
+        let multi = grouped_steps(Kind::Double, tch::Device::Cpu);
+        for ((name, x), (_, y)) in cpu.iter().zip(&multi) {
+            let diff = (x.to_kind(Kind::Double) - y).abs().max().double_value(&[]);
+            assert!(diff < 1e-5, "{name}: max diff {diff}");
+        }
+    }
+
+    /// A transposed parameter and gradient, and a strided slice of a larger tensor, step as
+    /// their contiguous copies do, on either path (float32: the CPU loop's refusal; float64:
+    /// the fused update's), and the slice's neighbours are left alone.
+    #[test]
+    fn a_parameter_that_is_not_contiguous_steps_as_its_contiguous_copy() {
+        for kind in [Kind::Float, Kind::Double] {
+            let base = noise(&[5, 8], 1.0).to_kind(kind);
+            let transposed = base.copy().transpose(0, 1);
+            let wide = base.copy();
+            let slice = wide.slice(1, 0, 8, 2);
+            let contiguous = [transposed.contiguous(), slice.contiguous()];
+            let odd = vec![("t".to_string(), transposed.shallow_clone()), ("s".to_string(), slice.shallow_clone())];
+            let plain = vec![("t".to_string(), contiguous[0].shallow_clone()), ("s".to_string(), contiguous[1].shallow_clone())];
+            let (mut a, mut b) = (AdamW::new(AdamWConfig::default()), AdamW::new(AdamWConfig::default()));
+            let ctx = StepContext { lr: 0.05, ..Default::default() };
+            for step in 0..3 {
+                let gt = noise(&[5, 8], 20.0 + step as f64).to_kind(kind).transpose(0, 1);
+                let gs = noise(&[5, 4], 40.0 + step as f64).to_kind(kind);
+                a.step(&odd, &[("t".to_string(), gt.shallow_clone()), ("s".to_string(), gs.shallow_clone())].into(), &ctx).unwrap();
+                b.step(&plain, &[("t".to_string(), gt.contiguous()), ("s".to_string(), gs)].into(), &ctx).unwrap();
+            }
+            assert!(transposed.allclose(&contiguous[0], 1e-6, 1e-7, false), "{kind:?}: the transposed parameter");
+            assert!(slice.allclose(&contiguous[1], 1e-6, 1e-7, false), "{kind:?}: the strided slice");
+            assert!(wide.slice(1, 1, 8, 2).equal(&base.slice(1, 1, 8, 2)), "{kind:?}: the slice's neighbours moved");
+        }
+    }
+
+    /// On a GPU only (bench/gpu_check.sh runs it there): the CUDA path (fused AdamW, clipping,
+    /// the gradient sum and the non-finite check as multi-tensor operators) against the CPU's.
+    #[test]
+    fn on_cuda_the_optimizer_step_equals_the_cpu_s() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no CUDA device");
+            return;
+        }
+        let gpu = tch::Device::Cuda(0);
+        let (cpu_params, gpu_params) = (grouped_steps(Kind::Float, tch::Device::Cpu), grouped_steps(Kind::Float, gpu));
+        for ((name, x), (_, y)) in cpu_params.iter().zip(&gpu_params) {
+            let diff = (x - y.to_device(tch::Device::Cpu)).abs().max().double_value(&[]);
+            assert!(diff < 1e-6, "{name}: CPU and CUDA differ by {diff}");
+        }
+        let grads = |device| -> Vec<(String, Tensor)> { cpu_params.iter().enumerate().map(|(i, (n, p))| (n.clone(), (noise(&p.size(), 50.0 + i as f64) * 3.0).to_kind(Kind::Float).to_device(device))).collect() };
+        let (mut on_cpu, mut on_gpu) = (GradSum::default(), GradSum::default());
+        for _ in 0..2 {
+            on_cpu.add(grads(tch::Device::Cpu)).unwrap();
+            on_gpu.add(grads(gpu)).unwrap();
+        }
+        let (mut a, mut b) = (on_cpu.take(), on_gpu.take());
+        let (na, nb) = (clip_grad_norm(&mut a, 1.0).unwrap().value(), clip_grad_norm(&mut b, 1.0).unwrap().value());
+        assert!((na - nb).abs() < 1e-5 * na, "norms {na} and {nb}");
+        for (name, g) in &a {
+            assert!(g.allclose(&b[name].to_device(tch::Device::Cpu), 1e-6, 1e-7, false), "{name} clipped unlike the CPU");
+        }
+        let _ = b["b.weight"].get(1).get(2).get(0).fill_(f64::NAN);
+        assert_eq!(first_non_finite(b.iter().map(|(n, g)| (n.as_str(), g))), Some("b.weight"));
     }
 
     /// As torch.optim.AdamW: a parameter that gets no gradient in a step is not touched (no

@@ -491,8 +491,9 @@ impl TSage {
         let burn_in = step.burn_in;
         let _guard = tch::no_grad_guard();
         let mut combined = self.combined_gradient(&mut step);
-        let norm = step.ctx.max_grad_norm.map(|max| clip_grad_norm(&mut combined, max));
+        let norm = step.ctx.max_grad_norm.map(|max| clip_grad_norm(&mut combined, max)).transpose()?;
         self.adam.step(&step.params, &combined, &step.ctx)?;
+        let norm = norm.map(|n| n.value());
         Ok(serde_json::json!({"grad_norm": norm, "burn_in": burn_in, "sensitivity_medians": step.medians}))
     }
 
@@ -630,7 +631,7 @@ mod tests {
             if adam {
                 let mut gm: BTreeMap<String, Tensor> = [("flat".to_string(), combined)].into();
                 if let Some(max) = max_norm {
-                    clip_grad_norm(&mut gm, max);
+                    clip_grad_norm(&mut gm, max).unwrap();
                 }
                 let ctx = StepContext { lr: 0.01, ..Default::default() };
                 opt.step(&[("flat".to_string(), theta.shallow_clone())], &gm, &ctx).unwrap();

@@ -166,8 +166,9 @@ impl<W: Weighting> Weighted<W> {
                 sum
             }
         };
-        let norm = step.ctx.max_grad_norm.map(|max| clip_grad_norm(&mut combined, max));
+        let norm = step.ctx.max_grad_norm.map(|max| clip_grad_norm(&mut combined, max)).transpose()?;
         self.adam.step(&step.params, &combined, &step.ctx)?;
+        let norm = norm.map(|n| n.value());
         Ok(serde_json::json!({"grad_norm": norm, "task_weights": weights, W::NAME: self.weighting.report()}))
     }
 
@@ -271,7 +272,7 @@ mod tests {
             let losses: Vec<f64> = (0..TASKS).map(|t| if pres[t] { loss(step, t) } else { 0.0 }).collect();
             let mut gm: BTreeMap<String, Tensor> = [("flat".to_string(), combine(step, &g, &pres, &losses).to_kind(Kind::Float))].into();
             if let Some(max) = clip {
-                clip_grad_norm(&mut gm, max);
+                clip_grad_norm(&mut gm, max).unwrap();
             }
             adam.step(&[("flat".to_string(), theta.shallow_clone())], &gm, &ctx(step, clip)).unwrap();
         }

@@ -36,16 +36,16 @@ impl Optimizer for AdamWPlugin {
 
     fn task_gradients(&mut self, _task: &str, _loss: f64, grads: Vec<(String, Tensor)>) -> Result<()> {
         anyhow::ensure!(self.step.is_some(), "adamw: task_gradients before begin_step");
-        self.sum.add(grads);
-        Ok(())
+        self.sum.add(grads)
     }
 
     fn finish_step(&mut self) -> Result<Value> {
         let (params, ctx) = self.step.take().context("adamw: finish_step before begin_step")?;
         let mut grads = self.sum.take();
-        let norm = ctx.max_grad_norm.map(|max| clip_grad_norm(&mut grads, max));
+        let norm = ctx.max_grad_norm.map(|max| clip_grad_norm(&mut grads, max)).transpose()?;
         self.adam.step(&params, &grads, &ctx)?;
-        Ok(json!({"grad_norm": norm}))
+        // Read once the update is queued: on a GPU the wait then overlaps nothing but it.
+        Ok(json!({"grad_norm": norm.map(|n| n.value())}))
     }
 
     fn state(&self) -> Result<Vec<(String, Tensor)>> {
