@@ -657,6 +657,10 @@ impl<'a> Trainer<'a> {
             return self.whole_step(params, groups);
         }
         let mut losses = Vec::with_capacity(groups.len());
+        // The summed gradient's tasks, whose losses are read together once every backward
+        // pass is queued: read one by one, each read would wait for its task's backward pass
+        // before the next task's forward pass could be queued.
+        let mut unread = Vec::new();
         for g in groups {
             let (q, p) = {
                 let _autocast = self.config.bf16.then(|| Autocast::bf16(device)).transpose()?;
@@ -664,25 +668,39 @@ impl<'a> Trainer<'a> {
             };
             self.phases.end("forward", device);
             let loss = self.task_loss(g, &q, &p, None, &[])?;
-            let value = loss.double_value(&[]);
             self.phases.end("loss", device);
+            // A process with none of this task's rows has no graph to go back through.
+            if loss.requires_grad() {
+                (&loss * self.task_weight(g, groups)).backward();
+            }
+            self.phases.end("backward", device);
+            if !self.per_task_gradients {
+                unread.push((g.task.clone(), loss.detach()));
+                continue;
+            }
+            // Read once the backward pass is queued (reading before it left a GPU idle while
+            // the host queued its first kernels); handing the gradients over waits for them
+            // anyway. A non-finite loss wastes one backward pass, whose gradients are dropped.
+            let value = loss.double_value(&[]);
             if !value.is_finite() {
                 clear_grads(params)?;
                 return Ok(StepOutcome::Skipped { task: g.task.clone(), why: format!("a non-finite loss ({value})") });
             }
-            // A process with none of this task's rows has no graph to go back through.
-            if loss.requires_grad() {
-                (loss * self.task_weight(g, groups)).backward();
-            }
-            self.phases.end("backward", device);
             losses.push((g.task.clone(), value));
-            if self.per_task_gradients {
-                if let Some(skip) = self.hand_gradients(params, &g.task, value)? {
-                    return Ok(skip);
-                }
+            if let Some(skip) = self.hand_gradients(params, &g.task, value)? {
+                return Ok(skip);
             }
         }
         if !self.per_task_gradients {
+            let stacked = Tensor::stack(&unread.iter().map(|(_, l)| l.to_kind(Kind::Double)).collect::<Vec<_>>(), 0);
+            let values = Vec::<f64>::try_from(stacked.to_device(tch::Device::Cpu)).context("reading the step's losses")?;
+            for ((task, _), value) in unread.into_iter().zip(values) {
+                if !value.is_finite() {
+                    clear_grads(params)?;
+                    return Ok(StepOutcome::Skipped { task, why: format!("a non-finite loss ({value})") });
+                }
+                losses.push((task, value));
+            }
             let value = losses.iter().map(|(_, v)| v).sum::<f64>();
             if let Some(skip) = self.hand_gradients(params, ALL_TASKS, value)? {
                 return Ok(skip);
