@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA paths on a lent GPU machine, in one run of a few minutes (issue 20, item 6):
-#   1. `host doctor` sees the GPU;
+#   1. `host doctor` sees the GPU; then rak-core's on_cuda unit tests (issue 33): the keyed
+#      dropout kernel's masks equal the CPU fill's bit for bit, and the multi-tensor optimizer
+#      step (fused AdamW, clipping, the gradient sum, the non-finite check) the CPU's;
 #   2. a CUDA training step against the CPU step: the same batch, float32, dropout off, two
 #      AdamW steps, weights within 1e-4;
 #   3. bf16 training on CUDA (float32 weights, autocast): three steps move the weights, which
@@ -56,6 +58,13 @@ fail() { echo "FAIL: $*"; failed=1; }
 
 step "1. doctor"
 $H doctor || fail doctor
+step "1b. rak-core's on_cuda tests: the keyed dropout kernel and the multi-tensor optimizer step against the CPU"
+if [[ $DEVICE == cuda ]]; then
+    timeout 120 "$W/bin/rak_core_tests" on_cuda --test-threads 1 --nocapture > "$OUT/core-tests.log" 2>&1 || fail "step 1b"
+    grep -E -A6 "^test |skipped|panicked|warning|result" "$OUT/core-tests.log" | head -60
+    # Passing by skipping is not passing: both tests must have run on the GPU.
+    if grep -q "skipped" "$OUT/core-tests.log" || ! grep -q "test result: ok. 2 passed" "$OUT/core-tests.log"; then fail "step 1b: the on_cuda tests did not both run"; fi
+fi
 
 speed() {
     step "11. speed: the DPR step on $DEVICE, ours against a PyTorch loop (2 shapes, dropout off and 0.1, float32 and bf16)"

@@ -281,13 +281,16 @@ def run_host(a, work, name, tasks, optim, optim_settings, max_steps, seed):
                 if "Maximum resident set size" in line:
                     peak_kb = int(line.rsplit(":", 1)[1])
     problems = []
-    if seed:
-        with open(stderr_path, errors="replace") as f:
-            if "BM25 negatives from" not in f.read():
-                problems.append("host train mined its own BM25 negatives (the seeded ones were not reused)")
-                # The seed no longer matches (another corpus, examples or host version): this
-                # run's negatives and run.json seed the next runs instead.
-                keep_seed(out, seed)
+    with open(stderr_path, errors="replace") as f:
+        stderr_text = f.read()
+    # A warning changes what is timed (keyed dropout's CUDA kernel falling back to tensor
+    # operations, say): it goes in the row.
+    problems += sorted({line.strip() for line in stderr_text.splitlines() if line.lstrip().startswith("warning:")})
+    if seed and "BM25 negatives from" not in stderr_text:
+        problems.append("host train mined its own BM25 negatives (the seeded ones were not reused)")
+        # The seed no longer matches (another corpus, examples or host version): this run's
+        # negatives and run.json seed the next runs instead.
+        keep_seed(out, seed)
     lines = [l for l in log_lines(log_path) if "seconds_per_step" in l]
     cumulative = {l["step"]: l["step"] * l["seconds_per_step"] for l in lines}
     step_s = [cumulative[s] - cumulative.get(s - 1, 0.0) for s in range(SKIP + 1, max_steps + 1) if s in cumulative and s - 1 in cumulative]
