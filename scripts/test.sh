@@ -24,16 +24,25 @@ if stale .cache/fixtures/bm25/reference.json scripts/fixtures/bm25_reference.py;
     python scripts/fixtures/bm25_reference.py --data data/minikilt --out .cache/fixtures/bm25
 fi
 # The real black-box LM the augment tests talk to (built once per machine, cached outside
-# the checkout: about 10 minutes on 2 cores the first time).
-scripts/llama-server.sh build >/dev/null
-scripts/llama-server.sh model >/dev/null
+# the checkout: about 10 minutes on 2 cores the first time), built beside the Rust build,
+# whose serial stretches (torch-sys's C++, the links) leave a core idle.
+log=$(mktemp)
+llama_log=$(mktemp)
+scripts/llama-server.sh build >/dev/null 2>"$llama_log" &
+llama_build=$!
+trap 'kill "$llama_build" 2>/dev/null; rm -f "$log" "$llama_log"' EXIT
 # The experiment scripts' own tests (standard library only; seconds).
 python scripts/experiments/test_carve_validation.py
 python scripts/experiments/test_ranking_record.py
 python scripts/experiments/test_select_table.py
 cargo build --release --workspace
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+if ! wait "$llama_build"; then
+    cat "$llama_log" >&2
+    echo "test: building llama-server failed" >&2
+    exit 1
+fi
+cat "$llama_log" >&2
+scripts/llama-server.sh model >/dev/null
 set +e
 # --no-fail-fast: one run reports every failing test binary, not only the first.
 cargo test --release --workspace --no-fail-fast 2>&1 | tee "$log"
