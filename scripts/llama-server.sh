@@ -318,7 +318,10 @@ cmd_build() {
     if [[ -x $BIN ]]; then exec 8>&-; echo "$BIN"; return; fi
     local work
     work=$(mktemp -d "${TMPDIR:-/tmp}/llama-build.XXXXXX")
+    # Removed when the build returns, and when a signal stops it (test.sh stops a background
+    # build it no longer waits for).
     trap 'rm -rf "$work"' RETURN
+    trap 'rm -rf "$work"; exit 143' TERM INT
     say "building llama-server $LLAMA_BUILD (once per machine, about 10 minutes on 2 cores)"
     python3 -m venv "$work/venv"
     "$work/venv/bin/pip" install --quiet "cmake==$CMAKE_VERSION"

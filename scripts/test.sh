@@ -25,23 +25,34 @@ if stale .cache/fixtures/bm25/reference.json scripts/fixtures/bm25_reference.py;
 fi
 # The real black-box LM the augment tests talk to (built once per machine, cached outside
 # the checkout: about 10 minutes on 2 cores the first time), built beside the Rust build,
-# whose serial stretches (torch-sys's C++, the links) leave a core idle.
+# whose serial stretches (torch-sys's C++, the links) leave a core idle; at a lower priority,
+# so that it takes what the Rust build leaves. In a process group of its own: if this script
+# stops early, the whole build (cmake, make, the compilers) is stopped with it.
 log=$(mktemp)
 llama_log=$(mktemp)
-scripts/llama-server.sh build >/dev/null 2>"$llama_log" &
+setsid nice -n 10 scripts/llama-server.sh build >/dev/null 2>"$llama_log" &
 llama_build=$!
-trap 'kill "$llama_build" 2>/dev/null; rm -f "$log" "$llama_log"' EXIT
+stop_llama_build() {
+    if [[ -n ${llama_build:-} ]]; then
+        kill -TERM -- "-$llama_build" 2>/dev/null || true
+        wait "$llama_build" 2>/dev/null || true
+    fi
+    rm -f "$log" "$llama_log"
+}
+trap stop_llama_build EXIT
 # The experiment scripts' own tests (standard library only; seconds).
 python scripts/experiments/test_carve_validation.py
 python scripts/experiments/test_ranking_record.py
 python scripts/experiments/test_select_table.py
 cargo build --release --workspace
-if ! wait "$llama_build"; then
-    cat "$llama_log" >&2
-    echo "test: building llama-server failed" >&2
+built=0
+wait "$llama_build" || built=$?
+llama_build=
+cat "$llama_log" >&2
+if [[ $built != 0 ]]; then
+    echo "test: building llama-server failed ($built)" >&2
     exit 1
 fi
-cat "$llama_log" >&2
 scripts/llama-server.sh model >/dev/null
 set +e
 # --no-fail-fast: one run reports every failing test binary, not only the first.
