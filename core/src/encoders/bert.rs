@@ -292,8 +292,9 @@ impl crate::plugin::Encoder for BertEncoder {
     fn encode(&mut self, texts: &[&str], role: Role, task: Option<&str>, train: bool) -> Result<Tensor> {
         let enc = self.tokenize(texts, role, task)?;
         let _no_grad = (!train).then(tch::no_grad_guard);
+        // Uploaded before the forward pass is queued, as its inputs are.
+        let mask = crate::models::upload(&self.pooling_mask(&enc, role, task)?, self.device);
         let states = self.hidden_states(&enc, role, train);
-        let mask = self.pooling_mask(&enc, role, task)?.to_device(self.device);
         Ok(pool(&states, &mask, self.pooling, self.normalize).to_kind(Kind::Float))
     }
 

@@ -83,7 +83,7 @@ fn keys_on(device: Device) -> Option<Tensor> {
         let pass = k.as_mut()?;
         if pass.on_device.as_ref().is_none_or(|t| t.device() != device) {
             let words: Vec<i64> = pass.keys.iter().map(|&key| key as i64).collect();
-            pass.on_device = Some(Tensor::from_slice(&words).to_device(device));
+            pass.on_device = Some(super::upload(&Tensor::from_slice(&words), device));
         }
         pass.on_device.as_ref().map(Tensor::shallow_clone)
     })

@@ -627,13 +627,13 @@ impl T5Model {
     }
 
     fn embed(&self, ids: &Tensor) -> Tensor {
-        Tensor::embedding(&self.shared, &ids.to_device(self.device()), -1, false, false)
+        Tensor::embedding(&self.shared, &super::upload(ids, self.device()), -1, false, false)
     }
 
     /// Encoder last hidden state [B, L, d] (after the final layer norm).
     /// `attention_mask` is 1 for real tokens, 0 for padding.
     pub fn encode(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Tensor {
-        let mask = attention_mask.to_device(self.device());
+        let mask = super::upload(attention_mask, self.device());
         let extras = DecoderExtras { cache: None, cross_logits: None };
         self.encoder.forward(&self.embed(input_ids), Some(&mask), None, extras, self.dropout())
     }
@@ -645,7 +645,7 @@ impl T5Model {
     }
 
     fn decode_with(&self, ids: &Tensor, enc: &Tensor, enc_mask: &Tensor, extras: DecoderExtras) -> Tensor {
-        let enc_mask = enc_mask.to_device(self.device());
+        let enc_mask = super::upload(enc_mask, self.device());
         self.decoder.forward(&self.embed(ids), None, Some((enc, &enc_mask)), extras, self.dropout())
     }
 

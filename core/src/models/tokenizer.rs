@@ -40,9 +40,9 @@ pub struct Encoded {
 impl Encoded {
     pub fn to_device(&self, device: Device) -> Encoded {
         Encoded {
-            input_ids: self.input_ids.to_device(device),
-            attention_mask: self.attention_mask.to_device(device),
-            token_type_ids: self.token_type_ids.to_device(device),
+            input_ids: super::upload(&self.input_ids, device),
+            attention_mask: super::upload(&self.attention_mask, device),
+            token_type_ids: super::upload(&self.token_type_ids, device),
         }
     }
 }
