@@ -323,7 +323,7 @@ def run_problems(lines, max_steps):
         problems.append(f"{len(lines)} of {max_steps} steps logged")
     skipped = lines[-1].get("skipped_steps", 0) if lines else 0
     if skipped:
-        problems.append(f"{skipped} of {max_steps} steps skipped for a non-finite loss (a skipped step stops after one task's forward)")
+        problems.append(f"{skipped} of {max_steps} steps skipped for a non-finite loss (a skipped step stops early, after its backward passes)")
     norms = [(l.get("optimizer") or {}).get("grad_norm", 0.0) for l in lines]
     # serde_json writes a NaN as null; a skipped step repeats the last step's statistics.
     nan = sum(1 for g in norms if g is None)
@@ -609,7 +609,7 @@ def table(result):
             )
     warnings = [f"{part} {name}: {p}" for part in ("dpr", "tsage") if part in result for name, r in result[part].items() if isinstance(r, dict) for p in r.get("problems", [])]
     if warnings:
-        out.append("\nWARNING, these runs did not take full training steps:")
+        out.append("\nWARNING, these runs did not take full training steps, or warned of what they timed:")
         out += [f"- {w}" for w in warnings]
     return "\n".join(out)
 

@@ -57,6 +57,8 @@ pub fn plugin_target_dir() -> PathBuf {
 /// ones in the workspace's own build folder, so that the dependencies the workspace build
 /// compiled (tch, torch-sys, tokenizers, ...) are reused rather than compiled a second time
 /// (minutes on 2 cores). The third-party lockfile pins the same versions as the workspace's.
+/// (`CARGO_BUILD_BUILD_DIR` needs cargo 1.91 or later; an older one ignores it and compiles
+/// the dependencies again, slower but the same.)
 pub fn plugin_build(manifest: &Path) -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     c.args(["build", "--release", "--quiet", "--manifest-path"]).arg(manifest);

@@ -7,7 +7,7 @@
 // The mask kernel is compiled for the device's own architecture when NVRTC knows it (a CUBIN:
 // no JIT by the driver), else as PTX for the newest architecture NVRTC knows below it.
 // No C++ exception may cross into Rust: each entry point runs its body inside `guarded`.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <dlfcn.h>
@@ -56,19 +56,20 @@ std::filesystem::path torch_lib_dir() {
   return std::filesystem::path(info.dli_fname).parent_path();
 }
 
-// NVRTC: by name first (already loaded, or on the loader's path), then in the pip layout
-// beside torch (site-packages/nvidia/<package>/lib/libnvrtc.so.<major>).
+// NVRTC: the copy this process already loaded (torch's, when it compiled kernels of its own),
+// else the newest in the pip layout beside torch (site-packages/nvidia/<package>/lib/
+// libnvrtc.so.<major>: the one built with this torch), else by name on the loader's path.
 void* open_nvrtc(std::string* where) {
-  for (const char* name : {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"}) {
-    if (void* lib = dlopen(name, RTLD_NOW | RTLD_LOCAL)) {
+  const char* names[] = {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"};
+  for (const char* name : names) {
+    if (void* lib = dlopen(name, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD)) {
       *where = name;
       return lib;
     }
   }
   std::error_code ec;
   const std::filesystem::path torch_lib = torch_lib_dir();
-  if (torch_lib.empty()) throw std::runtime_error("NVRTC (libnvrtc.so) not found by name, and libtorch's folder is unknown");
-  std::filesystem::path nvidia = torch_lib.parent_path().parent_path() / "nvidia";
+  std::filesystem::path nvidia = torch_lib.empty() ? std::filesystem::path() : torch_lib.parent_path().parent_path() / "nvidia";
   std::vector<std::filesystem::path> found;
   for (const auto& package : std::filesystem::directory_iterator(nvidia, ec)) {
     for (const auto& file : std::filesystem::directory_iterator(package.path() / "lib", ec)) {
@@ -92,7 +93,13 @@ void* open_nvrtc(std::string* where) {
       return lib;
     }
   }
-  throw std::runtime_error("NVRTC (libnvrtc.so) not found by name nor under " + nvidia.string());
+  for (const char* name : names) {
+    if (void* lib = dlopen(name, RTLD_NOW | RTLD_LOCAL)) {
+      *where = name;
+      return lib;
+    }
+  }
+  throw std::runtime_error("NVRTC (libnvrtc.so) not found beside libtorch (under " + nvidia.string() + ") nor by name");
 }
 
 struct Nvrtc {

@@ -5,7 +5,16 @@
 // step through AdamW, clipping, the gradient sum and the non-finite check).
 // Tensors cross as tch's `at::Tensor*`. No C++ exception may cross into Rust: each entry point
 // runs its body inside `guarded`.
-#include <ATen/ATen.h>
+// The operators' own headers, not ATen/ATen.h (every operator's: twice the compile time).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
+#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_foreach_copy.h>
+#include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/_foreach_norm.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/stack.h>
 
 #include <vector>
 

@@ -18,6 +18,16 @@ pub(crate) fn message(err: &[c_char]) -> String {
     unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned()
 }
 
+/// Runs one call into a C++ shim that returns 1 on success, else 0 with a message in the
+/// buffer it is given: that message as an error naming `what`.
+pub(crate) fn shim_call(what: &str, f: impl FnOnce(*mut c_char, usize) -> i32) -> Result<()> {
+    let mut err = [0 as c_char; 4096];
+    if f(err.as_mut_ptr(), err.len()) != 1 {
+        bail!("{what}: {}", message(&err));
+    }
+    Ok(())
+}
+
 /// Drop `t`'s gradient (Python's `p.grad = None`): after the next backward, a parameter the
 /// graph did not reach has an undefined gradient, not a zero one, so optimizers skip it.
 pub fn clear_grad(t: &Tensor) -> Result<()> {

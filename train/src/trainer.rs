@@ -273,6 +273,12 @@ pub enum StepOutcome {
     Skipped { task: String, why: String },
 }
 
+impl StepOutcome {
+    fn non_finite_loss(task: &str, value: f64) -> Self {
+        StepOutcome::Skipped { task: task.to_string(), why: format!("a non-finite loss ({value})") }
+    }
+}
+
 /// Files of a checkpoint directory (besides the model the encoder saves).
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const STATE_FILE: &str = "trainer_state.json";
@@ -684,7 +690,7 @@ impl<'a> Trainer<'a> {
             let value = loss.double_value(&[]);
             if !value.is_finite() {
                 clear_grads(params)?;
-                return Ok(StepOutcome::Skipped { task: g.task.clone(), why: format!("a non-finite loss ({value})") });
+                return Ok(StepOutcome::non_finite_loss(&g.task, value));
             }
             losses.push((g.task.clone(), value));
             if let Some(skip) = self.hand_gradients(params, &g.task, value)? {
@@ -697,7 +703,7 @@ impl<'a> Trainer<'a> {
             for ((task, _), value) in unread.into_iter().zip(values) {
                 if !value.is_finite() {
                     clear_grads(params)?;
-                    return Ok(StepOutcome::Skipped { task, why: format!("a non-finite loss ({value})") });
+                    return Ok(StepOutcome::non_finite_loss(&task, value));
                 }
                 losses.push((task, value));
             }
@@ -752,7 +758,7 @@ impl<'a> Trainer<'a> {
             first += p.size()[0];
             let value = loss.double_value(&[]);
             if !value.is_finite() {
-                return Ok(StepOutcome::Skipped { task: g.task.clone(), why: format!("a non-finite loss ({value})") });
+                return Ok(StepOutcome::non_finite_loss(&g.task, value));
             }
             losses.push((g.task.clone(), value, loss * self.task_weight(g, groups)));
         }

@@ -78,8 +78,9 @@ struct Moments {
 /// bias-corrected moments, `eps` added after the bias-corrected square root). Each step's
 /// learning rate is scaled per parameter by the context's `lr_scale`; parameters named in
 /// `no_weight_decay` get none. Contiguous float32 parameters on the CPU step in this crate's
-/// fused loops; the others (a GPU's) in libtorch's fused multi-tensor AdamW, one call for each
-/// group of parameters that share a device, a dtype, a learning rate and a weight decay.
+/// fused loops; other contiguous ones (a GPU's) in libtorch's fused multi-tensor AdamW, one
+/// call for each group of parameters that share a device, a dtype, a learning rate and a weight
+/// decay; any other layout in tch operations, as torch's single-tensor loop.
 pub struct AdamW {
     pub config: AdamWConfig,
     moments: BTreeMap<String, Moments>,
@@ -99,11 +100,21 @@ impl AdamW {
         // Parameters for libtorch's fused update, with what a group shares: (device, dtype,
         // learning rate, weight decay), (parameter, gradient, name).
         let mut fused = Vec::new();
+        // Every shape checked before anything moves: an error leaves no parameter stepped and
+        // no step count advanced.
         for (name, p) in params {
             let Some(g) = grads.get(name).filter(|g| g.defined()) else { continue };
             if g.size() != p.size() {
                 bail!("gradient of {name} has shape {:?}, the parameter {:?}", g.size(), p.size());
             }
+            // Moments loaded from a checkpoint of another model: an error, not a write past
+            // the end of a buffer.
+            if let Some(m) = self.moments.get(name).filter(|m| m.exp_avg.size() != p.size() || m.exp_avg_sq.size() != p.size()) {
+                bail!("AdamW moments of {name} have shapes {:?} and {:?}, the parameter {:?} (a checkpoint of another model?)", m.exp_avg.size(), m.exp_avg_sq.size(), p.size());
+            }
+        }
+        for (name, p) in params {
+            let Some(g) = grads.get(name).filter(|g| g.defined()) else { continue };
             let lr = ctx.lr * ctx.lr_scale.get(name).copied().unwrap_or(1.0);
             let p = p.shallow_clone();
             let m = self
@@ -114,11 +125,6 @@ impl AdamW {
                 // Restored from a checkpoint, which keeps state on the CPU.
                 m.exp_avg = m.exp_avg.to_device(p.device());
                 m.exp_avg_sq = m.exp_avg_sq.to_device(p.device());
-            }
-            // Moments loaded from a checkpoint of another model: an error, not a write past
-            // the end of a buffer.
-            if m.exp_avg.size() != p.size() || m.exp_avg_sq.size() != p.size() {
-                bail!("AdamW moments of {name} have shapes {:?} and {:?}, the parameter {:?} (a checkpoint of another model?)", m.exp_avg.size(), m.exp_avg_sq.size(), p.size());
             }
             m.step += 1;
             let weight_decay = if c.weight_decay != 0.0 && !ctx.no_weight_decay.contains(name) { c.weight_decay } else { 0.0 };
@@ -244,8 +250,9 @@ impl AdamW {
 }
 
 /// Scale `grads` in place so their global L2 norm is at most `max_norm`, as
-/// `torch.nn.utils.clip_grad_norm_` does (per-tensor norms, their norm and the factor
-/// `max_norm / (norm + 1e-6)` clamped at 1, in float32 on the gradients' device). Returns
+/// `torch.nn.utils.clip_grad_norm_` does (the norm, and the factor `max_norm / (norm + 1e-6)`
+/// clamped at 1, in float32 on the gradients' device; the norm from per-tensor norms off the
+/// CPU, from per-gradient sums of squares on it). Returns
 /// the norm before clipping as a one-element tensor on that device: off the CPU, reading it
 /// waits for the device, so callers read it once their update is queued. On the CPU the factor
 /// is read and the gradients are multiplied only when it is under 1 (a pass over every
@@ -318,8 +325,15 @@ pub fn first_non_finite<'a>(grads: impl IntoIterator<Item = (&'a str, &'a Tensor
     for (_, list) in multi::grouped(others) {
         let tensors: Vec<&Tensor> = list.iter().map(|&i| grads[i].1).collect();
         // A check that cannot run (a dtype it does not take) counts as a hit: the flags below
-        // then decide, one per gradient.
-        let found = multi::any_non_finite(&tensors).map_or(true, |f| f.double_value(&[0]) != 0.0);
+        // then decide, one per gradient (a wait for the device each), said once a process.
+        let found = match multi::any_non_finite(&tensors) {
+            Ok(f) => f.double_value(&[0]) != 0.0,
+            Err(e) => {
+                static ONCE: std::sync::Once = std::sync::Once::new();
+                ONCE.call_once(|| eprintln!("warning: the multi-tensor non-finite check failed ({e:#}); gradients are checked one by one"));
+                true
+            }
+        };
         if found {
             bad.extend(list.iter().copied().filter(|&i| grads[i].1.isfinite().logical_not().any().int64_value(&[]) != 0).take(1));
         }
@@ -345,7 +359,7 @@ impl GradSum {
             match self.sum.get(&name) {
                 Some(s) if (s.device(), s.kind()) == placement => known.push((placement, (s.shallow_clone(), g))),
                 // Another device or dtype than the sum so far (no model of ours makes one):
-                // added on its own, promoted as torch's in-place add promotes.
+                // added on its own, cast to the sum's dtype as torch's in-place add casts.
                 Some(s) => {
                     let _ = s.shallow_clone().f_add_(&g)?;
                 }

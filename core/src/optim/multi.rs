@@ -5,8 +5,8 @@
 //! three, times 101 parameters in a MiniLM, 199 in a BERT-base, came to thousands of launches
 //! a step (issue 33). Every list must be on one device and of one dtype; callers group them.
 
-use crate::autograd::message;
-use anyhow::{bail, ensure, Result};
+use crate::autograd::shim_call as call;
+use anyhow::{ensure, Result};
 use std::ffi::{c_char, c_void};
 use tch::{Device, Kind, Tensor};
 
@@ -40,15 +40,6 @@ fn handle(t: &Tensor) -> *mut c_void {
 
 fn handles(ts: &[&Tensor]) -> Vec<*mut c_void> {
     ts.iter().map(|t| handle(t)).collect()
-}
-
-/// Runs one shim call, turning its failure into an error naming `what`.
-fn call(what: &str, f: impl FnOnce(*mut c_char, usize) -> i32) -> Result<()> {
-    let mut err = [0 as c_char; 1024];
-    if f(err.as_mut_ptr(), err.len()) != 1 {
-        bail!("{what}: {}", message(&err));
-    }
-    Ok(())
 }
 
 /// `items` grouped by key, groups in the order their keys first appear, items in theirs

@@ -4,7 +4,7 @@
 //! fill, so the arithmetic a GPU runs is the arithmetic tested here.
 
 use super::{keys_on, middle_dims};
-use crate::autograd::message;
+use crate::autograd::shim_call;
 use anyhow::{bail, Context, Result};
 use std::ffi::{c_char, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,30 +53,27 @@ pub(super) fn keyed_kept(shape: &[i64], device: Device, threshold: u32, call: u3
     if FAILED.load(Ordering::Relaxed) {
         bail!("it failed earlier in this process");
     }
-    let kept = launch(shape, device, threshold, call);
-    if kept.is_err() {
-        FAILED.store(true, Ordering::Relaxed);
+    // A shape the kernel does not take is refused for this call alone. Its threads step
+    // through a run by their count, so a run must stay well inside 32 bits; one grid holds
+    // under 2^31 runs.
+    let n = if shape.len() >= 2 { shape[shape.len() - 1] } else { 1 };
+    let runs = shape.iter().product::<i64>() / n.max(1);
+    if n >= 1 << 31 || runs >= 1 << 31 {
+        bail!("a tensor of shape {shape:?} is beyond one grid of it");
     }
-    kept
-}
-
-fn launch(shape: &[i64], device: Device, threshold: u32, call: u32) -> Result<Tensor> {
     let keys = keys_on(device).context("no keyed pass is running")?;
     let out = Tensor::empty(shape, (Kind::Bool, device));
-    // The kernel's threads step through a run by their count: its length must stay well
-    // inside 32 bits.
-    if shape.last().is_some_and(|&n| n >= 1 << 31) {
-        bail!("a last dimension of {} elements", shape[shape.len() - 1]);
-    }
     let (m1, m2, n) = kernel_dims(shape);
-    let mut err = [0 as c_char; 2048];
     // SAFETY: live tensor handles and a NUL-terminated source for the length of the call; the
     // C++ side checks the tensors' device, dtype, layout and sizes before launching.
-    let ok = unsafe { rak_keyed_mask_cuda(out.as_ptr() as *mut c_void, keys.as_ptr() as *mut c_void, m1, m2, n, call, threshold, source(), err.as_mut_ptr(), err.len()) };
-    if ok != 1 {
-        bail!("{}", message(&err));
+    let launched = shim_call("keyed dropout's CUDA kernel", |err, len| unsafe {
+        rak_keyed_mask_cuda(out.as_ptr() as *mut c_void, keys.as_ptr() as *mut c_void, m1, m2, n, call, threshold, source(), err, len)
+    });
+    if launched.is_err() {
+        // NVRTC or the driver failed: not worth trying again at every call.
+        FAILED.store(true, Ordering::Relaxed);
     }
-    Ok(out)
+    launched.map(|()| out)
 }
 
 /// Says once a process that the kernel cannot run, and that the tensor form draws the same
@@ -89,12 +86,8 @@ pub(super) fn warn_once(e: &anyhow::Error) {
 /// Compiles the kernel with NVRTC for compute capability `major.minor`, no GPU needed.
 #[cfg(test)]
 pub fn compile_check(major: i32, minor: i32) -> Result<()> {
-    let mut err = [0 as c_char; 4096];
     // SAFETY: a NUL-terminated source and an error buffer, for the length of the call.
-    if unsafe { rak_keyed_mask_compile(major, minor, source(), err.as_mut_ptr(), err.len()) } != 1 {
-        bail!("{}", message(&err));
-    }
-    Ok(())
+    shim_call("NVRTC", |err, len| unsafe { rak_keyed_mask_compile(major, minor, source(), err, len) })
 }
 
 /// Whether this libtorch is a CUDA build (so NVRTC comes with it), GPU or not.
