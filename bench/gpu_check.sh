@@ -93,6 +93,8 @@ if [[ -n ${PROFILE_DIR:-} ]]; then
     timeout 300 $PY bench/train_step.py --only dpr --steps ${SPEED_STEPS:-10} --threads 8 --device "$DEVICE" ${PROFILE_BF16:+--bf16} --no-st \
         --model "$W/speed-$PROFILE_SHAPE-d$PROFILE_DROPOUT" --host "$H" --profile "$PROFILE_DIR" --out "$PROFILE_DIR/train-step.json" 2>&1 | tail -8
     status=${PIPESTATUS[0]}
+    # Both sides' traces side by side (bench/trace_table.py), whole: it is what the profile is for.
+    [[ -f $PROFILE_DIR/trace-table.md ]] && cat "$PROFILE_DIR/trace-table.md"
     ls -la "$PROFILE_DIR"
     exit "$status"
 fi

@@ -47,9 +47,12 @@ BM25 (a run that mined anyway is flagged), and the Python loops read the same fi
 
 --profile DIR (bench/gpu_profile.sh): ours runs with RAK_STEP_PHASES=1 (each phase's seconds a
 step, the device synchronised at each phase's end; the mean over the measured steps goes in the
-result as `phases`), and the PyTorch loop's measured steps run under torch.profiler: DIR gets
-torch-profile.txt (operators by device time, then by CPU time) and torch-trace.json (a Chrome
-trace). Step times under either are inflated by the measuring: compare them with a run without.
+result as `phases`), then once more under libtorch's profiler (RAK_TORCH_PROFILE=DIR:
+host-trace.json), and the PyTorch loop's measured steps run under torch.profiler: DIR gets
+torch-profile.txt (operators by device time, then by CPU time), torch-trace.json (a Chrome
+trace) and trace-table.md, the two traces side by side (bench/trace_table.py: operators,
+kernels, device idle time and waits for the device, a step). Step times under any of these are
+inflated by the measuring: compare them with a run without.
 
 --device cuda runs ours, the PyTorch loop and sentence-transformers on the GPU (the torch loop
 synchronises before each step's clock stops); --bf16 trains all three with float32 weights
@@ -57,6 +60,7 @@ under bf16 autocast (ours `--bf16`, the loop torch.autocast, st's `bf16=True`). 
 sentence-transformers out (bench/gpu_check.sh: the GPU machine's copy is another version).
 """
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -218,9 +222,10 @@ def log_lines(path):
         return []
 
 
-def run_host(a, work, name, tasks, optim, optim_settings, max_steps, seed):
-    """One `host train` run (its folder seeded from seed_dir's `seed`, if given); returns its
-    per-step seconds, optimizer statistics and peak RSS."""
+def run_host(a, work, name, tasks, optim, optim_settings, max_steps, seed, extra_env=None):
+    """One `host train` run (its folder seeded from seed_dir's `seed`, if given, the
+    environment given `extra_env`); returns its per-step seconds, optimizer statistics and peak
+    RSS."""
     out = os.path.join(work, name)
     os.makedirs(out)
     recipe = os.path.join(work, f"{name}.toml")
@@ -231,9 +236,7 @@ def run_host(a, work, name, tasks, optim, optim_settings, max_steps, seed):
     rss_file = os.path.join(work, f"{name}.time")
     timed = os.path.exists("/usr/bin/time")
     full = (["/usr/bin/time", "-v", "-o", rss_file] if timed else []) + cmd
-    env = dict(os.environ, **thread_env(a.threads))
-    if getattr(a, "profile", None):
-        env["RAK_STEP_PHASES"] = "1"
+    env = dict(os.environ, **thread_env(a.threads), **(extra_env or {}))
     log_path = os.path.join(out, "trainer_log.jsonl")
     stderr_path = os.path.join(work, f"{name}.stderr")
     load = os.getloadavg()
@@ -415,22 +418,31 @@ def torch_loop(a, triples, max_steps):
             from torch.profiler import ProfilerActivity, profile
             profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
             profiler.__enter__()
+        # Under the profiler, the scopes host train's trace has (bench/trace_table.py).
+        scope = torch.profiler.record_function if profiler is not None else (lambda name: contextlib.nullcontext())
         rows = triples[s * BATCH : (s + 1) * BATCH]
         t0 = time.perf_counter()
-        q = tok([r[0] for r in rows], truncation=True, max_length=MAX_LENGTH, padding="longest", return_tensors="pt")
-        # Query i's group at rows 2i (gold) and 2i+1 (negative), as ours.
-        p = tokenize_passages(tok, [x for r in rows for x in (r[1], r[2])])
-        q, p = q.to(a.device), p.to(a.device)
-        with torch.autocast(a.device.split(":")[0], dtype=torch.bfloat16, enabled=a.bf16):
-            scores = embed(q) @ embed(p).T
-        loss = F.cross_entropy(scores.float(), torch.arange(len(rows), device=a.device) * 2)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
+        with scope("rak::step"):
+            with scope("rak::forward"):
+                q = tok([r[0] for r in rows], truncation=True, max_length=MAX_LENGTH, padding="longest", return_tensors="pt")
+                # Query i's group at rows 2i (gold) and 2i+1 (negative), as ours.
+                p = tokenize_passages(tok, [x for r in rows for x in (r[1], r[2])])
+                q, p = q.to(a.device), p.to(a.device)
+                with torch.autocast(a.device.split(":")[0], dtype=torch.bfloat16, enabled=a.bf16):
+                    q, p = embed(q), embed(p)
+            with scope("rak::loss"):
+                with torch.autocast(a.device.split(":")[0], dtype=torch.bfloat16, enabled=a.bf16):
+                    scores = q @ p.T
+                loss = F.cross_entropy(scores.float(), torch.arange(len(rows), device=a.device) * 2)
+            with scope("rak::backward"):
+                loss.backward()
+            with scope("rak::optimizer"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
         step_s.append(time.perf_counter() - t0)
     if profiler is not None:
         profiler.__exit__(None, None, None)
@@ -537,12 +549,26 @@ def st_trainer(a, triples, max_steps, work):
 def part_dpr(a, work):
     max_steps = a.steps + SKIP
     seed, seed_info = seed_dir(a, work, DPR_TASKS)
-    ours = run_host(a, work, "dpr-ours", DPR_TASKS, "adamw", {"weight_decay": WEIGHT_DECAY}, max_steps, seed)
+    adamw = {"weight_decay": WEIGHT_DECAY}
+    profile = getattr(a, "profile", None)
+    ours = run_host(a, work, "dpr-ours", DPR_TASKS, "adamw", adamw, max_steps, seed, {"RAK_STEP_PHASES": "1"} if profile else None)
     print(json.dumps({"dpr": "ours", **ours}), flush=True)
+    if profile:
+        # The phases' waits for the device would show in the trace: a run of its own.
+        traced = run_host(a, work, "dpr-ours-traced", DPR_TASKS, "adamw", adamw, max_steps, seed, {"RAK_TORCH_PROFILE": profile})
+        print(json.dumps({"dpr": "ours-traced", **traced}), flush=True)
     triples = load_triples(a, negatives_file(seed), DPR_TASKS[0], max_steps * BATCH)
     torch_r = torch_loop(a, triples, max_steps)
     print(json.dumps({"dpr": "torch", **torch_r}), flush=True)
     r = {"negatives": seed_info, "ours": ours, "torch": torch_r, "ours_over_torch": round(ours["median_s"] / torch_r["median_s"], 3)}
+    if profile:
+        r["ours_traced"] = traced
+        table = subprocess.run(
+            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_table.py"),
+             os.path.join(profile, "host-trace.json"), os.path.join(profile, "torch-trace.json"),
+             "--out", os.path.join(profile, "trace-table.md")],
+            capture_output=True, text=True)
+        r["trace_table"] = table.stdout if table.returncode == 0 else f"trace_table.py failed: {table.stderr[-2000:]}"
     if not a.no_st:
         st_r = st_trainer(a, triples, max_steps, work)
         print(json.dumps({"dpr": "st", **st_r}), flush=True)
@@ -592,6 +618,8 @@ def table(result):
         if d["ours"].get("phases"):
             out.append("\nours by phase (s/step, the device synchronised at each phase's end): "
                        + ", ".join(f"{k} {v:.4f}" for k, v in d["ours"]["phases"].items()))
+        if d.get("trace_table"):
+            out.append("\nboth sides under libtorch's profiler (bench/trace_table.py):\n\n" + d["trace_table"])
     if "tsage" in result:
         t = result["tsage"]
         fmt = lambda v, f: "" if v is None else format(v, f)

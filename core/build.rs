@@ -25,11 +25,11 @@ fn torch_cpp(lib_dir: &std::path::Path) -> cc::Build {
 }
 
 /// The small C++ files: libtorch's oneDNN linear operators called by name, the autograd
-/// controls tch lacks, libtorch's multi-tensor operators, and the keyed dropout kernel's host
-/// side (NVRTC and the CUDA driver opened at run time: no CUDA headers needed) (see their
-/// headers).
+/// controls tch lacks, libtorch's multi-tensor operators, the keyed dropout kernel's host
+/// side (NVRTC and the CUDA driver opened at run time: no CUDA headers needed) and libtorch's
+/// profiler (see their headers).
 fn compile_onednn_shim(lib_dir: &std::path::Path) {
-    let files = ["onednn.cpp", "autograd.cpp", "multi_tensor.cpp", "cuda_kernels.cpp"];
+    let files = ["onednn.cpp", "autograd.cpp", "multi_tensor.cpp", "cuda_kernels.cpp", "profiler.cpp"];
     for file in files.iter().chain(&["guarded.h", "keyed_mask.cuh"]) {
         println!("cargo:rerun-if-changed=csrc/{file}");
     }

@@ -6,6 +6,7 @@
 //! - [`models`]: BERT and T5 in tch with Hugging Face names; checkpoints; tokenizers.
 //! - [`encoders`], [`readers`]: the models behind the built-in encoder and reader plugins.
 //! - [`autograd`]: clearing gradients, bf16 autocast on the CPU and CUDA.
+//! - [`profiler`]: libtorch's profiler (Chrome traces, named scopes) for measurement.
 //! - [`dist`]: multi-process groups over libtorch's c10d (TCPStore + Gloo).
 //! - [`fsutil`]: atomic writes.
 //! - [`malloc`]: glibc allocator settings for tensor workloads.
@@ -21,6 +22,7 @@ pub mod malloc;
 pub mod models;
 pub mod optim;
 pub mod plugin;
+pub mod profiler;
 pub mod readers;
 pub mod rng;
 

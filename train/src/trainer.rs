@@ -21,6 +21,7 @@ use rak_core::abi::Role;
 use rak_core::autograd::Autocast;
 use rak_core::dist::ProcessGroup;
 use rak_core::plugin::{Encoder, Optimizer, StepContext, ALL_TASKS};
+use rak_core::profiler::{Recording, Scope};
 use rak_retrieval::pipeline::Progress;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -295,13 +296,20 @@ struct Phases {
     on: bool,
     last: std::time::Instant,
     seconds: BTreeMap<&'static str, f64>,
+    /// libtorch's profiler is recording (`RAK_TORCH_PROFILE`): each phase is a named scope.
+    tracing: bool,
 }
 
 impl Phases {
     fn from_env() -> Self {
         // Set to anything but empty or 0: `RAK_STEP_PHASES=0` must not slow every step.
         let on = std::env::var_os("RAK_STEP_PHASES").is_some_and(|v| !v.is_empty() && v != "0");
-        Phases { on, last: std::time::Instant::now(), seconds: BTreeMap::new() }
+        Phases { on, last: std::time::Instant::now(), seconds: BTreeMap::new(), tracing: false }
+    }
+
+    /// A named span of the profiler's trace until dropped, while it records.
+    fn scope(&self, name: &str) -> Option<Scope> {
+        self.tracing.then(|| Scope::new(name))
     }
 
     /// A step begins: what came before counts in no phase.
@@ -327,6 +335,49 @@ impl Phases {
     /// The window's seconds a step, and a new window.
     fn take(&mut self, steps: u64) -> Option<Value> {
         self.on.then(|| json!(std::mem::take(&mut self.seconds).into_iter().map(|(k, v)| (k, v / steps.max(1) as f64)).collect::<BTreeMap<_, _>>()))
+    }
+}
+
+/// libtorch's profiler over a run's steps, when the environment sets `RAK_TORCH_PROFILE` to a
+/// folder: `FOLDER/host-trace.json`, the Chrome trace `torch.profiler` writes, of every step
+/// after the run's first two (warm-up; all of them in a run of two steps or fewer), each step
+/// a `rak::step` scope and its phases `rak::forward`, `rak::loss`, `rak::backward` and
+/// `rak::optimizer` (`bench/trace_table.py` reads it beside a PyTorch loop's). Unlike
+/// `RAK_STEP_PHASES` it adds no waits for the device. A profiler that cannot start or write
+/// is a warning, never the run's failure.
+struct TorchTrace {
+    file: Option<PathBuf>,
+    from_step: u64,
+    recording: Option<Recording>,
+}
+
+impl TorchTrace {
+    fn from_env(first: u64, max_steps: u64) -> Self {
+        let file = std::env::var_os("RAK_TORCH_PROFILE").filter(|v| !v.is_empty()).map(|dir| PathBuf::from(dir).join("host-trace.json"));
+        let from_step = if max_steps - first > 2 { first + 2 } else { first };
+        TorchTrace { file, from_step, recording: None }
+    }
+
+    /// Called as each step begins; whether the profiler records it.
+    fn begin_step(&mut self, step: u64, device: tch::Device, progress: &dyn Progress) -> bool {
+        if step == self.from_step {
+            if let Some(file) = self.file.take() {
+                match Recording::start(&file, device) {
+                    Ok(r) => self.recording = Some(r),
+                    Err(e) => progress.log(&format!("train: warning: RAK_TORCH_PROFILE: {e:#}")),
+                }
+            }
+        }
+        self.recording.is_some()
+    }
+
+    fn finish(&mut self, progress: &dyn Progress) {
+        if let Some(recording) = self.recording.take() {
+            match recording.finish() {
+                Ok(file) => progress.log(&format!("train: libtorch's profile of the steps: {}", file.display())),
+                Err(e) => progress.log(&format!("train: warning: RAK_TORCH_PROFILE: {e:#}")),
+            }
+        }
     }
 }
 
@@ -656,9 +707,11 @@ impl<'a> Trainer<'a> {
         if groups.is_empty() {
             bail!("a step with no task");
         }
+        let scope = self.phases.scope("rak::optimizer");
         self.optimizer.begin_step(shallow(params), ctx)?;
         let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
         self.phases.end("optimizer", device);
+        drop(scope);
         if self.config.in_batch_negatives == InBatchNegatives::Step {
             return self.whole_step(params, groups);
         }
@@ -669,17 +722,25 @@ impl<'a> Trainer<'a> {
         let mut unread = Vec::new();
         for g in groups {
             let (q, p) = {
+                let _scope = self.phases.scope("rak::forward");
                 let _autocast = self.config.bf16.then(|| Autocast::bf16(device)).transpose()?;
-                self.encode_for_loss(g, device)?
+                let encoded = self.encode_for_loss(g, device)?;
+                self.phases.end("forward", device);
+                encoded
             };
-            self.phases.end("forward", device);
-            let loss = self.task_loss(g, &q, &p, None, &[])?;
-            self.phases.end("loss", device);
+            let loss = {
+                let _scope = self.phases.scope("rak::loss");
+                let loss = self.task_loss(g, &q, &p, None, &[])?;
+                self.phases.end("loss", device);
+                loss
+            };
             // A process with none of this task's rows has no graph to go back through.
             if loss.requires_grad() {
+                let _scope = self.phases.scope("rak::backward");
                 (&loss * self.task_weight(g, groups)).backward();
+                self.phases.end("backward", device);
             }
-            self.phases.end("backward", device);
+            let _scope = self.phases.scope("rak::optimizer");
             if !self.per_task_gradients {
                 unread.push((g.task.clone(), loss.detach()));
                 continue;
@@ -697,6 +758,7 @@ impl<'a> Trainer<'a> {
                 return Ok(skip);
             }
         }
+        let _scope = self.phases.scope("rak::optimizer");
         if !self.per_task_gradients {
             let stacked = Tensor::stack(&unread.iter().map(|(_, l)| l.to_kind(Kind::Double)).collect::<Vec<_>>(), 0);
             let values = Vec::<f64>::try_from(stacked.to_device(tch::Device::Cpu)).context("reading the step's losses")?;
@@ -831,8 +893,12 @@ impl<'a> Trainer<'a> {
         let first = self.state.step;
         progress.start("train", self.config.max_steps);
         progress.inc(first);
+        let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
+        let mut trace = TorchTrace::from_env(first, self.config.max_steps);
         while self.state.step < self.config.max_steps {
             let step = self.state.step;
+            self.phases.tracing = trace.begin_step(step, device, progress);
+            let step_scope = self.phases.scope("rak::step");
             // Dropout: each process its own stream (one process keeps the stream it always had).
             let mut dropout = match self.dist.as_ref() {
                 Some(d) => Rng::derive(self.config.seed, &[4, step, 1 + d.rank() as u64]),
@@ -877,6 +943,7 @@ impl<'a> Trainer<'a> {
                     Vec::new()
                 }
             };
+            drop(step_scope);
             self.state.step += 1;
             self.state.sampler = self.sampler.state();
             progress.inc(1);
@@ -916,6 +983,8 @@ impl<'a> Trainer<'a> {
             }
         }
         progress.finish();
+        self.phases.tracing = false;
+        trace.finish(progress);
         if writes {
             self.save_checkpoint(progress)?;
             self.encoder.save(&self.output_dir)?;
