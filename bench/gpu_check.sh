@@ -28,7 +28,8 @@
 #      the table of docs/BENCHMARKS.md, in about 3 minutes (8 rows of at most 120 s each). It
 #      runs first, after step 1: it is what issue 33 waits for, and the steps after it were
 #      checked on an H100 before, so a check cut short by its time limit loses those, not the
-#      table (SPEED_ONLY=1 runs only this step; bench/gpu_profile.sh profiles one of its rows).
+#      table (SPEED_ONLY=1 runs only this step; PROFILE_WORST=1 then profiles its worst row
+#      into $OUT/profile, as bench/gpu_profile.sh profiles a row it is told).
 # A step that fails says FAIL and the next one still runs (a lent machine's minutes are few);
 # the script's status is 1 if any step failed.
 # Here: bench/gpu_pack.sh (after a release build and `cargo test --release --no-run`). Then,
@@ -84,21 +85,54 @@ speed() {
         done
     done
     $PY bench/gpu_data.py --speed-table "${files[@]}" || fail "step 11: table"
+    # The row furthest above the PyTorch loop, for PROFILE_WORST (shape, dropout, bf16 or "").
+    worst=$($PY - "${files[@]}" <<'PYEOF' 2>/dev/null
+import json, sys
+rows = []
+for f in sys.argv[1:]:
+    try:
+        rows.append((json.load(open(f))["dpr"]["ours_over_torch"], f))
+    except (OSError, ValueError, KeyError):
+        pass
+if rows:
+    name = max(rows)[1].rsplit("/", 1)[-1][len("speed-"):-len(".json")]  # e.g. base-d0.1-bf16
+    shape, rest = name.split("-d", 1)
+    drop, _, bf16 = rest.partition("-")
+    print(shape, drop, bf16)
+PYEOF
+)
+}
+# One row of the speed step, profiled on both sides (issue 33, item 2): SHAPE DROPOUT BF16 DIR.
+profile_row() {
+    step "profile: the DPR step on $DEVICE, $1 shape, dropout $2${3:+, bf16} -> $4"
+    mkdir -p "$4"
+    $PY bench/gpu_data.py --tokenizer .gpu/minilm --speed-models "$W" >/dev/null 2>&1 || true  # made already by the speed step
+    timeout 300 $PY bench/train_step.py --only dpr --steps ${SPEED_STEPS:-10} --threads 8 --device "$DEVICE" ${3:+--bf16} --no-st \
+        --model "$W/speed-$1-d$2" --host "$H" --profile "$4" --out "$4/train-step.json" 2>&1 | tail -8
+    local status=${PIPESTATUS[0]}
+    # Both sides' traces side by side (bench/trace_table.py), whole: it is what the profile is for.
+    [[ -f $4/trace-table.md ]] && cat "$4/trace-table.md"
+    ls -la "$4"
+    [[ $status == 0 ]] || fail "profile: $1 dropout $2 ${3:-float32}"
 }
 if [[ -n ${PROFILE_DIR:-} ]]; then
-    # bench/gpu_profile.sh: one row of the speed step, profiled on both sides (issue 33, item 2).
-    step "profile: the DPR step on $DEVICE, $PROFILE_SHAPE shape, dropout $PROFILE_DROPOUT${PROFILE_BF16:+, bf16} -> $PROFILE_DIR"
-    mkdir -p "$PROFILE_DIR"
+    # bench/gpu_profile.sh: the row it names.
     $PY bench/gpu_data.py --tokenizer .gpu/minilm --speed-models "$W" >/dev/null || exit 1
-    timeout 300 $PY bench/train_step.py --only dpr --steps ${SPEED_STEPS:-10} --threads 8 --device "$DEVICE" ${PROFILE_BF16:+--bf16} --no-st \
-        --model "$W/speed-$PROFILE_SHAPE-d$PROFILE_DROPOUT" --host "$H" --profile "$PROFILE_DIR" --out "$PROFILE_DIR/train-step.json" 2>&1 | tail -8
-    status=${PIPESTATUS[0]}
-    # Both sides' traces side by side (bench/trace_table.py), whole: it is what the profile is for.
-    [[ -f $PROFILE_DIR/trace-table.md ]] && cat "$PROFILE_DIR/trace-table.md"
-    ls -la "$PROFILE_DIR"
-    exit "$status"
+    profile_row "$PROFILE_SHAPE" "$PROFILE_DROPOUT" "${PROFILE_BF16:+bf16}" "$PROFILE_DIR"
+    exit $failed
 fi
+worst=""
 speed
+if [[ -n ${PROFILE_WORST:-} ]]; then
+    # The speed table's worst row profiled in the same run (a second device call would most
+    # likely find the machine given back and pay for a fresh start).
+    if [[ -n $worst ]]; then
+        read -r w_shape w_drop w_bf16 <<<"$worst"
+        profile_row "$w_shape" "$w_drop" "${w_bf16:-}" "$OUT/profile"
+    else
+        fail "PROFILE_WORST: no row of the speed step has a result"
+    fi
+fi
 if [[ -n ${SPEED_ONLY:-} ]]; then
     echo; [[ $failed == 0 ]] && echo "gpu_check: speed done" || echo "gpu_check: speed step FAILED"
     exit $failed

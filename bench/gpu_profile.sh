@@ -2,8 +2,13 @@
 # A profile of one configuration of bench/gpu_check.sh's speed step (issue 33, item 2), written
 # to the folder given: the DPR step of `host train` with RAK_STEP_PHASES=1 (seconds a step by
 # phase: sample, forward, loss, backward, optimizer, the device synchronised at each phase's
-# end) beside the PyTorch loop under torch.profiler (torch-profile.txt: operators by device and
-# by CPU time; torch-trace.json: a Chrome trace), and train-step.json with both sides' times (and gpu_check.log, what it printed).
+# end), then again under libtorch's profiler (RAK_TORCH_PROFILE: host-trace.json), beside the
+# PyTorch loop under torch.profiler (torch-profile.txt: operators by device and by CPU time;
+# torch-trace.json: a Chrome trace); trace-table.md, both traces side by side
+# (bench/trace_table.py: kernels, device idle time, waits for the device, a step); and
+# train-step.json with both sides' times (and gpu_check.log, what it printed).
+# `PROFILE_WORST=1 SPEED_ONLY=1 bash bench/gpu_check.sh` profiles the speed table's worst row in
+# the same run instead (into $OUT/profile).
 #
 #   bash bench/gpu_profile.sh DIR [minilm|base] [0|0.1] [bf16]     # default: base 0.1 (float32)
 #
