@@ -107,12 +107,14 @@ profile_row() {
     step "profile: the DPR step on $DEVICE, $1 shape, dropout $2${3:+, bf16} -> $4"
     mkdir -p "$4"
     $PY bench/gpu_data.py --tokenizer .gpu/minilm --speed-models "$W" >/dev/null 2>&1 || true  # made already by the speed step
-    timeout 300 $PY bench/train_step.py --only dpr --steps ${SPEED_STEPS:-10} --threads 8 --device "$DEVICE" ${3:+--bf16} --no-st \
+    # Fewer steps than the speed rows: three runs here (phases, the trace, the loop), and the
+    # traces grow with every step.
+    timeout 300 $PY bench/train_step.py --only dpr --steps ${PROFILE_STEPS:-5} --threads 8 --device "$DEVICE" ${3:+--bf16} --no-st \
         --model "$W/speed-$1-d$2" --host "$H" --profile "$4" --out "$4/train-step.json" 2>&1 | tail -8
     local status=${PIPESTATUS[0]}
-    # Both sides' traces side by side (bench/trace_table.py), whole: it is what the profile is for.
-    [[ -f $4/trace-table.md ]] && cat "$4/trace-table.md"
     ls -la "$4"
+    # Both sides' traces side by side (bench/trace_table.py), whole: it is what the profile is for.
+    if [[ -f $4/trace-table.md ]]; then cat "$4/trace-table.md"; else status=1; echo "no trace table in $4"; fi
     [[ $status == 0 ]] || fail "profile: $1 dropout $2 ${3:-float32}"
 }
 if [[ -n ${PROFILE_DIR:-} ]]; then

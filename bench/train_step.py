@@ -551,6 +551,11 @@ def part_dpr(a, work):
     seed, seed_info = seed_dir(a, work, DPR_TASKS)
     adamw = {"weight_decay": WEIGHT_DECAY}
     profile = getattr(a, "profile", None)
+    traces = [os.path.join(profile, f) for f in ("host-trace.json", "torch-trace.json", "trace-table.md")] if profile else []
+    for f in traces:
+        # A folder profiled before must not lend this run an old trace.
+        if os.path.exists(f):
+            os.remove(f)
     ours = run_host(a, work, "dpr-ours", DPR_TASKS, "adamw", adamw, max_steps, seed, {"RAK_STEP_PHASES": "1"} if profile else None)
     print(json.dumps({"dpr": "ours", **ours}), flush=True)
     if profile:
@@ -561,7 +566,10 @@ def part_dpr(a, work):
     torch_r = torch_loop(a, triples, max_steps)
     print(json.dumps({"dpr": "torch", **torch_r}), flush=True)
     r = {"negatives": seed_info, "ours": ours, "torch": torch_r, "ours_over_torch": round(ours["median_s"] / torch_r["median_s"], 3)}
-    if profile:
+    if profile and not os.path.exists(traces[0]):
+        r["ours_traced"] = traced
+        r["trace_table"] = "host train wrote no trace (RAK_TORCH_PROFILE): see " + os.path.join(work, "dpr-ours-traced.stderr")
+    elif profile:
         r["ours_traced"] = traced
         table = subprocess.run(
             [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_table.py"),

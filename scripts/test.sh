@@ -44,6 +44,7 @@ trap stop_llama_build EXIT
 python scripts/experiments/test_carve_validation.py
 python scripts/experiments/test_ranking_record.py
 python scripts/experiments/test_select_table.py
+python bench/test_trace_table.py
 cargo build --release --workspace
 built=0
 wait "$llama_build" || built=$?

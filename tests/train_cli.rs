@@ -15,7 +15,7 @@ const TRAIN: &str = "optim = \"adamw\"\nlearning_rate = 5e-5\nper_device_train_b
 
 fn train_cmd(recipe: &Path, out: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new(host_bin());
-    c.args(["train", "--model", p(&minilm_dir()), "--config", p(recipe), "--output-dir", p(out)]).args(extra).env_remove("RAK_PLUGIN_PATH").env_remove("RAK_STEP_PHASES").env_remove("RAK_TORCH_PROFILE");
+    c.args(["train", "--model", p(&minilm_dir()), "--config", p(recipe), "--output-dir", p(out)]).args(extra).env_remove("RAK_PLUGIN_PATH").env_remove("RAK_STEP_PHASES").env_remove("RAK_TORCH_PROFILE").env_remove("RAK_TORCH_PROFILE_STEPS");
     c
 }
 
@@ -784,26 +784,16 @@ fn the_output_folder_is_the_run_s_own_and_overwrite_removes_only_what_it_wrote()
 /// `RAK_STEP_PHASES` logs where each step's time went, for the summed-gradient path (AdamW) and
 /// the per-task one (T-SAGE); the phases fit in the step (a run without it logs none:
 /// `a_killed_run_resumes_to_the_same_result`). `RAK_TORCH_PROFILE` writes libtorch's trace of
-/// the steps (all of them in a run of two), each a `rak::step` scope holding its phases' scopes
-/// and the operators they ran (what `bench/trace_table.py` reads).
+/// the steps after the first two (up to `RAK_TORCH_PROFILE_STEPS`), each a `rak::step` scope
+/// holding its phases' scopes and the operators they ran (what `bench/trace_table.py` reads).
 #[test]
 fn step_phases_and_traces_are_written_when_asked() {
     let dir = TempDir::new("train-phases");
     let recipe = small_task_data(dir.path(), 12, &TRAIN.replace("max_steps = 8", "max_steps = 2"));
     for (optim, extra) in [("adamw", &[][..]), ("tsage", &["--optim", "tsage"][..])] {
         let out = dir.path().join(optim);
-        let traces = dir.path().join(format!("{optim}-trace"));
-        let o = run(train_cmd(&recipe, &out, extra).env("RAK_STEP_PHASES", "1").env("RAK_TORCH_PROFILE", &traces));
+        let o = run(train_cmd(&recipe, &out, extra).env("RAK_STEP_PHASES", "1"));
         assert!(o.status.success(), "{}", stderr(&o));
-        let trace: Value = serde_json::from_slice(&std::fs::read(traces.join("host-trace.json")).unwrap()).unwrap();
-        let names: Vec<&str> = trace["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
-        let count = |n: &str| names.iter().filter(|&&m| m == n).count();
-        assert_eq!(count("rak::step"), 2, "{optim}: one scope a step");
-        for scope in ["rak::forward", "rak::loss", "rak::backward", "rak::optimizer"] {
-            assert!(count(scope) >= 2, "{optim}: {scope} {}", count(scope));
-        }
-        assert!(count("aten::mm") > 10 && names.iter().any(|n| n.contains("Backward")), "{optim}: forward and backward operators recorded");
-        assert!(stderr(&o).contains("libtorch's profile of the steps"), "{}", stderr(&o));
         let lines: Vec<Value> = std::fs::read_to_string(out.join("trainer_log.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
         assert_eq!(lines.len(), 2);
         let mut before = 0.0;
@@ -820,6 +810,22 @@ fn step_phases_and_traces_are_written_when_asked() {
             before = until;
             assert!(sum <= step + 1e-3 && sum >= 0.5 * step, "{optim}: phases {sum} s of a {step} s step: {l}");
         }
+    }
+    // The trace: 4 steps, the first two left out, the rest capped by RAK_TORCH_PROFILE_STEPS.
+    let recipe = small_task_data(dir.path(), 12, &TRAIN.replace("max_steps = 8", "max_steps = 4"));
+    for (optim, extra, cap, want) in [("adamw", &[][..], "20", 2), ("tsage", &["--optim", "tsage"][..], "1", 1)] {
+        let traces = dir.path().join(format!("{optim}-trace"));
+        let o = run(train_cmd(&recipe, &dir.path().join(format!("{optim}-traced")), extra).env("RAK_TORCH_PROFILE", &traces).env("RAK_TORCH_PROFILE_STEPS", cap));
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(stderr(&o).contains("libtorch's profile of the steps"), "{}", stderr(&o));
+        let trace: Value = serde_json::from_slice(&std::fs::read(traces.join("host-trace.json")).unwrap()).unwrap();
+        let names: Vec<&str> = trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["cat"] == "user_annotation" || e["cat"] == "cpu_op").filter_map(|e| e["name"].as_str()).collect();
+        let count = |n: &str| names.iter().filter(|&&m| m == n).count();
+        assert_eq!(count("rak::step"), want, "{optim}: one scope a recorded step");
+        for scope in ["rak::forward", "rak::loss", "rak::backward", "rak::optimizer"] {
+            assert!(count(scope) >= want, "{optim}: {scope} {}", count(scope));
+        }
+        assert!(count("aten::mm") > 10 && names.iter().any(|n| n.contains("Backward")), "{optim}: forward and backward operators recorded");
     }
     // `=0` means off: it must not add a device wait to every step.
     let out = dir.path().join("off");

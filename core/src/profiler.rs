@@ -22,45 +22,56 @@ extern "C" {
 /// process (libtorch's rule); not `Send`: it ends on the thread that began it.
 pub struct Recording {
     trace: PathBuf,
-    finished: bool,
+    device: Device,
+    /// Whether libtorch's profiler is still on (this value turns it off once).
+    on: bool,
     _thread: PhantomData<*const ()>,
 }
 
 impl Recording {
     /// Starts recording operators (and kernels, when `device` is CUDA); the trace goes to
-    /// `trace` when finished.
+    /// `trace` when finished. Its folder is made first, so that a path that cannot be written
+    /// fails here rather than after the work it was to record.
     pub fn start(trace: &Path, device: Device) -> Result<Self> {
+        if let Some(dir) = trace.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+        }
         let cuda = i32::from(device.is_cuda());
         // SAFETY: the call only switches libtorch's profiler on; errors come back as text.
         crate::autograd::shim_call("cannot start libtorch's profiler", |err, len| unsafe { rak_profiler_start(cuda, err, len) })?;
-        Ok(Recording { trace: trace.to_path_buf(), finished: false, _thread: PhantomData })
+        Ok(Recording { trace: trace.to_path_buf(), device, on: true, _thread: PhantomData })
     }
 
-    /// Stops recording and writes the Chrome trace (to a temporary name, then renamed).
+    /// Stops recording and writes the Chrome trace (to a temporary name, then renamed). On
+    /// CUDA the device finishes its queued work first, as Python's profiler does on leaving
+    /// its block, so the last step's kernels are in the trace.
     pub fn finish(mut self) -> Result<PathBuf> {
-        self.finished = true;
-        let mut stopped = false;
-        crate::fsutil::write_atomically(&self.trace, |tmp| {
+        if let Device::Cuda(i) = self.device {
+            tch::Cuda::synchronize(i as i64);
+        }
+        let written = crate::fsutil::write_atomically(&self.trace, |tmp| {
             let c = CString::new(tmp.as_os_str().as_encoded_bytes()).context("a trace path with a NUL byte")?;
-            stopped = true;
+            self.on = false;
             // SAFETY: `c` outlives the call, which writes what libtorch's profiler collected.
             crate::autograd::shim_call("cannot write libtorch's profile", |err, len| unsafe { rak_profiler_stop(c.as_ptr(), err, len) })
                 .with_context(|| tmp.display().to_string())
-        })?;
-        if !stopped {
-            // SAFETY: as in `drop`.
+        });
+        self.stop();
+        written.map(|()| self.trace.clone())
+    }
+
+    /// Turns the profiler off without writing, unless that is done already.
+    fn stop(&mut self) {
+        if std::mem::take(&mut self.on) {
+            // SAFETY: stops the profiler this value started; nothing is written.
             let _ = crate::autograd::shim_call("", |err, len| unsafe { rak_profiler_stop(std::ptr::null(), err, len) });
         }
-        Ok(self.trace.clone())
     }
 }
 
 impl Drop for Recording {
     fn drop(&mut self) {
-        if !self.finished {
-            // SAFETY: stops the profiler this value started; nothing is written.
-            let _ = crate::autograd::shim_call("", |err, len| unsafe { rak_profiler_stop(std::ptr::null(), err, len) });
-        }
+        self.stop();
     }
 }
 
@@ -112,6 +123,13 @@ mod tests {
             assert!(names.contains(&want), "{want} missing from {names:?}");
         }
         assert!(!crate::fsutil::temp_path(&trace).exists());
+        // A folder that cannot be made fails at the start; the profiler stays off, so the
+        // next recording starts.
+        let blocked = dir.join("a-file");
+        std::fs::write(&blocked, "").unwrap();
+        assert!(Recording::start(&blocked.join("trace.json"), Device::Cpu).is_err());
+        let again = Recording::start(&trace, Device::Cpu).unwrap();
+        again.finish().unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

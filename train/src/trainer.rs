@@ -339,23 +339,32 @@ impl Phases {
 }
 
 /// libtorch's profiler over a run's steps, when the environment sets `RAK_TORCH_PROFILE` to a
-/// folder: `FOLDER/host-trace.json`, the Chrome trace `torch.profiler` writes, of every step
-/// after the run's first two (warm-up; all of them in a run of two steps or fewer), each step
-/// a `rak::step` scope and its phases `rak::forward`, `rak::loss`, `rak::backward` and
-/// `rak::optimizer` (`bench/trace_table.py` reads it beside a PyTorch loop's). Unlike
-/// `RAK_STEP_PHASES` it adds no waits for the device. A profiler that cannot start or write
-/// is a warning, never the run's failure.
+/// folder: `FOLDER/host-trace.json`, the Chrome trace `torch.profiler` writes, of up to
+/// `RAK_TORCH_PROFILE_STEPS` (20) steps after the run's first two (warm-up; from the first in
+/// a run of two steps or fewer), each step a `rak::step` scope and its phases `rak::forward`,
+/// `rak::loss`, `rak::backward` and `rak::optimizer` (`bench/trace_table.py` reads it beside a
+/// PyTorch loop's). Unlike `RAK_STEP_PHASES` it adds no waits for the device. Only the first
+/// training run of a process records (an ANCE run's first stage) and, data-parallel, only rank
+/// 0. A profiler that cannot start or write is a warning, never the run's failure.
 struct TorchTrace {
     file: Option<PathBuf>,
     from_step: u64,
+    until_step: u64,
     recording: Option<Recording>,
 }
 
+/// Whether this process has recorded a run already (a later stage would overwrite its trace).
+static TRACED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 impl TorchTrace {
-    fn from_env(first: u64, max_steps: u64) -> Self {
-        let file = std::env::var_os("RAK_TORCH_PROFILE").filter(|v| !v.is_empty()).map(|dir| PathBuf::from(dir).join("host-trace.json"));
-        let from_step = if max_steps - first > 2 { first + 2 } else { first };
-        TorchTrace { file, from_step, recording: None }
+    fn from_env(first: u64, max_steps: u64, writes: bool) -> Self {
+        let file = std::env::var_os("RAK_TORCH_PROFILE")
+            .filter(|v| !v.is_empty() && writes)
+            .filter(|_| !TRACED.swap(true, std::sync::atomic::Ordering::Relaxed))
+            .map(|dir| PathBuf::from(dir).join("host-trace.json"));
+        let steps = std::env::var("RAK_TORCH_PROFILE_STEPS").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(20);
+        let from_step = if max_steps.saturating_sub(first) > 2 { first + 2 } else { first };
+        TorchTrace { file, from_step, until_step: from_step.saturating_add(steps), recording: None }
     }
 
     /// Called as each step begins; whether the profiler records it.
@@ -367,6 +376,9 @@ impl TorchTrace {
                     Err(e) => progress.log(&format!("train: warning: RAK_TORCH_PROFILE: {e:#}")),
                 }
             }
+        }
+        if step == self.until_step {
+            self.finish(progress);
         }
         self.recording.is_some()
     }
@@ -735,9 +747,11 @@ impl<'a> Trainer<'a> {
                 loss
             };
             // A process with none of this task's rows has no graph to go back through.
-            if loss.requires_grad() {
+            {
                 let _scope = self.phases.scope("rak::backward");
-                (&loss * self.task_weight(g, groups)).backward();
+                if loss.requires_grad() {
+                    (&loss * self.task_weight(g, groups)).backward();
+                }
                 self.phases.end("backward", device);
             }
             let _scope = self.phases.scope("rak::optimizer");
@@ -805,12 +819,14 @@ impl<'a> Trainer<'a> {
         let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
         let mut encoded = Vec::with_capacity(groups.len());
         {
+            let _scope = self.phases.scope("rak::forward");
             let _autocast = self.config.bf16.then(|| Autocast::bf16(device)).transpose()?;
             for g in groups {
                 encoded.push(self.encode_for_loss(g, device)?);
             }
+            self.phases.end("forward", device);
         }
-        self.phases.end("forward", device);
+        let loss_scope = self.phases.scope("rak::loss");
         let step_passages = Tensor::cat(&encoded.iter().map(|(_, p)| p).collect::<Vec<_>>(), 0);
         let step_texts: Vec<&str> = groups.iter().flat_map(|g| g.passages.iter().map(String::as_str)).collect();
         let mut losses = Vec::with_capacity(groups.len());
@@ -825,6 +841,7 @@ impl<'a> Trainer<'a> {
             losses.push((g.task.clone(), value, loss * self.task_weight(g, groups)));
         }
         self.phases.end("loss", device);
+        drop(loss_scope);
         let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
         let backward = |loss: &Tensor, keep_graph: bool| -> Result<Vec<(String, Tensor)>> {
             // A process with none of the batch's rows has no graph to go back through.
@@ -834,8 +851,13 @@ impl<'a> Trainer<'a> {
         if self.per_task_gradients {
             // Each task's gradient on its own; the graph is kept until the last task's.
             for (i, (task, value, loss)) in losses.iter().enumerate() {
-                let grads = backward(loss, i + 1 < losses.len())?;
-                self.phases.end("backward", device);
+                let grads = {
+                    let _scope = self.phases.scope("rak::backward");
+                    let grads = backward(loss, i + 1 < losses.len())?;
+                    self.phases.end("backward", device);
+                    grads
+                };
+                let _scope = self.phases.scope("rak::optimizer");
                 let grads = self.reduce_gradients(params, grads)?;
                 if let Some(skip) = non_finite(&grads, task, *value) {
                     return Ok(skip);
@@ -846,14 +868,20 @@ impl<'a> Trainer<'a> {
         } else {
             let total = losses.iter().map(|(_, _, l)| l.shallow_clone()).reduce(|a, b| a + b).context("a step with no task")?;
             let value = losses.iter().map(|(_, v, _)| v).sum::<f64>();
-            let grads = backward(&total, false)?;
-            self.phases.end("backward", device);
+            let grads = {
+                let _scope = self.phases.scope("rak::backward");
+                let grads = backward(&total, false)?;
+                self.phases.end("backward", device);
+                grads
+            };
+            let _scope = self.phases.scope("rak::optimizer");
             let grads = self.reduce_gradients(params, grads)?;
             if let Some(skip) = non_finite(&grads, ALL_TASKS, value) {
                 return Ok(skip);
             }
             self.optimizer.task_gradients(ALL_TASKS, value, grads)?;
         }
+        let _scope = self.phases.scope("rak::optimizer");
         let stats = self.optimizer.finish_step()?;
         self.phases.end("optimizer", device);
         Ok(StepOutcome::Updated { losses: losses.into_iter().map(|(t, v, _)| (t, v)).collect(), stats })
@@ -894,7 +922,7 @@ impl<'a> Trainer<'a> {
         progress.start("train", self.config.max_steps);
         progress.inc(first);
         let device = params.first().map_or(tch::Device::Cpu, |(_, p)| p.device());
-        let mut trace = TorchTrace::from_env(first, self.config.max_steps);
+        let mut trace = TorchTrace::from_env(first, self.config.max_steps, self.writes());
         while self.state.step < self.config.max_steps {
             let step = self.state.step;
             self.phases.tracing = trace.begin_step(step, device, progress);
