@@ -103,10 +103,10 @@ PYEOF
 )
 }
 # One row of the speed step, profiled on both sides (issue 33, item 2): SHAPE DROPOUT BF16 DIR.
+# The models are the speed step's (gpu_data.py --speed-models, made once).
 profile_row() {
     step "profile: the DPR step on $DEVICE, $1 shape, dropout $2${3:+, bf16} -> $4"
     mkdir -p "$4"
-    $PY bench/gpu_data.py --tokenizer .gpu/minilm --speed-models "$W" >/dev/null 2>&1 || true  # made already by the speed step
     # Fewer steps than the speed rows: three runs here (phases, the trace, the loop), and the
     # traces grow with every step.
     timeout 300 $PY bench/train_step.py --only dpr --steps ${PROFILE_STEPS:-5} --threads 8 --device "$DEVICE" ${3:+--bf16} --no-st \

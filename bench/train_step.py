@@ -566,17 +566,15 @@ def part_dpr(a, work):
     torch_r = torch_loop(a, triples, max_steps)
     print(json.dumps({"dpr": "torch", **torch_r}), flush=True)
     r = {"negatives": seed_info, "ours": ours, "torch": torch_r, "ours_over_torch": round(ours["median_s"] / torch_r["median_s"], 3)}
-    if profile and not os.path.exists(traces[0]):
+    if profile:
         r["ours_traced"] = traced
-        r["trace_table"] = "host train wrote no trace (RAK_TORCH_PROFILE): see " + os.path.join(work, "dpr-ours-traced.stderr")
-    elif profile:
-        r["ours_traced"] = traced
-        table = subprocess.run(
-            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_table.py"),
-             os.path.join(profile, "host-trace.json"), os.path.join(profile, "torch-trace.json"),
-             "--out", os.path.join(profile, "trace-table.md")],
-            capture_output=True, text=True)
-        r["trace_table"] = table.stdout if table.returncode == 0 else f"trace_table.py failed: {table.stderr[-2000:]}"
+        host_trace, torch_trace, table_file = traces
+        if not os.path.exists(host_trace):
+            r["trace_table"] = "host train wrote no trace (RAK_TORCH_PROFILE): see " + os.path.join(work, "dpr-ours-traced.stderr")
+        else:
+            script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_table.py")
+            table = subprocess.run([sys.executable, script, host_trace, torch_trace, "--out", table_file], capture_output=True, text=True)
+            r["trace_table"] = table.stdout if table.returncode == 0 else f"trace_table.py failed: {table.stderr[-2000:]}"
     if not a.no_st:
         st_r = st_trainer(a, triples, max_steps, work)
         print(json.dumps({"dpr": "st", **st_r}), flush=True)

@@ -31,12 +31,8 @@ pub(crate) fn shim_call(what: &str, f: impl FnOnce(*mut c_char, usize) -> i32) -
 /// Drop `t`'s gradient (Python's `p.grad = None`): after the next backward, a parameter the
 /// graph did not reach has an undefined gradient, not a zero one, so optimizers skip it.
 pub fn clear_grad(t: &Tensor) -> Result<()> {
-    let mut err = [0 as c_char; 512];
     // SAFETY: `t` is a live tensor handle; the call only resets its gradient slot.
-    if unsafe { rak_clear_grad(t.as_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) } != 1 {
-        bail!("cannot clear a gradient: {}", message(&err));
-    }
-    Ok(())
+    shim_call("cannot clear a gradient", |err, len| unsafe { rak_clear_grad(t.as_ptr() as *mut c_void, err, len) })
 }
 
 /// A bf16 autocast region on one device type for the current thread, as
@@ -58,11 +54,8 @@ impl Autocast {
             other => bail!("bf16 autocast runs on the CPU or CUDA, not {other:?}"),
         };
         let (mut was_on, mut was_dtype) = (0, 0);
-        let mut err = [0 as c_char; 512];
         // SAFETY: thread-local flags on the C++ side; the out-pointers are live locals.
-        if unsafe { rak_autocast_enter(device, &mut was_on, &mut was_dtype, err.as_mut_ptr(), err.len()) } != 1 {
-            bail!("cannot enter bf16 autocast: {}", message(&err));
-        }
+        shim_call("cannot enter bf16 autocast", |err, len| unsafe { rak_autocast_enter(device, &mut was_on, &mut was_dtype, err, len) })?;
         Ok(Autocast { device, was_on, was_dtype, _thread: PhantomData })
     }
 }
