@@ -20,7 +20,7 @@ if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+
     .venv/bin/pip install --quiet torch==2.11.0
 fi
 # The CUDA headers the wheel's cuda_runtime.h includes but its CUDA packages lack: crt/ (it
-# comes with nvcc) and nv/target (CCCL's). With them core/build.rs compiles c10d's NCCL group
+# comes with nvcc) and nv/target (CCCL's). With them core/shim/build.rs compiles c10d's NCCL group
 # into the shim. 3 MB, the releases of the wheel's CUDA runtime.
 cuda_include=$(ls -d .venv/lib/python3*/site-packages/nvidia/cu13/include 2>/dev/null | head -n1)
 if [[ -n $cuda_include && ! ( -f $cuda_include/crt/host_config.h && -f $cuda_include/nv/target ) ]]; then
@@ -34,7 +34,7 @@ if [[ ! -f $stamp ]] || ! cmp -s scripts/requirements-dev.txt "$stamp"; then
     cp scripts/requirements-dev.txt "$stamp"
 fi
 # Gloo's headers, which libtorch's c10d headers include and the torch wheel lacks: without
-# them core/build.rs leaves multi-process training out of the build (tests/dist.rs fails).
+# them core/shim/build.rs leaves multi-process training out of the build (tests/dist.rs fails).
 if [[ ! -f ${RAK_GLOO_INCLUDE:-/usr/include}/gloo/config.h ]]; then
     echo "install: libgloo-dev (apt; Gloo's headers, for multi-process training)"
     as_root=(); [[ $(id -u) == 0 ]] || as_root=(sudo)

@@ -87,18 +87,31 @@ fn a_plugin_built_against_another_libtorch() {
 }
 
 /// Build the out-of-tree `hashbow` plugin against a copy of rak-core in `target/NAME`, after
-/// `edit(copy root)` changed the copy; returns the `.so`.
+/// `edit(copy root)` changed the copy; returns the `.so`. Only rak-core and rak-abi are
+/// copied: the copy takes rak-torch-shim (rak-core's C++) and rak-build from this checkout,
+/// so the C++ compiled for the real plugins is reused rather than compiled again per copy.
 fn hashbow_built_from_a_copy(name: &str, edit: impl Fn(&Path)) -> PathBuf {
     let copy = root().join("target").join(name);
     let _ = std::fs::remove_dir_all(&copy);
-    for sub in ["abi", "core", "build-support", "tests/third-party"] {
+    for sub in ["abi", "core", "tests/third-party"] {
         copy_tree(&root().join(sub), &copy.join(sub));
     }
+    std::fs::remove_dir_all(copy.join("core/shim")).unwrap();
+    let here = |sub: &str| format!("{:?}", root().join(sub).display().to_string());
     // The copied crates inherit settings from a workspace root: give them one of their own.
     let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
     let (head, tail) = manifest.split_once("members = [").unwrap();
     let tail = &tail[tail.find(']').unwrap() + 1..];
-    std::fs::write(copy.join("Cargo.toml"), format!("{head}members = [\"abi\", \"core\", \"build-support\"]{tail}")).unwrap();
+    let tail = tail
+        .replace("rak-torch-shim = { path = \"core/shim\" }", &format!("rak-torch-shim = {{ path = {} }}", here("core/shim")))
+        .replace("rak-build = { path = \"build-support\" }", &format!("rak-build = {{ path = {} }}", here("build-support")));
+    assert!(tail.contains(&here("core/shim")) && tail.contains(&here("build-support")), "the workspace's path dependencies moved");
+    std::fs::write(copy.join("Cargo.toml"), format!("{head}members = [\"abi\", \"core\"]{tail}")).unwrap();
+    let plugins = copy.join("tests/third-party/Cargo.toml");
+    let text = std::fs::read_to_string(&plugins).unwrap();
+    let line = "rak-build = { path = \"../../build-support\" }";
+    assert!(text.contains(line), "{}: {line}", plugins.display());
+    std::fs::write(&plugins, text.replace(line, &format!("rak-build = {{ path = {} }}", here("build-support")))).unwrap();
     edit(&copy);
     // A library name of its own, so that building in the shared plugin target folder (which
     // reuses the compiled dependencies) cannot overwrite the real hashbow other tests load.

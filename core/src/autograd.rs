@@ -1,4 +1,4 @@
-//! Autograd controls libtorch has and tch does not wrap (`csrc/autograd.cpp`): clearing a
+//! Autograd controls libtorch has and tch does not wrap (`shim/csrc/autograd.cpp`): clearing a
 //! gradient, and bf16 autocast on the CPU as well as CUDA.
 
 use anyhow::{bail, Result};

@@ -1,4 +1,4 @@
-//! Multi-process groups over libtorch's own c10d (`csrc/dist.cpp`): a TCPStore rendezvous and a
+//! Multi-process groups over libtorch's own c10d (`shim/csrc/dist.cpp`): a TCPStore rendezvous and a
 //! Gloo process group, with the collectives data-parallel training needs (sum, gather,
 //! broadcast, barrier). The same engine `torch.distributed` runs, so the usual launch variables
 //! (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) mean what they mean there.

@@ -1,4 +1,4 @@
-//! libtorch's profiler from Rust (`csrc/profiler.cpp`): what `torch.profiler.profile` records
+//! libtorch's profiler from Rust (`shim/csrc/profiler.cpp`): what `torch.profiler.profile` records
 //! in Python (every operator, and on CUDA every kernel and runtime call), written as the same
 //! Chrome trace, so a run of ours and a PyTorch loop profiled beside it read alike
 //! (`bench/trace_table.py`). For measurement: `host train` records its steps when

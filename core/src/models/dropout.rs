@@ -16,7 +16,7 @@
 //! examples share its batch, how long they are, or which process encodes it: a data-parallel
 //! run then trains as one process does, dropout on. Coordinates, not flat offsets, key the
 //! elements, so padding the batch to another length moves no mask. On CUDA the same hash
-//! runs as one kernel of our own (`csrc/keyed_mask.cuh`, compiled by NVRTC when first needed,
+//! runs as one kernel of our own (`shim/csrc/keyed_mask.cuh`, compiled by NVRTC when first needed,
 //! one byte an element, as torch keeps its own masks), the example keys copied to the device
 //! once a pass; elsewhere (or if the kernel cannot run) as int32 tensor operations, about 20
 //! elementwise kernels. Either way the mask is kept for backward as bool, the CPU fill's bit
@@ -390,7 +390,7 @@ mod tests {
 
     #[test]
     fn the_cuda_kernel_s_arithmetic_draws_the_cpu_fill_s_masks() {
-        // csrc/keyed_mask.cuh compiled for the host: the element function the GPU runs.
+        // shim/csrc/keyed_mask.cuh compiled for the host: the element function the GPU runs.
         for (shape, keys, call) in keyed_cases() {
             for p in [0.1, 0.5] {
                 let threshold = (p * (1u64 << 24) as f64).round() as u32;

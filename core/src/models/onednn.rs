@@ -1,4 +1,4 @@
-//! Inference GEMMs through libtorch's oneDNN kernels (see `csrc/onednn.cpp` for why).
+//! Inference GEMMs through libtorch's oneDNN kernels (see `shim/csrc/onednn.cpp` for why).
 //!
 //! [`Dense`] is a linear layer's weight packed once for a forward pass; its `forward` fuses the
 //! bias and an activation or residual add into the GEMM. Only used where gradients are off,
@@ -54,7 +54,7 @@ struct Schema {
     args: &'static [&'static CStr],
 }
 
-/// The signatures the stacks in `csrc/onednn.cpp` are built for (libtorch 2.11). These are
+/// The signatures the stacks in `shim/csrc/onednn.cpp` are built for (libtorch 2.11). These are
 /// private operators, so a libtorch that changes one is caught here rather than handed a
 /// stack of the wrong shape.
 const SCHEMAS: [Schema; 3] = [

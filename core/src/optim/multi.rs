@@ -1,4 +1,4 @@
-//! libtorch's multi-tensor operators (`csrc/multi_tensor.cpp`; tch binds no operator on
+//! libtorch's multi-tensor operators (`shim/csrc/multi_tensor.cpp`; tch binds no operator on
 //! tensor lists): what the optimizer step runs off the CPU's fused loops. On a GPU each call is
 //! a few kernel launches for all the tensors it is given, where one tch operator per parameter
 //! is a launch each: AdamW's dozen operators, clipping's three and the non-finite check's

@@ -1,5 +1,5 @@
-//! The keyed mask as one CUDA kernel of our own: `csrc/keyed_mask.cuh`, compiled by NVRTC the
-//! first time a device needs it and launched on torch's current stream (`csrc/cuda_kernels.cpp`).
+//! The keyed mask as one CUDA kernel of our own: `shim/csrc/keyed_mask.cuh`, compiled by NVRTC the
+//! first time a device needs it and launched on torch's current stream (`shim/csrc/cuda_kernels.cpp`).
 //! The same file compiled for the host is the reference [`host_mask`] the tests hold to the CPU
 //! fill, so the arithmetic a GPU runs is the arithmetic tested here.
 
@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tch::{Device, Kind, Tensor};
 
 /// The kernel's source, compiled at run time (NUL-terminated for the C side).
-const SOURCE: &str = concat!(include_str!("../../../csrc/keyed_mask.cuh"), "\0");
+const SOURCE: &str = rak_torch_shim::KEYED_MASK_CUH;
 
 extern "C" {
     fn rak_keyed_mask_cuda(out: *mut c_void, keys: *mut c_void, m1: u32, m2: u32, n: u32, call: u32, threshold: u32, source: *const c_char, err: *mut c_char, len: usize) -> i32;
