@@ -5,7 +5,7 @@ fn main() {
     rak_build::link_libtorch();
     // The C++ is rak-torch-shim's; it says whether its c10d part was built.
     println!("cargo:rustc-check-cfg=cfg(rak_c10d)");
-    println!("cargo:rerun-if-env-changed=DEP_RAK_TORCH_SHIM_C10D");
+    // (No rerun-if for it: this script reruns whenever the shim's does.)
     if std::env::var_os("DEP_RAK_TORCH_SHIM_C10D").is_some() {
         println!("cargo:rustc-cfg=rak_c10d");
     }

@@ -97,7 +97,7 @@ fn hashbow_built_from_a_copy(name: &str, edit: impl Fn(&Path)) -> PathBuf {
         copy_tree(&root().join(sub), &copy.join(sub));
     }
     std::fs::remove_dir_all(copy.join("core/shim")).unwrap();
-    let here = |sub: &str| format!("{:?}", root().join(sub).display().to_string());
+    let here = |sub: &str| toml::Value::String(root().join(sub).display().to_string()).to_string();
     // The copied crates inherit settings from a workspace root: give them one of their own.
     let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
     let (head, tail) = manifest.split_once("members = [").unwrap();

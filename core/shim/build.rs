@@ -51,11 +51,13 @@ fn compile_dist_shim(lib_dir: &std::path::Path) {
     println!("cargo:rerun-if-changed=csrc/dist.cpp");
     println!("cargo:rerun-if-env-changed=RAK_GLOO_INCLUDE");
     let gloo = std::env::var_os("RAK_GLOO_INCLUDE").map(std::path::PathBuf::from).unwrap_or_else(|| "/usr/include".into());
-    println!("cargo:rerun-if-changed={}", gloo.join("gloo/config.h").display());
     if !gloo.join("gloo/config.h").exists() {
-        println!("cargo:warning=Gloo's headers not found (apt install libgloo-dev, or RAK_GLOO_INCLUDE=DIR): multi-process training is left out of this build");
+        // Not watched while missing: cargo would rerun this script (and rebuild rak-core) on
+        // every build.
+        println!("cargo:warning=Gloo's headers not found (apt install libgloo-dev, then cargo clean -p rak-torch-shim; or RAK_GLOO_INCLUDE=DIR): multi-process training is left out of this build");
         return;
     }
+    println!("cargo:rerun-if-changed={}", gloo.join("gloo/config.h").display());
     // After torch's own headers, so that only Gloo's come from here.
     let mut build = torch_cpp(lib_dir);
     build.include(&gloo).flag("-DUSE_C10D_GLOO").file("csrc/dist.cpp");

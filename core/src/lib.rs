@@ -37,6 +37,10 @@ pub use tch;
 
 pub use rak_abi::{LIBTORCH_VERSION, TARGET, TCH_VERSION};
 
+// The C++ that this crate's `extern "C"` blocks call: named here so that its static libraries
+// are linked even where no Rust item of the shim is used.
+use rak_torch_shim as _;
+
 #[cfg(test)]
 mod tests {
     #[test]

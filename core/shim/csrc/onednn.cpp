@@ -11,7 +11,7 @@
 // - The operators are private and their signatures may change between libtorch versions,
 //   while the argument stacks below are built by hand for one signature. The Rust side
 //   checks each schema once with `rak_onednn_check_schema` (against the lists in
-//   `src/models/onednn.rs`, which mirror the stacks here) and does not use the path if one
+//   `core/src/models/onednn.rs`, which mirror the stacks here) and does not use the path if one
 //   differs.
 // - No C++ exception may cross into Rust (undefined behaviour; in practice an abort). Every
 //   entry point that can throw or allocate runs its whole body inside `guarded`, which also
