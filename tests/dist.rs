@@ -62,7 +62,7 @@ fn collectives(rank: usize, port: u16) {
 /// Runs `body` as rank 0 here and as rank 1 in a copy of this test binary that runs only
 /// `test`; both must succeed.
 fn on_two_ranks(test: &str, body: fn(usize, u16)) {
-    assert!(AVAILABLE, "this build has no c10d shim: apt install libgloo-dev (scripts/install.sh does) and rebuild");
+    assert!(AVAILABLE, "this build has no c10d shim: apt install libgloo-dev (scripts/install.sh does), cargo clean -p rak-torch-shim and rebuild");
     if let Some(port) = as_child(test) {
         return body(1, port);
     }

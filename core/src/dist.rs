@@ -183,7 +183,7 @@ mod imp {
     use super::*;
 
     const MISSING: &str = "this build has no multi-process training: Gloo's headers were not found when it was built \
-         (apt install libgloo-dev, or set RAK_GLOO_INCLUDE, then rebuild)";
+         (apt install libgloo-dev, then cargo clean -p rak-torch-shim and rebuild; or set RAK_GLOO_INCLUDE)";
 
     impl ProcessGroup {
         pub fn join(r: &Rendezvous) -> Result<Self> {
