@@ -92,6 +92,20 @@ fn dpr_keyed_dropout_follows_each_text_not_its_batch() {
     check_keyed_dropout(taser.as_mut(), &texts, Role::Query, None, 1e-5);
 }
 
+/// Batches announced through `prepare` (tokenised on the plugin's own thread) encode as
+/// tokenised inline, for both plugins, MT-DPR's query tweaks on.
+#[test]
+fn dpr_and_taser_tokenised_ahead_encode_as_inline() {
+    let reg = registry();
+    let texts: Vec<String> = fixture_texts().into_iter().take(6).collect();
+    for plugin in ["dpr", "taser"] {
+        let settings = |ahead: bool| json!({"model": minilm(), "question_mark": true, "task_markers": {"squad": "[unused0]"}, "tokenize_ahead": ahead});
+        let mut ahead = reg.encoder(plugin, &settings(true)).unwrap();
+        let mut inline = reg.encoder(plugin, &settings(false)).unwrap();
+        check_tokenized_ahead(ahead.as_mut(), inline.as_mut(), &texts, "squad");
+    }
+}
+
 #[test]
 fn dpr_task_prefix_and_its_pooling_equal_transformers() {
     let reg = registry();

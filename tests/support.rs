@@ -285,3 +285,23 @@ pub fn check_keyed_dropout(enc: &mut dyn rak_core::plugin::Encoder, texts: &[Str
         assert!(diff(&alone, &other_key) > 10.0 * tol, "text {i}: another key drew the same masks");
     }
 }
+
+/// Tokenising ahead through the plugin ABI (`prepare`): `ahead` (made with `tokenize_ahead:
+/// true`) encodes prepared batches, in training passes with keyed dropout and in eval, exactly
+/// as `inline` (the same model, `tokenize_ahead: false`) does, including a batch prepared
+/// under another task and encoded under this one.
+pub fn check_tokenized_ahead(ahead: &mut dyn rak_core::plugin::Encoder, inline: &mut dyn rak_core::plugin::Encoder, texts: &[String], task: &str) {
+    use rak_core::abi::Role;
+    let passages: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let queries: Vec<&str> = texts.iter().map(|t| &t[..t.floor_char_boundary(40)]).collect();
+    let keys: Vec<u64> = (1..=texts.len() as u64).map(|k| k * 0x9e37_79b9).collect();
+    ahead.prepare(&queries, Role::Query, Some(task)).unwrap();
+    ahead.prepare(&passages, Role::Passage, None).unwrap();
+    ahead.prepare(&queries, Role::Query, Some("another task")).unwrap();
+    let q = ahead.encode_keyed(&queries, Role::Query, Some(task), &keys).unwrap();
+    let p = ahead.encode_keyed(&passages, Role::Passage, None, &keys).unwrap();
+    let e = ahead.encode(&passages, Role::Passage, None, false).unwrap();
+    assert!(q.equal(&inline.encode_keyed(&queries, Role::Query, Some(task), &keys).unwrap()), "queries prepared ahead");
+    assert!(p.equal(&inline.encode_keyed(&passages, Role::Passage, None, &keys).unwrap()), "passages prepared ahead");
+    assert!(e.equal(&inline.encode(&passages, Role::Passage, None, false).unwrap()), "passages not prepared again");
+}

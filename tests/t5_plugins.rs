@@ -237,6 +237,25 @@ fn taco_keyed_dropout_follows_each_text_not_its_batch() {
     check_keyed_dropout(enc.as_mut(), &texts, Role::Query, Some("nq"), 1e-5);
 }
 
+/// Batches announced through `prepare` encode as tokenised inline, through the ABI; and the
+/// encoder takes them (counted on rak-core's `TacoEncoder`, which the plugin wraps).
+#[test]
+fn taco_tokenised_ahead_encodes_as_inline() {
+    let reg = registry();
+    let dir = fixture("t5-v1_1");
+    let texts = strings(&meta(&dir)["texts"]);
+    let settings = |ahead: bool| json!({"model": dir, "max_length": 64, "tokenize_ahead": ahead});
+    let (mut ahead, mut inline) = (taco(&reg, settings(true)), taco(&reg, settings(false)));
+    check_tokenized_ahead(ahead.as_mut(), inline.as_mut(), &texts, "nq");
+    let mut core = rak_core::encoders::taco::TacoEncoder::create(settings(true)).unwrap();
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    core.prepare(&refs, Role::Query, Some("nq")).unwrap();
+    let q = core.encode(&refs, Role::Query, Some("nq"), false).unwrap();
+    assert_eq!(core.tokenized_ahead(), 1);
+    assert!(q.equal(&encode(&mut inline, &texts, Role::Query, Some("nq"))));
+    assert_eq!(rak_core::encoders::taco::TacoEncoder::create(settings(false)).unwrap().tokenized_ahead(), 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // fid
 // ---------------------------------------------------------------------------------------------

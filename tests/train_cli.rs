@@ -35,13 +35,20 @@ fn weights(dir: &Path) -> Vec<(String, tch::Tensor)> {
 
 /// SIGKILL a run once a checkpoint exists (at a moment drawn from a fixed seed), resume with
 /// `--resume-from-checkpoint latest`: the same per-step losses and the same final weights as
-/// an uninterrupted run.
+/// an uninterrupted run (which tokenised ahead).
 #[test]
 fn a_killed_run_resumes_to_the_same_result() {
     let dir = TempDir::new("train-resume");
     let recipe = small_task_data(dir.path(), 24, TRAIN);
+    // The uninterrupted run tokenises ahead (on the CPU only when asked), the others do not:
+    // the next step's texts, drawn while a step runs, must reach the encoder as it encodes
+    // them, and leave a checkpoint's sampler where that step left it.
+    let ahead = dir.path().join("recipe-ahead.toml");
+    let text = std::fs::read_to_string(&recipe).unwrap();
+    assert!(text.contains("settings = { max_length = 64 }"), "{text}");
+    std::fs::write(&ahead, text.replace("settings = { max_length = 64 }", "settings = { max_length = 64, tokenize_ahead = true }")).unwrap();
     let whole = dir.path().join("whole");
-    let o = run(&mut train_cmd(&recipe, &whole, &[]));
+    let o = run(&mut train_cmd(&ahead, &whole, &[]));
     assert!(o.status.success(), "{}", stderr(&o));
     let want = losses(&whole);
     assert_eq!(want.len(), 8, "one log line per step");

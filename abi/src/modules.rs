@@ -54,6 +54,10 @@ pub struct EncoderMod {
         task: ROption<RStr<'_>>,
         keys: RSlice<'_, u64>,
     ) -> Res<TensorPtr>,
+    /// Optional (added in ABI 2.0's lifetime; the host skips it for plugins without it): a
+    /// hint that these texts come next in an `encode` or `encode_keyed` call of the same
+    /// role and task, so the encoder may tokenise them ahead. Must not change any result.
+    pub prepare: extern "C" fn(h: Handle, texts: RSlice<'_, RStr<'_>>, role: Role, task: ROption<RStr<'_>>) -> Res<()>,
 }
 
 /// Optimizers, step by step in a streaming form: `begin_step` names the parameters and

@@ -167,3 +167,34 @@ fn passages_in_a_mixed_batch_are_tokenised_as_alone() {
         assert_eq!(seps, if i % 3 == 0 { 2 } else { 1 }, "passage {i}: {ids:?}");
     }
 }
+
+/// Batches handed to `prepare` are tokenised on another thread and taken by the encode call of
+/// exactly those texts, role and task; the embeddings are those of tokenising inline, bit for
+/// bit, training passes with keyed dropout included, and a batch that was not prepared (or
+/// was prepared under another role) is tokenised inline.
+#[test]
+fn batches_tokenised_ahead_encode_as_tokenised_inline() {
+    use rak_core::encoders::{bert::BertEncoder, passage_string};
+    use rak_core::plugin::Encoder;
+    let settings = |ahead: bool| serde_json::json!({"model": model_dir(), "task_prefix": true, "question_mark": true, "tokenize_ahead": ahead});
+    let mut ahead = BertEncoder::create(settings(true), Default::default()).unwrap();
+    let mut inline = BertEncoder::create(settings(false), Default::default()).unwrap();
+    let texts = texts();
+    let passages: Vec<String> = texts.iter().enumerate().map(|(i, t)| if i % 2 == 0 { passage_string("Super Bowl 50", t) } else { t.clone() }).collect();
+    let passages: Vec<&str> = passages.iter().map(String::as_str).collect();
+    let queries: Vec<&str> = texts.iter().map(|t| &t[..t.floor_char_boundary(60)]).collect();
+    let keys: Vec<u64> = (1..=queries.len() as u64).collect();
+    ahead.prepare(&passages, Role::Passage, None).unwrap();
+    ahead.prepare(&queries, Role::Query, Some("squad")).unwrap();
+    ahead.prepare(&queries, Role::Passage, None).unwrap();
+    let q = ahead.encode_keyed(&queries, Role::Query, Some("squad"), &keys).unwrap();
+    let p = ahead.encode(&passages, Role::Passage, None, false).unwrap();
+    assert_eq!(ahead.tokenized_ahead(), 2);
+    assert!(q.equal(&inline.encode_keyed(&queries, Role::Query, Some("squad"), &keys).unwrap()), "keyed training pass");
+    assert!(p.equal(&inline.encode(&passages, Role::Passage, None, false).unwrap()), "passages");
+    // The queries were prepared as passages, not as queries of another task.
+    let other = ahead.encode(&queries, Role::Query, Some("fever"), false).unwrap();
+    assert_eq!(ahead.tokenized_ahead(), 2);
+    assert!(other.equal(&inline.encode(&queries, Role::Query, Some("fever"), false).unwrap()));
+    assert_eq!(inline.tokenized_ahead(), 0, "off when asked");
+}

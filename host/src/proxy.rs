@@ -130,6 +130,14 @@ impl Encoder for EncoderProxy {
         let out = self.origin.check("token_lengths", f(self.handle, texts.as_slice().into(), role, task))?;
         Ok(out.into_option().map(|v| v.into_iter().map(|n| n as usize).collect()))
     }
+
+    fn prepare(&mut self, texts: &[&str], role: Role, task: Option<&str>) -> Result<()> {
+        // A hint: plugins built before this function existed tokenise when they encode.
+        let Some(f) = self.module.prepare() else { return Ok(()) };
+        let texts: Vec<RStr<'_>> = texts.iter().map(|s| (*s).into()).collect();
+        let task: ROption<RStr<'_>> = task.map(RStr::from).into();
+        self.origin.check("prepare", f(self.handle, texts.as_slice().into(), role, task))
+    }
 }
 
 fn lend_named(list: &[(String, Tensor)]) -> Vec<NamedTensor> {

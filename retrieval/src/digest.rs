@@ -56,12 +56,14 @@ pub fn encoder_identity(encoder: &str, settings: &Value) -> Result<Value> {
     Ok(identity)
 }
 
-/// The plugin and the settings that change embeddings (not the device), without the
-/// checkpoint's content: for callers that key on the live weights instead (the services).
+/// The plugin and the settings that change embeddings (not the device, nor whether the
+/// built-in encoders tokenise ahead), without the checkpoint's content: for callers that key
+/// on the live weights instead (the services).
 pub fn settings_identity(encoder: &str, settings: &Value) -> Value {
     let mut s = settings.clone();
     if let Some(obj) = s.as_object_mut() {
         obj.remove("device");
+        obj.remove("tokenize_ahead");
     }
     json!({"plugin": encoder, "settings": s})
 }

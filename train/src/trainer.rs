@@ -414,6 +414,9 @@ pub struct Trainer<'a> {
     /// The checkpoint this run resumed from: the encoder was loaded from it and reads files
     /// from it when it saves (its tokenizer's), so `save_total_limit` leaves it.
     resumed_from: Option<PathBuf>,
+    /// The next step's groups, drawn a step ahead so the encoder can tokenise them while this
+    /// step runs (the sampler has moved past them; a checkpoint keeps its position before).
+    ahead: Option<(u64, Result<Vec<TaskGroup>>)>,
 }
 
 impl<'a> Trainer<'a> {
@@ -478,7 +481,7 @@ impl<'a> Trainer<'a> {
         let sampler = Sampler::new(config.sampler, &counts, config.batch_size * world, config.seed)?;
         let state = TrainerState { step: 0, sampler: sampler.state(), skipped_steps: 0, episode: 0, config: config.clone(), world_size: world };
         let per_task_gradients = optimizer.needs_task_gradients()?;
-        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, dist: group, per_task_gradients, communication_s: 0.0, phases: Phases::from_env(), resumed_from: None })
+        Ok(Trainer { config, encoder, optimizer, tasks, texts, output_dir: output_dir.to_path_buf(), sampler, state, dist: group, per_task_gradients, communication_s: 0.0, phases: Phases::from_env(), resumed_from: None, ahead: None })
     }
 
     /// Whether this process writes the run's files (the only one, or rank 0).
@@ -527,6 +530,7 @@ impl<'a> Trainer<'a> {
         self.sampler.load_state(&state.sampler).with_context(|| format!("{}: sampler state", state_path.display()))?;
         self.state = state;
         self.resumed_from = Some(checkpoint.to_path_buf());
+        self.ahead = None;
         if self.writes() {
             truncate_log(&self.output_dir.join(LOG_FILE), self.state.step)?;
         }
@@ -539,7 +543,7 @@ impl<'a> Trainer<'a> {
 
     /// The query and passage strings of one task's sub-batch: each query's positive (one of
     /// its gold passages) then `h` of its hard negatives, drawn from (seed, step, task, row).
-    fn group_texts(&self, sub: &SubBatch) -> Result<TaskGroup> {
+    fn group_texts(&self, sub: &SubBatch, step: u64) -> Result<TaskGroup> {
         let task = &self.tasks[sub.task];
         let h = self.config.hard_negatives;
         let multi = self.config.loss == LossKind::MultiPositive;
@@ -558,7 +562,7 @@ impl<'a> Trainer<'a> {
                 lm_scores.push(ex.lm_scores.iter().map(|(_, s)| *s).collect());
                 continue;
             }
-            let mut rng = Rng::derive(self.config.seed, &[3, self.state.step, sub.task as u64, row as u64]);
+            let mut rng = Rng::derive(self.config.seed, &[3, step, sub.task as u64, row as u64]);
             // Drawn whatever the loss, so the negatives drawn next do not depend on it.
             let pick = rng.below(ex.positives.len() as u64) as usize;
             if self.config.mask_positive_copies {
@@ -590,10 +594,44 @@ impl<'a> Trainer<'a> {
             LossKind::MultiPositive => Targets::Positives(positive_rows),
             LossKind::LmSupervised => Targets::LmScores(lm_scores),
         };
-        let key = |role: u64, row: usize| Rng::derive(self.config.seed, &[7, self.state.step, sub.task as u64, role, row as u64]).next_u64();
+        let key = |role: u64, row: usize| Rng::derive(self.config.seed, &[7, step, sub.task as u64, role, row as u64]).next_u64();
         let query_keys = (0..queries.len()).map(|row| key(0, row)).collect();
         let passage_keys = (0..passages.len()).map(|row| key(1, row)).collect();
         Ok(TaskGroup { task: task.name.clone(), queries, passages, targets, query_keys, passage_keys, positive_texts })
+    }
+
+    /// Step `step`'s groups, the sampler moved past them.
+    fn draw(&mut self, step: u64) -> Result<Vec<TaskGroup>> {
+        let subs = self.sampler.next_step();
+        subs.iter().map(|sub| self.group_texts(sub, step)).collect()
+    }
+
+    /// This process's share of a group in a data-parallel run, as rows of its queries and
+    /// passages: rank `r` of `w` takes queries `n·r/w .. n·(r+1)/w` and their passages.
+    /// `None` in one process (all of it).
+    fn share(&self, g: &TaskGroup) -> Option<(std::ops::Range<usize>, std::ops::Range<usize>)> {
+        let (rank, world) = self.dist.as_ref().map(|d| (d.rank(), d.world()))?;
+        let n = g.queries.len();
+        let (lo, hi) = (n * rank / world, n * (rank + 1) / world);
+        let bounds = passage_bounds(g, 1 + self.config.hard_negatives);
+        Some((lo..hi, bounds[lo]..bounds[hi]))
+    }
+
+    /// Tells the encoder the texts it will encode for these groups, exactly as
+    /// [`Trainer::encode_group`] will ask, so it can tokenise them while the device works.
+    fn prepare(&mut self, groups: &[TaskGroup]) -> Result<()> {
+        for g in groups {
+            let (queries, passages) = self.share(g).unwrap_or((0..g.queries.len(), 0..g.passages.len()));
+            if queries.is_empty() {
+                continue;
+            }
+            let task = self.config.task_names.then_some(g.task.as_str());
+            let queries: Vec<&str> = g.queries[queries].iter().map(String::as_str).collect();
+            let passages: Vec<&str> = g.passages[passages].iter().map(String::as_str).collect();
+            self.encoder.prepare(&queries, Role::Query, task)?;
+            self.encoder.prepare(&passages, Role::Passage, None)?;
+        }
+        Ok(())
     }
 
     /// A group's query and passage embeddings, with autograd, in float32 for the loss (under
@@ -611,18 +649,16 @@ impl<'a> Trainer<'a> {
     /// data-parallel run every process's share gathered in rank order (rank `r` of `w` encodes
     /// queries `n·r/w .. n·(r+1)/w` and their passages; its rows keep their graph).
     fn encode_for_loss(&mut self, g: &TaskGroup, device: tch::Device) -> Result<(Tensor, Tensor)> {
-        let Some((rank, world)) = self.dist.as_ref().map(|d| (d.rank(), d.world())) else { return self.encode_group(g) };
+        let Some((queries, passages)) = self.share(g) else { return self.encode_group(g) };
         let n = g.queries.len();
-        let (lo, hi) = (n * rank / world, n * (rank + 1) / world);
-        let bounds = passage_bounds(g, 1 + self.config.hard_negatives);
-        let (q, p) = if hi > lo {
+        let (q, p) = if !queries.is_empty() {
             let share = TaskGroup {
                 task: g.task.clone(),
-                queries: g.queries[lo..hi].to_vec(),
-                passages: g.passages[bounds[lo]..bounds[hi]].to_vec(),
+                queries: g.queries[queries.clone()].to_vec(),
+                passages: g.passages[passages.clone()].to_vec(),
                 targets: Targets::OnePositive,
-                query_keys: g.query_keys[lo..hi].to_vec(),
-                passage_keys: g.passage_keys[bounds[lo]..bounds[hi]].to_vec(),
+                query_keys: g.query_keys[queries].to_vec(),
+                passage_keys: g.passage_keys[passages].to_vec(),
                 // Only encoded: the loss is taken over the gathered batch with `g`'s own.
                 positive_texts: Vec::new(),
             };
@@ -946,12 +982,20 @@ impl<'a> Trainer<'a> {
                 seed: optimizer_seed,
             };
             self.phases.start();
-            let groups: Vec<TaskGroup> = self
-                .sampler
-                .next_step()
-                .iter()
-                .map(|sub| self.group_texts(sub))
-                .collect::<Result<_>>()?;
+            let groups = match self.ahead.take() {
+                Some((drawn, groups)) if drawn == step => groups?,
+                _ => self.draw(step)?,
+            };
+            // Where a checkpoint after this step resumes the sampler: before the next draw.
+            let sampler = self.sampler.state();
+            if step + 1 < self.config.max_steps {
+                // A draw that fails fails its own step, not this one.
+                let next = self.draw(step + 1);
+                if let Ok(next) = &next {
+                    self.prepare(next)?;
+                }
+                self.ahead = Some((step + 1, next));
+            }
             self.phases.end("sample", tch::Device::Cpu);
             let losses = match self.train_step(&params, &groups, ctx)? {
                 StepOutcome::Updated { losses, stats } => {
@@ -973,7 +1017,7 @@ impl<'a> Trainer<'a> {
             };
             drop(step_scope);
             self.state.step += 1;
-            self.state.sampler = self.sampler.state();
+            self.state.sampler = sampler;
             progress.inc(1);
             for (name, v) in &losses {
                 let w = window.entry(name.clone()).or_default();
@@ -1317,7 +1361,7 @@ mod group_tests {
         for mask in [true, false] {
             let (mut enc, mut opt) = (NoEncoder, NoOptimizer);
             let trainer = Trainer::new(config(mask), &mut enc, &mut opt, tasks.clone(), texts.clone(), &out).unwrap();
-            let g = trainer.group_texts(&SubBatch { task: 0, examples: vec![0] }).unwrap();
+            let g = trainer.group_texts(&SubBatch { task: 0, examples: vec![0] }, 0).unwrap();
             assert_eq!(g.passages.len(), 2);
             assert!(["first gold", "second gold"].contains(&g.passages[0].as_str()) && g.passages[1] == "negative", "{:?}", g.passages);
             if mask {

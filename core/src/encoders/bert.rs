@@ -2,6 +2,7 @@
 //! with specialised feed-forward experts). Passages are `title [SEP] text` pairs; MT-DPR's
 //! per-task query tweaks (a `?` on QA queries, a task-type marker token) are settings.
 
+use super::ahead::{self, TokenizeAhead};
 use super::{check_device, parse_device, TITLE_SEPARATOR};
 use crate::abi::Role;
 use crate::models::bert::{BertConfig, BertInput, BertModel};
@@ -12,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
 /// The settings file a saved encoder carries next to its weights.
@@ -59,13 +61,17 @@ pub struct BertEncoderSettings {
     /// Run in bfloat16 (GPU). Never saved with a checkpoint (see `save`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bf16: Option<bool>,
+    /// Tokenise the batches a caller prepares on a thread of their own (default: on CUDA
+    /// only; see [`super::ahead`]). Never changes a result, and never saved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenize_ahead: Option<bool>,
 }
 
 impl BertEncoderSettings {
     /// Fill unset fields from `other` (explicit settings win over saved ones).
     fn or(mut self, other: BertEncoderSettings) -> Self {
         macro_rules! fill { ($($f:ident),*) => { $( if self.$f.is_none() { self.$f = other.$f; } )* } }
-        fill!(model, passage_model, pooling, normalize, max_length, query_max_length, question_mark, qa_tasks, task_markers, task_prefix, pool_task_prefix, taser_every, device, bf16);
+        fill!(model, passage_model, pooling, normalize, max_length, query_max_length, question_mark, qa_tasks, task_markers, task_prefix, pool_task_prefix, taser_every, device, bf16, tokenize_ahead);
         self
     }
 }
@@ -76,7 +82,7 @@ fn default_qa_tasks() -> Vec<String> {
 
 struct Tower {
     model: BertModel,
-    tokenizer: TextTokenizer,
+    tokenizer: Arc<TextTokenizer>,
     dir: PathBuf,
 }
 
@@ -86,7 +92,7 @@ impl Tower {
         if taser_every.is_some() {
             config.taser_specialize_every = taser_every.filter(|&t| t > 0);
         }
-        let tokenizer = TextTokenizer::load(dir)?;
+        let tokenizer = Arc::new(TextTokenizer::load(dir)?);
         let model = BertModel::load(dir, config, device)?;
         Ok(Tower { model, tokenizer, dir: dir.to_path_buf() })
     }
@@ -100,9 +106,21 @@ pub struct BertEncoder {
     settings: BertEncoderSettings,
     pooling: Pooling,
     normalize: bool,
+    device: Device,
+    tokenizing: Tokenizing,
+    /// Batches [`Encoder::prepare`](crate::plugin::Encoder::prepare) handed over, when
+    /// tokenising ahead is on.
+    ahead: Option<TokenizeAhead>,
+}
+
+/// What tokenising takes, shared with the threads that tokenise ahead.
+#[derive(Clone)]
+struct Tokenizing {
+    query: Arc<TextTokenizer>,
+    passage: Arc<TextTokenizer>,
+    settings: Arc<BertEncoderSettings>,
     max_length: usize,
     query_max_length: usize,
-    device: Device,
 }
 
 impl BertEncoder {
@@ -144,7 +162,15 @@ impl BertEncoder {
             }
         }
         s.model = Some(model_dir);
-        Ok(BertEncoder { query, passage, settings: s, pooling, normalize, max_length, query_max_length, device })
+        let tokenizing = Tokenizing {
+            query: query.tokenizer.clone(),
+            passage: passage.as_ref().map_or(&query, |p| p).tokenizer.clone(),
+            settings: Arc::new(s.clone()),
+            max_length,
+            query_max_length,
+        };
+        let ahead = ahead::enabled(s.tokenize_ahead, device).then(TokenizeAhead::default);
+        Ok(BertEncoder { query, passage, settings: s, pooling, normalize, device, tokenizing, ahead })
     }
 
     fn tower(&self, role: Role) -> &Tower {
@@ -157,49 +183,20 @@ impl BertEncoder {
     /// Tokenise as the role and task ask: titled passages as `(title, text)` pairs, untitled
     /// ones as their text alone, queries with the MT-DPR tweaks.
     pub fn tokenize(&self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Encoded> {
-        let tok = &self.tower(role).tokenizer;
-        match role {
-            Role::Passage => {
-                // Each passage by its own form: an untitled one must not become `[CLS] [SEP]
-                // text [SEP]` because a batchmate has a title (its embedding would depend on
-                // how `host encode` happened to batch it).
-                let inputs: Vec<TextInput> = texts.iter().copied().map(passage_input).collect();
-                tok.encode_inputs(&inputs, self.max_length, Padding::Longest)
-            }
-            Role::Query => {
-                let qa = task.is_some_and(|t| {
-                    let t = t.to_lowercase();
-                    self.settings.qa_tasks.clone().unwrap_or_else(default_qa_tasks).contains(&t)
-                });
-                let owned: Vec<String> = texts
-                    .iter()
-                    .map(|t| {
-                        let t = t.trim_end();
-                        if qa && self.settings.question_mark.unwrap_or(false) && !t.ends_with('?') {
-                            format!("{t}?")
-                        } else {
-                            t.to_string()
-                        }
-                    })
-                    .collect();
-                let refs: Vec<&str> = owned.iter().map(String::as_str).collect();
-                let marker = task.and_then(|t| self.settings.task_markers.as_ref()?.get(t)).and_then(|m| tok.token_to_id(m));
-                // TACO's task prefix in BERT form (the paper's `TaskName [SEP] query`): the
-                // upper-case task name as the first segment of a pair.
-                let prefix = task.filter(|_| self.settings.task_prefix.unwrap_or(false)).map(str::to_uppercase);
-                match (marker, prefix) {
-                    (_, Some(prefix)) => {
-                        let inputs: Vec<TextInput> = refs.iter().map(|q| TextInput::Pair(prefix.as_str(), q)).collect();
-                        tok.encode_inputs(&inputs, self.query_max_length, Padding::Longest)
-                    }
-                    (None, None) => tok.encode(&refs, None, self.query_max_length, Padding::Longest),
-                    (Some(id), None) => {
-                        let e = tok.encode(&refs, None, self.query_max_length.saturating_sub(1).max(2), Padding::Longest)?;
-                        Ok(insert_after_cls(e, id as i64))
-                    }
-                }
-            }
+        self.tokenizing.tokenize(texts, role, task)
+    }
+
+    /// [`BertEncoder::tokenize`], or the batch prepared ahead for exactly these texts.
+    fn tokens(&mut self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Encoded> {
+        match self.ahead.as_mut().and_then(|a| a.take(texts, role, task)) {
+            Some(enc) => Ok(enc),
+            None => self.tokenize(texts, role, task),
         }
+    }
+
+    /// How many encode calls found their batch tokenised ahead (0 when it is off).
+    pub fn tokenized_ahead(&self) -> u64 {
+        self.ahead.as_ref().map_or(0, TokenizeAhead::hits)
     }
 
     /// Token states of a tokenised batch (for parity tests and analysis).
@@ -259,6 +256,57 @@ impl BertEncoder {
     }
 }
 
+impl Tokenizing {
+    fn tokenize(&self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Encoded> {
+        let tok = match role {
+            Role::Passage => &self.passage,
+            Role::Query => &self.query,
+        };
+        match role {
+            Role::Passage => {
+                // Each passage by its own form: an untitled one must not become `[CLS] [SEP]
+                // text [SEP]` because a batchmate has a title (its embedding would depend on
+                // how `host encode` happened to batch it).
+                let inputs: Vec<TextInput> = texts.iter().copied().map(passage_input).collect();
+                tok.encode_inputs(&inputs, self.max_length, Padding::Longest)
+            }
+            Role::Query => {
+                let qa = task.is_some_and(|t| {
+                    let t = t.to_lowercase();
+                    self.settings.qa_tasks.clone().unwrap_or_else(default_qa_tasks).contains(&t)
+                });
+                let owned: Vec<String> = texts
+                    .iter()
+                    .map(|t| {
+                        let t = t.trim_end();
+                        if qa && self.settings.question_mark.unwrap_or(false) && !t.ends_with('?') {
+                            format!("{t}?")
+                        } else {
+                            t.to_string()
+                        }
+                    })
+                    .collect();
+                let refs: Vec<&str> = owned.iter().map(String::as_str).collect();
+                let marker = task.and_then(|t| self.settings.task_markers.as_ref()?.get(t)).and_then(|m| tok.token_to_id(m));
+                // TACO's task prefix in BERT form (the paper's `TaskName [SEP] query`): the
+                // upper-case task name as the first segment of a pair.
+                let prefix = task.filter(|_| self.settings.task_prefix.unwrap_or(false)).map(str::to_uppercase);
+                match (marker, prefix) {
+                    (_, Some(prefix)) => {
+                        let inputs: Vec<TextInput> = refs.iter().map(|q| TextInput::Pair(prefix.as_str(), q)).collect();
+                        tok.encode_inputs(&inputs, self.query_max_length, Padding::Longest)
+                    }
+                    (None, None) => tok.encode(&refs, None, self.query_max_length, Padding::Longest),
+                    (Some(id), None) => {
+                        let e = tok.encode(&refs, None, self.query_max_length.saturating_sub(1).max(2), Padding::Longest)?;
+                        Ok(insert_after_cls(e, id as i64))
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A passage string as the tokenizer takes it: `(title, text)` when it carries a title.
 fn passage_input(passage: &str) -> TextInput<'_> {
     match passage.split_once(TITLE_SEPARATOR) {
@@ -290,7 +338,7 @@ fn read_saved_settings(dir: &Path) -> Result<BertEncoderSettings> {
 
 impl crate::plugin::Encoder for BertEncoder {
     fn encode(&mut self, texts: &[&str], role: Role, task: Option<&str>, train: bool) -> Result<Tensor> {
-        let enc = self.tokenize(texts, role, task)?;
+        let enc = self.tokens(texts, role, task)?;
         let _no_grad = (!train).then(tch::no_grad_guard);
         // Uploaded before the forward pass is queued, as its inputs are.
         let mask = crate::models::upload(&self.pooling_mask(&enc, role, task)?, self.device);
@@ -321,6 +369,14 @@ impl crate::plugin::Encoder for BertEncoder {
         Ok(Some(lengths.into_iter().map(|n| n as usize).collect()))
     }
 
+    fn prepare(&mut self, texts: &[&str], role: Role, task: Option<&str>) -> Result<()> {
+        if let Some(ahead) = self.ahead.as_mut() {
+            let tokenizing = self.tokenizing.clone();
+            ahead.start(texts, role, task, move |texts, role, task| tokenizing.tokenize(texts, role, task));
+        }
+        Ok(())
+    }
+
     fn info(&self) -> Result<Value> {
         let parameters: i64 = self.models().iter().map(|(_, m)| m.num_parameters()).sum();
         Ok(json!({
@@ -329,8 +385,8 @@ impl crate::plugin::Encoder for BertEncoder {
             "towers": if self.passage.is_some() { 2 } else { 1 },
             "pooling": self.pooling,
             "normalize": self.normalize,
-            "max_length": self.max_length,
-            "query_max_length": self.query_max_length,
+            "max_length": self.tokenizing.max_length,
+            "query_max_length": self.tokenizing.query_max_length,
             "taser_every": self.settings.taser_every,
             "lr_scale": self.lr_scale(0.8),
         }))
@@ -353,10 +409,11 @@ impl crate::plugin::Encoder for BertEncoder {
         // How this process runs the model, as the device: a checkpoint saved with it would
         // load every later run, training included, with bf16 weights.
         s.bf16 = None;
+        s.tokenize_ahead = None;
         s.pooling = Some(self.pooling);
         s.normalize = Some(self.normalize);
-        s.max_length = Some(self.max_length);
-        s.query_max_length = Some(self.query_max_length);
+        s.max_length = Some(self.tokenizing.max_length);
+        s.query_max_length = Some(self.tokenizing.query_max_length);
         crate::fsutil::write_bytes(&dir.join(SETTINGS_FILE), serde_json::to_string_pretty(&s)?.as_bytes())
     }
 }

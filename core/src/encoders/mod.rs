@@ -1,6 +1,7 @@
 //! Ready-made [`Encoder`](crate::plugin::Encoder) implementations the built-in encoder plugins
 //! wrap (`dpr`, `taser`; `taco` over T5), kept in core so third parties can reuse them.
 
+pub mod ahead;
 pub mod bert;
 pub mod files;
 pub mod taco;

@@ -12,6 +12,7 @@
 //! - lengths: passages 160 tokens and queries 32 + 4 for the prefix = 36 (their KILT scripts'
 //!   `p_max_len` / `max_q_len`), both counting `</s>`.
 
+use super::ahead::{self, TokenizeAhead};
 use super::{check_device, parse_device, TITLE_SEPARATOR};
 use crate::abi::Role;
 use crate::models::t5::T5Model;
@@ -21,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
 pub use super::bert::SETTINGS_FILE;
@@ -57,13 +59,17 @@ pub struct TacoEncoderSettings {
     /// Run in bfloat16 (GPU). Never saved with a checkpoint (see `save`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bf16: Option<bool>,
+    /// Tokenise the batches a caller prepares on a thread of their own (default: on CUDA
+    /// only; see [`super::ahead`]). Never changes a result, and never saved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenize_ahead: Option<bool>,
 }
 
 impl TacoEncoderSettings {
     /// Fill unset fields from `other` (explicit settings win over saved ones).
     fn or(mut self, other: TacoEncoderSettings) -> Self {
         macro_rules! fill { ($($f:ident),*) => { $( if self.$f.is_none() { self.$f = other.$f; } )* } }
-        fill!(model, max_length, query_max_length, task_prefix, task_names, passage_template, device, bf16);
+        fill!(model, max_length, query_max_length, task_prefix, task_names, passage_template, device, bf16, tokenize_ahead);
         self
     }
 
@@ -78,6 +84,7 @@ impl TacoEncoderSettings {
             "passage_template": {"type": "string", "default": DEFAULT_PASSAGE_TEMPLATE, "help": "titled passages; untitled ones are their text alone"},
             "device": {"type": "string", "default": "cpu", "help": "cpu, cuda or cuda:N"},
             "bf16": {"type": "bool", "default": false, "help": "run in bfloat16"},
+            "tokenize_ahead": {"type": "bool", "default": "on CUDA only", "help": "tokenise the batches the trainer and host encode announce on a thread of their own, while the device works"},
         })
     }
 }
@@ -105,13 +112,23 @@ pub fn prefix_name(task: &str, names: Option<&BTreeMap<String, String>>) -> Stri
 /// The TACO encoder (see the module docs).
 pub struct TacoEncoder {
     model: T5Model,
-    tokenizer: TextTokenizer,
     dir: PathBuf,
     settings: TacoEncoderSettings,
+    device: Device,
+    tokenizing: Tokenizing,
+    /// Batches [`Encoder::prepare`](crate::plugin::Encoder::prepare) handed over, when
+    /// tokenising ahead is on.
+    ahead: Option<TokenizeAhead>,
+}
+
+/// What tokenising takes, shared with the threads that tokenise ahead.
+#[derive(Clone)]
+struct Tokenizing {
+    tokenizer: Arc<TextTokenizer>,
+    settings: Arc<TacoEncoderSettings>,
     max_length: usize,
     query_max_length: usize,
     task_prefix: bool,
-    device: Device,
 }
 
 impl TacoEncoder {
@@ -146,11 +163,45 @@ impl TacoEncoder {
             }
         }
         s.model = Some(model_dir.clone());
-        Ok(TacoEncoder { model, tokenizer, dir: model_dir, settings: s, max_length, query_max_length, task_prefix, device })
+        let tokenizing = Tokenizing { tokenizer: Arc::new(tokenizer), settings: Arc::new(s.clone()), max_length, query_max_length, task_prefix };
+        let ahead = ahead::enabled(s.tokenize_ahead, device).then(TokenizeAhead::default);
+        Ok(TacoEncoder { model, dir: model_dir, settings: s, device, tokenizing, ahead })
     }
 
     /// The text a query or passage is tokenised as (see the module docs).
     pub fn input_text(&self, text: &str, role: Role, task: Option<&str>) -> String {
+        self.tokenizing.input_text(text, role, task)
+    }
+
+    /// Tokenise as the role and task ask, padded to the longest.
+    pub fn tokenize(&self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Encoded> {
+        self.tokenizing.tokenize(texts, role, task)
+    }
+
+    /// [`TacoEncoder::tokenize`], or the batch prepared ahead for exactly these texts.
+    fn tokens(&mut self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Encoded> {
+        match self.ahead.as_mut().and_then(|a| a.take(texts, role, task)) {
+            Some(enc) => Ok(enc),
+            None => self.tokenize(texts, role, task),
+        }
+    }
+
+    /// How many encode calls found their batch tokenised ahead (0 when it is off).
+    pub fn tokenized_ahead(&self) -> u64 {
+        self.ahead.as_ref().map_or(0, TokenizeAhead::hits)
+    }
+
+    pub fn model(&self) -> &T5Model {
+        &self.model
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+}
+
+impl Tokenizing {
+    fn input_text(&self, text: &str, role: Role, task: Option<&str>) -> String {
         match role {
             Role::Passage => match text.split_once(TITLE_SEPARATOR) {
                 Some((title, body)) if !title.is_empty() => self
@@ -170,20 +221,11 @@ impl TacoEncoder {
         }
     }
 
-    /// Tokenise as the role and task ask, padded to the longest.
-    pub fn tokenize(&self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Encoded> {
+    fn tokenize(&self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Encoded> {
         let owned: Vec<String> = texts.iter().map(|t| self.input_text(t, role, task)).collect();
         let refs: Vec<&str> = owned.iter().map(String::as_str).collect();
         let max = if role == Role::Query { self.query_max_length } else { self.max_length };
         self.tokenizer.encode(&refs, None, max, Padding::Longest)
-    }
-
-    pub fn model(&self) -> &T5Model {
-        &self.model
-    }
-
-    pub fn device(&self) -> Device {
-        self.device
     }
 }
 
@@ -201,7 +243,7 @@ impl crate::plugin::Encoder for TacoEncoder {
         if texts.is_empty() {
             return Ok(Tensor::zeros([0, self.model.config().d_model], (Kind::Float, self.device)));
         }
-        let enc = self.tokenize(texts, role, task)?;
+        let enc = self.tokens(texts, role, task)?;
         let _no_grad = (!train).then(tch::no_grad_guard);
         self.model.set_train(train);
         let out = self.model.st5_embedding(&enc.input_ids, &enc.attention_mask);
@@ -228,6 +270,14 @@ impl crate::plugin::Encoder for TacoEncoder {
         Ok(Some(lengths.into_iter().map(|n| n as usize).collect()))
     }
 
+    fn prepare(&mut self, texts: &[&str], role: Role, task: Option<&str>) -> Result<()> {
+        if let Some(ahead) = self.ahead.as_mut() {
+            let tokenizing = self.tokenizing.clone();
+            ahead.start(texts, role, task, move |texts, role, task| tokenizing.tokenize(texts, role, task));
+        }
+        Ok(())
+    }
+
     fn info(&self) -> Result<Value> {
         let parameters: i64 = self.model.var_store().trainable_variables().iter().map(|t| t.numel() as i64).sum();
         Ok(json!({
@@ -235,16 +285,16 @@ impl crate::plugin::Encoder for TacoEncoder {
             "parameters": parameters,
             "towers": 1,
             "embedding": "st5-encdec",
-            "max_length": self.max_length,
-            "query_max_length": self.query_max_length,
-            "task_prefix": self.task_prefix,
+            "max_length": self.tokenizing.max_length,
+            "query_max_length": self.tokenizing.query_max_length,
+            "task_prefix": self.tokenizing.task_prefix,
             "bf16": self.settings.bf16.unwrap_or(false),
         }))
     }
 
     fn save(&self, dir: &Path) -> Result<()> {
         self.model.save(dir)?;
-        save_tokenizer(&self.tokenizer, dir)?;
+        save_tokenizer(&self.tokenizing.tokenizer, dir)?;
         if self.dir != dir {
             for name in super::files::T5 {
                 let src = self.dir.join(name);
@@ -260,9 +310,10 @@ impl crate::plugin::Encoder for TacoEncoder {
         // How this process runs the model, as the device: a checkpoint saved with it would
         // load every later run, training included, with bf16 weights.
         s.bf16 = None;
-        s.max_length = Some(self.max_length);
-        s.query_max_length = Some(self.query_max_length);
-        s.task_prefix = Some(self.task_prefix);
+        s.tokenize_ahead = None;
+        s.max_length = Some(self.tokenizing.max_length);
+        s.query_max_length = Some(self.tokenizing.query_max_length);
+        s.task_prefix = Some(self.tokenizing.task_prefix);
         crate::fsutil::write_bytes(&dir.join(SETTINGS_FILE), serde_json::to_string_pretty(&s)?.as_bytes())
     }
 }

@@ -160,6 +160,19 @@ extern "C" fn encoder_token_lengths<T: Encoder + PluginInfo>(
     })
 }
 
+extern "C" fn encoder_prepare<T: Encoder + PluginInfo>(
+    h: Handle,
+    texts: RSlice<'_, RStr<'_>>,
+    role: Role,
+    task: ROption<RStr<'_>>,
+) -> Res<()> {
+    with_mut(h, "prepare", |enc: &mut T| {
+        let texts: Vec<&str> = texts.iter().map(|s| s.as_str()).collect();
+        let task = task.as_ref().map(|s| s.as_str()).into_option();
+        enc.prepare(&texts, role, task)
+    })
+}
+
 /// The root module of an encoder plugin.
 pub fn encoder_module<T: Encoder + PluginInfo>() -> EncoderModRef {
     EncoderModRef(
@@ -173,6 +186,7 @@ pub fn encoder_module<T: Encoder + PluginInfo>() -> EncoderModRef {
             destroy: destroy::<T>,
             token_lengths: encoder_token_lengths::<T>,
             encode_keyed: encoder_encode_keyed::<T>,
+            prepare: encoder_prepare::<T>,
         })
         .static_as_prefix(),
     )

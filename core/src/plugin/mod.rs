@@ -56,6 +56,14 @@ pub trait Encoder: Send {
     fn token_lengths(&mut self, _texts: &[&str], _role: Role, _task: Option<&str>) -> Result<Option<Vec<usize>>> {
         Ok(None)
     }
+    /// A hint: these texts come next, in an [`Encoder::encode`] or [`Encoder::encode_keyed`]
+    /// call of the same texts, role and task, so the encoder may tokenise them now, on a
+    /// thread of its own, while the caller's device is busy (the trainer hands each step the
+    /// next step's texts, `host encode` each batch the next batch). It must never change what
+    /// an encode call returns. The default does nothing.
+    fn prepare(&mut self, _texts: &[&str], _role: Role, _task: Option<&str>) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Implement [`Encoder`] for a newtype `struct Name(Inner)` by delegating every method to
@@ -98,6 +106,9 @@ macro_rules! delegate_encoder {
                 task: Option<&str>,
             ) -> $crate::anyhow::Result<Option<Vec<usize>>> {
                 self.0.token_lengths(texts, role, task)
+            }
+            fn prepare(&mut self, texts: &[&str], role: $crate::abi::Role, task: Option<&str>) -> $crate::anyhow::Result<()> {
+                self.0.prepare(texts, role, task)
             }
         }
     };

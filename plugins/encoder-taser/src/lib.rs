@@ -31,6 +31,7 @@ impl PluginInfo for Taser {
             "pool_task_prefix": {"type": "bool", "default": true, "help": "mean pooling: count the prefix's own tokens (false: pool over [CLS], the query and its [SEP] only)"},
             "device": {"type": "string", "default": "cpu"},
             "bf16": {"type": "bool", "default": false},
+            "tokenize_ahead": {"type": "bool", "default": "on CUDA only", "help": "tokenise the batches the trainer and host encode announce on a thread of their own, while the device works"},
         })
     }
 

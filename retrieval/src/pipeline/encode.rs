@@ -454,8 +454,14 @@ pub fn encode_texts(
     order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
     let mut out: Vec<f32> = Vec::new();
     let mut dim = 0;
-    for batch in order.chunks(batch_size.max(1)) {
+    let batches: Vec<&[usize]> = order.chunks(batch_size.max(1)).collect();
+    for (at, batch) in batches.iter().enumerate() {
         let batch_texts: Vec<&str> = batch.iter().map(|&i| texts[i]).collect();
+        if let Some(next) = batches.get(at + 1) {
+            // Tokenised (by an encoder that can) while this batch runs on the device.
+            let next: Vec<&str> = next.iter().map(|&i| texts[i]).collect();
+            encoder.prepare(&next, role, task)?;
+        }
         let emb = encoder.encode(&batch_texts, role, task, false)?;
         let flat = embedding_rows(&emb, batch_texts.len())?;
         let width = flat.len() / batch_texts.len();
@@ -529,5 +535,57 @@ fn remove_stale_temporaries(out: &Path) {
         if name.starts_with('.') && ["embeddings.npy", "ids.txt", "encode.json"].iter().any(|s| stem.starts_with(s)) {
             let _ = std::fs::remove_file(entry.path());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Tensor;
+
+    /// Records each call: `("prepare" | "encode", texts)`; embeds a text as its length.
+    #[derive(Default)]
+    struct Recording(Vec<(&'static str, Vec<String>)>);
+
+    impl Encoder for Recording {
+        fn encode(&mut self, texts: &[&str], _: Role, _: Option<&str>, _: bool) -> Result<Tensor> {
+            self.0.push(("encode", texts.iter().map(|t| t.to_string()).collect()));
+            let v: Vec<f32> = texts.iter().map(|t| t.len() as f32).collect();
+            Ok(Tensor::from_slice(&v).view([texts.len() as i64, 1]))
+        }
+        fn prepare(&mut self, texts: &[&str], _: Role, _: Option<&str>) -> Result<()> {
+            self.0.push(("prepare", texts.iter().map(|t| t.to_string()).collect()));
+            Ok(())
+        }
+        fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
+            Ok(Vec::new())
+        }
+        fn info(&self) -> Result<Value> {
+            Ok(json!({"dim": 1, "parameters": 0}))
+        }
+        fn save(&self, _: &Path) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Each batch after the first is announced, exactly as it is then encoded, before the batch
+    /// ahead of it is encoded; the rows come back in input order.
+    #[test]
+    fn each_batch_is_announced_while_the_one_before_is_encoded() {
+        let texts = ["a", "bbbb", "cc", "ddddd", "e"];
+        let mut enc = Recording::default();
+        let (rows, dim) = encode_texts(&mut enc, &texts, Role::Passage, None, 2, &super::super::Quiet).unwrap();
+        assert_eq!((rows, dim), (vec![1.0, 4.0, 2.0, 5.0, 1.0], 1));
+        let calls: Vec<(&str, Vec<&str>)> = enc.0.iter().map(|(c, t)| (*c, t.iter().map(String::as_str).collect())).collect();
+        assert_eq!(
+            calls,
+            vec![
+                ("prepare", vec!["cc", "a"]),
+                ("encode", vec!["ddddd", "bbbb"]),
+                ("prepare", vec!["e"]),
+                ("encode", vec!["cc", "a"]),
+                ("encode", vec!["e"]),
+            ]
+        );
     }
 }
