@@ -154,19 +154,23 @@ pub fn evaluate(run: &Run, qrels: &Qrels, queries: &[Query], corpus: Option<&Cor
 }
 
 fn page_rprec(ranking: &[(String, f64)], rels: &BTreeMap<String, i32>, query: Option<&Query>, corpus: &Corpus) -> f64 {
-    // A passage unknown to the corpus still takes a rank: it stands for a page of its own.
-    let titles: Vec<String> =
-        ranking.iter().map(|(d, _)| corpus.title(d).map_or_else(|| format!("\u{0}unknown:{d}"), str::to_string)).collect();
+    // A passage unknown to the corpus still takes a rank: it stands for a page of its own, as
+    // does an untitled one (BEIR and MS MARCO passages): under one empty title every passage
+    // would be the same page, and any ranking would find it.
+    let page = |d: &str| -> Option<String> {
+        match corpus.title(d) {
+            Some("") => Some(format!("\u{0}untitled:{d}")),
+            Some(title) => Some(title.to_string()),
+            None => None,
+        }
+    };
+    let titles: Vec<String> = ranking.iter().map(|(d, _)| page(d).unwrap_or_else(|| format!("\u{0}unknown:{d}"))).collect();
     let ranked = kilt::ranked_pages(titles.iter().map(String::as_str));
     let from_query: Vec<Vec<&str>> = query
         .map(|q| q.gold_page_sets().into_iter().map(|s| s.iter().map(String::as_str).collect()).collect())
         .unwrap_or_default();
-    let gold_sets = if from_query.is_empty() {
-        let set: Vec<&str> = rels.iter().filter(|(_, &g)| g >= 1).filter_map(|(d, _)| corpus.title(d)).collect();
-        vec![set]
-    } else {
-        from_query
-    };
+    let from_qrels: Vec<String> = rels.iter().filter(|(_, &g)| g >= 1).filter_map(|(d, _)| page(d)).collect();
+    let gold_sets = if from_query.is_empty() { vec![from_qrels.iter().map(String::as_str).collect()] } else { from_query };
     kilt::rprec_page(&ranked, &gold_sets)
 }
 
@@ -195,4 +199,30 @@ pub fn evaluate_tasks(tasks: &[(&str, &Run, &Qrels, &[Query])], corpus: Option<&
     let means: BTreeMap<String, BTreeMap<String, f64>> = out.tasks.iter().map(|(t, e)| (t.clone(), e.mean.clone())).collect();
     out.macro_avg = mean_of(&means);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::Passage;
+
+    fn corpus(titles: &[(&str, &str)]) -> Corpus {
+        Corpus::from_passages(titles.iter().map(|(id, title)| Passage { id: id.to_string(), title: title.to_string(), text: String::new() })).unwrap()
+    }
+
+    /// An untitled passage is a page of its own: on a corpus without titles, a query that
+    /// retrieved only a wrong passage scores 0, not 1 (one empty title made every passage the
+    /// same page). Titled passages still share their page.
+    #[test]
+    fn untitled_passages_are_pages_of_their_own() {
+        let qrels: Qrels = [("q1".to_string(), [("d1".to_string(), 1)].into_iter().collect())].into_iter().collect();
+        let mut run = Run::new();
+        run.insert("q1", vec![("d2".to_string(), 1.0), ("d1".to_string(), 0.5)]);
+        let rprec = |run: &Run, c: &Corpus| evaluate(run, &qrels, &[], Some(c), &EvalOptions::default()).per_query["q1"]["rprec_page"];
+        assert_eq!(rprec(&run, &corpus(&[("d1", ""), ("d2", ""), ("d3", "")])), 0.0);
+        assert_eq!(rprec(&run, &corpus(&[("d1", "Paris"), ("d2", "Paris"), ("d3", "Rome")])), 1.0, "the same page");
+        assert_eq!(rprec(&run, &corpus(&[("d1", "Paris"), ("d2", "Rome"), ("d3", "")])), 0.0);
+        run.insert("q1", vec![("d1".to_string(), 1.0), ("d2".to_string(), 0.5)]);
+        assert_eq!(rprec(&run, &corpus(&[("d1", ""), ("d2", ""), ("d3", "")])), 1.0);
+    }
 }

@@ -24,6 +24,7 @@ use super::IndexMeta;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::hash::BuildHasher;
 use std::path::Path;
 use tantivy::fieldnorm::FieldNormReader;
 use tantivy::postings::Postings;
@@ -199,11 +200,19 @@ impl Bm25Index {
             let mut count = 0usize;
             let mut queue = QueueBound::default();
             let mut text = String::new();
+            // The ids met so far, as 128-bit hashes (a 8.8M-passage corpus then holds about
+            // 200 MB, not the ids themselves): a repeated id would be two documents, found twice.
+            let hashers = (std::collections::hash_map::RandomState::new(), std::collections::hash_map::RandomState::new());
+            let mut seen: std::collections::HashSet<u128> = std::collections::HashSet::new();
             for (i, doc) in corpus.into_iter().enumerate() {
                 let (d_id, d_title, d_text) = doc?;
                 let d_id = d_id.as_ref();
                 if d_id.is_empty() {
                     anyhow::bail!("document #{i} has an empty id");
+                }
+                let hash = (u128::from(hashers.0.hash_one(d_id)) << 64) | u128::from(hashers.1.hash_one(d_id));
+                if !seen.insert(hash) {
+                    anyhow::bail!("passage id {d_id:?} occurs twice (the second time as record {}); give each passage its own id", i + 1);
                 }
                 text.clear();
                 text.push_str(d_title.as_ref());
@@ -321,7 +330,7 @@ impl Bm25Index {
         // `k1 · (1 − b + b · dl / avgdl)` for each of the 256 one-byte length codes.
         let norm: Vec<f32> = (0..=255u8).map(|code| k1 * (1.0 - b + b * FieldNormReader::id_to_fieldnorm(code) as f32 / self.avgdl)).collect();
         const TIE_MARGIN: usize = 16;
-        let keep = k + TIE_MARGIN;
+        let keep = k.saturating_add(TIE_MARGIN);
         let mut best: Vec<(f32, u32, u32)> = Vec::new();
         ACCUMULATOR.with_borrow_mut(|acc| -> Result<()> {
             for (ord, segment) in searcher.segment_readers().iter().enumerate() {

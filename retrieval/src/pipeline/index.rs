@@ -4,7 +4,7 @@ use super::Progress;
 use crate::data::beir;
 use crate::index::{Bm25Index, Bm25Params, FlatIndex, HnswBuilder, HnswIndex, HnswParams, IndexMeta, MilvusIndex, MilvusParams};
 use crate::npy::{self, NpyF32, NpyRows};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 
 /// Which index to build, from what.
@@ -51,15 +51,18 @@ pub fn read_embeddings(dir: &Path) -> Result<(NpyF32, Vec<String>)> {
 
 /// `dir/ids.txt`, which must hold one id per row of `dir/embeddings.npy` (`rows` of them).
 fn read_ids_for(dir: &Path, rows: usize) -> Result<Vec<String>> {
-    let ids = npy::read_ids(&dir.join("ids.txt"))?;
+    let path = dir.join("ids.txt");
+    let ids = npy::read_ids(&path)?;
     if ids.len() != rows {
-        bail!(
-            "{}: {} ids but {} has {} rows; re-run host encode",
-            dir.join("ids.txt").display(),
-            ids.len(),
-            dir.join("embeddings.npy").display(),
-            rows
-        );
+        bail!("{}: {} ids but {} has {} rows; re-run host encode", path.display(), ids.len(), dir.join("embeddings.npy").display(), rows);
+    }
+    // A repeated id would take two rows of the index, so a search could return it twice (and
+    // fewer than k passages once the run drops the copy), and `host eval` refuses its corpus.
+    let mut first = std::collections::HashMap::with_capacity(ids.len());
+    for (line, id) in ids.iter().enumerate() {
+        if let Some(before) = first.insert(id.as_str(), line) {
+            bail!("{}:{}: passage id {id:?} occurs twice (first on line {}); give each passage of the corpus its own id", path.display(), line + 1, before + 1);
+        }
     }
     Ok(ids)
 }
@@ -109,7 +112,35 @@ pub fn build_index(spec: &IndexSpec, output: &Path, progress: &dyn Progress) -> 
         }
         IndexSpec::Bm25 { corpus, params } => {
             let docs = beir::read_corpus(corpus)?.map(|p| p.map(|p| (p.id, p.title, p.text)));
-            Bm25Index::try_build(output, docs, *params)?.meta().clone()
+            Bm25Index::try_build(output, docs, *params).with_context(|| corpus.display().to_string())?.meta().clone()
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A repeated passage id is refused before any index is built: from embeddings, naming
+    /// ids.txt and both lines; from a corpus (BM25), naming the file and the record.
+    #[test]
+    fn a_repeated_passage_id_is_refused_naming_where() {
+        let dir = std::env::temp_dir().join(format!("rak-index-dup-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let emb = dir.join("emb");
+        std::fs::create_dir_all(&emb).unwrap();
+        npy::write_f32(&emb.join("embeddings.npy"), &[1.0, 0.0, 0.0, 1.0, 1.0, 1.0], 2).unwrap();
+        npy::write_ids(&emb.join("ids.txt"), &["a", "b", "a"]).unwrap();
+        for spec in [IndexSpec::Flat { embeddings: emb.clone() }, IndexSpec::Hnsw { embeddings: emb.clone(), params: HnswParams::default(), builder: HnswBuilder::default() }] {
+            let err = format!("{:#}", build_index(&spec, &dir.join("idx"), &super::super::Quiet).unwrap_err());
+            assert!(err.contains("ids.txt:3: passage id \"a\" occurs twice (first on line 1)"), "{err}");
+            assert!(!dir.join("idx").exists());
+        }
+        let corpus = dir.join("corpus.jsonl");
+        std::fs::write(&corpus, "{\"_id\": \"x\", \"text\": \"one\"}\n{\"_id\": \"y\", \"text\": \"two\"}\n{\"_id\": \"x\", \"text\": \"three\"}\n").unwrap();
+        let err = format!("{:#}", build_index(&IndexSpec::Bm25 { corpus: corpus.clone(), params: Bm25Params::default() }, &dir.join("idx"), &super::super::Quiet).unwrap_err());
+        assert!(err.contains("corpus.jsonl") && err.contains("passage id \"x\" occurs twice (the second time as record 3)"), "{err}");
+        assert!(!dir.join("idx").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
