@@ -40,7 +40,10 @@ pub fn parse_choice(text: &str, letters: &[String], choices: &[String]) -> Optio
     (named.len() == 1).then(|| named[0])
 }
 
-/// A short answer as PopQA reads it: the first non-empty line, trimmed.
+/// A short answer: the first non-empty line, trimmed. PopQA's `run_model.py` strips one
+/// leading `"\n\n"` and takes the first line, so a reply opening with a single newline is
+/// empty (wrong) there; chat models often open so, and here it is read by its first line of
+/// text. Accuracies can therefore run slightly above PopQA's protocol for such models.
 pub fn first_line(text: &str) -> String {
     text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("").to_string()
 }
@@ -110,10 +113,12 @@ pub fn normalize_answer(s: &str) -> String {
 }
 
 /// SQuAD's exact match against any alias: the normalised strings are equal. As in its script,
-/// an alias that normalises to nothing ("The") matches an answer that does too (an empty reply).
+/// an alias that normalises to nothing ("The") matches an answer that does too (an empty reply);
+/// a blank alias is no answer at all and is left out, as KILT's `get_gold_answers` leaves out
+/// blank answers.
 pub fn exact_match(answer: &str, aliases: &[String]) -> bool {
     let answer = normalize_answer(answer);
-    aliases.iter().any(|a| normalize_answer(a) == answer)
+    aliases.iter().filter(|a| !a.trim().is_empty()).any(|a| normalize_answer(a) == answer)
 }
 
 /// PopQA's judgement (REFERENCE §6): some alias, as is, lower-cased or capitalised, is a
@@ -211,7 +216,8 @@ mod tests {
         // SQuAD's script: normalize_answer(prediction) == normalize_answer(ground_truth), so
         // both empty is a match, and an empty alias matches nothing else.
         assert!(AnswerMatch::Squad.judge("", &["the".to_string()]), "both normalise to nothing: a match, as in SQuAD's script");
-        assert!(exact_match("A.", &["".to_string()]));
+        // A blank alias is no answer (KILT's get_gold_answers drops it): nothing matches it.
+        assert!(!exact_match("A.", &["".to_string()]) && !exact_match("", &[" ".to_string(), "Paris".to_string()]));
         assert!(!exact_match("beatles", &["the".to_string()]));
         assert_eq!(AnswerMatch::parse("squad").unwrap(), AnswerMatch::Squad);
         assert!(AnswerMatch::parse("kilt").unwrap_err().to_string().contains("answers.match"));

@@ -188,6 +188,20 @@ pub fn record(item: &Prepared, raw: Value, answer: Value, method: &str, correct:
     r
 }
 
+/// Judges a kept record's answer again against the item's gold answers as they are now (an
+/// earlier run judged it against those of its day: a corrected alias or answer key must
+/// count). Returns whether the verdict changed.
+pub fn rejudge(task: Task, p: &TaskPrompts, item: &Prepared, rec: &mut Value) -> bool {
+    let answer = rec["answer"].as_str();
+    let correct = match task {
+        Task::ShortQa => answer.is_some_and(|a| p.answer_match.judge(a, &item.probe.aliases)),
+        Task::Mc => answer.and_then(|a| answer::letters(item.probe.choices.len()).iter().position(|l| l == a)) == Some(item.probe.answer),
+    };
+    let changed = rec["correct"].as_bool() != Some(correct);
+    rec["correct"] = json!(correct);
+    changed
+}
+
 fn error_record(item: &Prepared, method: &str, message: String, extra: Value) -> Value {
     record(item, Value::Null, Value::Null, method, false, Some(message), extra)
 }
@@ -374,6 +388,29 @@ mod tests {
             answer: 1,
             aliases: vec![],
         }
+    }
+
+    /// A kept answer is judged against the gold as it is now: a corrected alias or answer key
+    /// turns its verdict, and an unchanged one is left (and reported) as it was.
+    #[test]
+    fn kept_answers_are_judged_against_the_gold_of_now() {
+        let cfg = AugmentConfig::default();
+        let p = TaskPrompts::new(&cfg, Task::ShortQa).unwrap();
+        let mut item = Prepared::new(&p, Probe { aliases: vec!["Portugal".into()], ..probe() }, vec![], String::new(), false);
+        let mut rec = record(&item, json!("Portugal"), json!("Portugal"), "text", true, None, json!({}));
+        assert!(!rejudge(Task::ShortQa, &p, &item, &mut rec), "the same gold");
+        item.probe.aliases = vec!["Spain".into()];
+        assert!(rejudge(Task::ShortQa, &p, &item, &mut rec));
+        assert_eq!(rec["correct"], json!(false));
+        let p = TaskPrompts::new(&cfg, Task::Mc).unwrap();
+        let mut item = Prepared::new(&p, probe(), vec![], String::new(), false);
+        let mut rec = record(&item, json!("B"), json!("B"), "text", true, None, json!({}));
+        assert!(!rejudge(Task::Mc, &p, &item, &mut rec));
+        item.probe.answer = 0;
+        assert!(rejudge(Task::Mc, &p, &item, &mut rec));
+        assert_eq!(rec["correct"], json!(false));
+        let mut unreadable = record(&item, json!("?"), Value::Null, "text", false, None, json!({}));
+        assert!(!rejudge(Task::Mc, &p, &item, &mut unreadable), "no answer stays wrong");
     }
 
     #[test]

@@ -82,8 +82,17 @@ pub type Done = HashMap<String, Value>;
 impl Results {
     /// Open `path` for appending, under its `lock`. `expected` maps each item id to the SHA-256
     /// of its prompt, `setup` is the SHA-256 of the rest that decides an answer; returns the
-    /// records already answered with both.
-    pub fn open(path: &Path, lock: OutputLock, expected: &HashMap<String, String>, setup: &str, overwrite: bool) -> Result<(Self, Done)> {
+    /// records already answered with both, each judged again by `rejudge` (which returns
+    /// whether its verdict changed) before the file is rewritten: the prompt and the setup do
+    /// not hold the gold answers, which may have been corrected since.
+    pub fn open(
+        path: &Path,
+        lock: OutputLock,
+        expected: &HashMap<String, String>,
+        setup: &str,
+        overwrite: bool,
+        rejudge: &dyn Fn(&str, &mut Value) -> bool,
+    ) -> Result<(Self, Done)> {
         let mut done = Done::new();
         let mut others: Vec<Value> = Vec::new();
         let mut dropped_errors = 0;
@@ -133,6 +142,10 @@ impl Results {
                 done.insert(id.to_string(), rec);
             }
         }
+        let rejudged = done.iter_mut().map(|(id, rec)| rejudge(id, rec)).filter(|&changed| changed).count();
+        if rejudged > 0 {
+            eprintln!("augment: {rejudged} answers kept from the last run are judged otherwise against the gold answers as they are now");
+        }
         let mut kept: Vec<&Value> = done.values().chain(&others).collect();
         kept.sort_by_key(|r| r["_id"].as_str().unwrap_or("").to_string());
         let mut body = String::new();
@@ -166,7 +179,7 @@ mod tests {
     use serde_json::json;
 
     fn open(path: &Path, expected: &HashMap<String, String>, setup: &str, overwrite: bool) -> Result<(Results, Done)> {
-        Results::open(path, OutputLock::take(path)?, expected, setup, overwrite)
+        Results::open(path, OutputLock::take(path)?, expected, setup, overwrite, &|_, _| false)
     }
 
     fn tmp(name: &str) -> PathBuf {
@@ -198,6 +211,28 @@ mod tests {
         assert_eq!(done.len(), 2);
         let lines = std::fs::read_to_string(&p).unwrap();
         assert_eq!(lines.lines().count(), 2);
+    }
+
+    /// Kept answers go through `rejudge` before the file is rewritten, so the file and the
+    /// run's summary hold the verdicts against the gold of now.
+    #[test]
+    fn kept_answers_are_rejudged_before_the_file_is_rewritten() {
+        let p = tmp("rejudge");
+        let expected: HashMap<String, String> = [("a", "h1"), ("b", "h2")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let rec = |id: &str, h: &str| json!({"_id": id, "prompt_sha256": h, "setup_sha256": "s", "error": null, "correct": true});
+        std::fs::write(&p, format!("{}\n{}\n", rec("a", "h1"), rec("b", "h2"))).unwrap();
+        let flip_a = |id: &str, r: &mut Value| {
+            if id != "a" {
+                return false;
+            }
+            r["correct"] = json!(false);
+            true
+        };
+        let (_, done) = Results::open(&p, OutputLock::take(&p).unwrap(), &expected, "s", false, &flip_a).unwrap();
+        assert_eq!((done["a"]["correct"].clone(), done["b"]["correct"].clone()), (json!(false), json!(true)));
+        let text = std::fs::read_to_string(&p).unwrap();
+        let file: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(file.iter().map(|r| r["correct"].clone()).collect::<Vec<_>>(), vec![json!(false), json!(true)]);
     }
 
     /// Failed items of a run that knew the target otherwise (its server was down at start)

@@ -6,7 +6,8 @@
 //! same output is refused while the first goes. The summary on stdout is JSON: `accuracy`
 //! counts failed items wrong (the headline), `accuracy_answered` leaves them out; the exit
 //! code is 0 when every item was answered and 3 when some failed (their error records say
-//! why; rerunning asks them again). Accuracy covers every record of the output; the request
+//! why; rerunning asks them again). Accuracy covers the questions of this invocation (the
+//! output may hold records of others: a larger `--limit` before), kept or asked; the request
 //! counts (`target_stats`) and `timing` cover this invocation only, and
 //! `timing.kept_from_earlier_runs` says how many answers a resumed run found already written.
 //! A target whose server goes away stops the run (exit 1) once every worker's last item found
@@ -15,7 +16,7 @@
 use super::encode::{encoder_settings, resolve_model, ModelArgs};
 use crate::augment::config::{AugmentConfig, Task, TaskPrompts};
 use crate::augment::results::{OutputLock, Results};
-use crate::augment::{ask_connector, ask_reader, render_demos, Passage, Prepared, Probe};
+use crate::augment::{self, ask_connector, ask_reader, render_demos, Passage, Prepared, Probe};
 use crate::registry::Registry;
 use anyhow::{bail, Context, Result};
 use rak_core::plugin::Connector;
@@ -161,6 +162,13 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
         Target::Reader(_) => None,
     };
     let mut identity = settings.clone();
+    if reader {
+        // A reader's answers follow its weights, not its folder's name: a checkpoint
+        // retrained in place must not resume with the old model's answers.
+        if let Some(m) = settings["model"].as_str() {
+            identity["model_sha256"] = json!(rak_retrieval::digest::checkpoint_digest(Path::new(m))?);
+        }
+    }
     if let Some(d) = &described {
         if let Some(m) = d["model"].as_str() {
             identity["model"] = json!(m);
@@ -170,7 +178,9 @@ pub fn run(registry: &Registry, args: &AugmentArgs) -> Result<(Value, bool)> {
         }
     }
     let setup = setup_sha256(&name, &identity, &prompts);
-    let (mut out, done) = Results::open(&args.output, lock, &expected, &setup, args.overwrite)?;
+    let by_id: HashMap<&str, &Prepared> = prepared.iter().map(|p| (p.probe.id.as_str(), p)).collect();
+    let rejudge = |id: &str, rec: &mut Value| by_id.get(id).is_some_and(|item| augment::rejudge(task, &prompts, item, rec));
+    let (mut out, done) = Results::open(&args.output, lock, &expected, &setup, args.overwrite, &rejudge)?;
     let pending: Vec<&Prepared> = prepared.iter().filter(|p| !done.contains_key(&p.probe.id)).collect();
     eprintln!(
         "augment: {} {} questions, {} answered before, {} to ask; target {name}, passages {retriever}{}",

@@ -86,8 +86,9 @@ fn parse_qrel(n: usize, line: &str) -> Result<Option<QrelLine>, String> {
     let grade = cols[2].trim();
     match grade.parse::<i32>() {
         Ok(g) => Ok(Some(QrelLine { line: n, qid: cols[0].trim().into(), docid: cols[1].trim().into(), grade: g })),
-        // The header (`query-id corpus-id score`) is the one non-numeric line allowed.
-        Err(_) if n == 1 => Ok(None),
+        // The header (`query-id corpus-id score`) is the one non-numeric line allowed; a first
+        // line with a number that is not an integer (`1.0`) is a judgement, and wrong.
+        Err(_) if n == 1 && grade.parse::<f64>().is_err() => Ok(None),
         Err(_) => Err(format!("score {grade:?} is not an integer")),
     }
 }
@@ -111,4 +112,25 @@ pub(crate) fn collect_qrels<T>(
         }
     }
     Ok(qrels)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a first line whose score is not a number is a header: `q1 d1 1.0` is a judgement
+    /// with a score that is not an integer, an error naming the line (it was once taken for the
+    /// header, and q1 dropped out of the evaluation).
+    #[test]
+    fn a_first_line_is_a_header_only_without_a_number() {
+        let dir = std::env::temp_dir().join(format!("rak-beir-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("qrels.tsv");
+        std::fs::write(&p, "query-id\tcorpus-id\tscore\nq1\td1\t1\n").unwrap();
+        assert_eq!(read_qrels(&p).unwrap()["q1"]["d1"], 1);
+        std::fs::write(&p, "q1\td1\t1.0\nq2\td2\t1\n").unwrap();
+        let e = read_qrels(&p).unwrap_err().to_string();
+        assert!(e.contains("qrels.tsv:1:") && e.contains("not an integer"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

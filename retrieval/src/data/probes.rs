@@ -6,7 +6,7 @@ use super::id_string;
 use super::lines::Records;
 use anyhow::{bail, Result};
 use serde::Deserialize;
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::path::Path;
 
 /// A multiple-choice question; `answer` indexes `choices`.
@@ -19,6 +19,9 @@ pub struct McItem {
     pub question: String,
     pub choices: Vec<String>,
     pub answer: usize,
+    /// The file's line it was read from (for messages).
+    #[serde(skip)]
+    pub line: usize,
 }
 
 /// A short-answer question; a prediction is right when it contains an alias in `answers`.
@@ -30,13 +33,16 @@ pub struct ShortQaItem {
     pub answers: Vec<String>,
     #[serde(default)]
     pub pages: Vec<String>,
+    /// The file's line it was read from (for messages).
+    #[serde(skip)]
+    pub line: usize,
 }
 
 /// Answer letters run A..Z, so a question has at most 26 choices.
 pub const MAX_CHOICES: usize = 26;
 
-fn parse_mc(_: usize, line: &str) -> Result<Option<McItem>, String> {
-    let item: McItem = serde_json::from_str(line).map_err(|e| {
+fn parse_mc(n: usize, line: &str) -> Result<Option<McItem>, String> {
+    let mut item: McItem = serde_json::from_str(line).map_err(|e| {
         format!("expected {{\"_id\", \"subject\", \"question\", \"choices\": [str], \"answer\": int}}: {e}")
     })?;
     if item.choices.len() < 2 || item.choices.len() > MAX_CHOICES {
@@ -45,33 +51,37 @@ fn parse_mc(_: usize, line: &str) -> Result<Option<McItem>, String> {
     if item.answer >= item.choices.len() {
         return Err(format!("answer {} indexes none of the {} choices", item.answer, item.choices.len()));
     }
+    item.line = n;
     Ok(Some(item))
 }
 
-fn parse_shortqa(_: usize, line: &str) -> Result<Option<ShortQaItem>, String> {
-    let item: ShortQaItem = serde_json::from_str(line)
+fn parse_shortqa(n: usize, line: &str) -> Result<Option<ShortQaItem>, String> {
+    let mut item: ShortQaItem = serde_json::from_str(line)
         .map_err(|e| format!("expected {{\"_id\", \"question\", \"answers\": [str]}}: {e}"))?;
     if item.answers.iter().all(|a| a.trim().is_empty()) {
         return Err("no non-empty answer alias".into());
     }
+    item.line = n;
     Ok(Some(item))
 }
 
 /// Every multiple-choice item of a file; a bad line or a repeated id names its line.
 pub fn load_mc(path: &Path) -> Result<Vec<McItem>> {
-    unique(Records::open(path, "questions", parse_mc)?.collect::<Result<Vec<_>>>()?, |i| &i.id, path)
+    unique(Records::open(path, "questions", parse_mc)?.collect::<Result<Vec<_>>>()?, |i| (&i.id, i.line), path)
 }
 
 /// Every short-answer item of a file.
 pub fn load_shortqa(path: &Path) -> Result<Vec<ShortQaItem>> {
-    unique(Records::open(path, "questions", parse_shortqa)?.collect::<Result<Vec<_>>>()?, |i| &i.id, path)
+    unique(Records::open(path, "questions", parse_shortqa)?.collect::<Result<Vec<_>>>()?, |i| (&i.id, i.line), path)
 }
 
-fn unique<T>(items: Vec<T>, id: impl Fn(&T) -> &String, path: &Path) -> Result<Vec<T>> {
-    let mut seen = HashSet::new();
-    for (n, item) in items.iter().enumerate() {
-        if !seen.insert(id(item).clone()) {
-            bail!("{}: question {} repeats the id {:?}", path.display(), n + 1, id(item));
+/// Refuses a repeated id, naming both lines.
+fn unique<T>(items: Vec<T>, id_and_line: impl Fn(&T) -> (&String, usize), path: &Path) -> Result<Vec<T>> {
+    let mut seen = HashMap::new();
+    for item in &items {
+        let (id, line) = id_and_line(item);
+        if let Some(first) = seen.insert(id.clone(), line) {
+            bail!("{}:{line}: question id {id:?} repeats line {first}'s", path.display());
         }
     }
     Ok(items)
@@ -91,7 +101,7 @@ mod tests {
         assert!(e.contains("mc.jsonl:2:") && e.contains("answer 2"), "{e}");
         std::fs::write(&p, "{\"_id\":\"a\",\"question\":\"q\",\"answers\":[\"x\"]}\n{\"_id\":\"a\",\"question\":\"r\",\"answers\":[\"y\"]}\n").unwrap();
         let e = load_shortqa(&p).unwrap_err().to_string();
-        assert!(e.contains("repeats the id \"a\""), "{e}");
+        assert!(e.contains("mc.jsonl:2: question id \"a\" repeats line 1's"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
