@@ -213,6 +213,25 @@ fn bad_training_inputs_are_clear_errors() {
     std::fs::write(&bad, std::fs::read_to_string(&recipe).unwrap().replace("[train]", "[train]\nlearnin_rate = 1.0")).unwrap();
     fails(&run(&mut train_cmd(&bad, &out, &[])), &["learnin_rate", "learning_rate"]);
 
+    // Recipe numbers out of range, a NaN, a task named twice: refused before any work, one
+    // error naming the key.
+    for (edit, needle) in [
+        ("[train]\nwarmup_ratio = 1.5", "train.warmup_ratio = 1.5: it must be in [0, 1]"),
+        ("[train]\nscore_scale = 0.0", "train.score_scale = 0: it must be finite and above 0"),
+        ("[train]\nmax_grad_norm = nan", "train.max_grad_norm is NaN"),
+        ("[train]\nnum_train_epochs = 0.0", "train.num_train_epochs = 0"),
+    ] {
+        std::fs::write(&bad, std::fs::read_to_string(&recipe).unwrap().replace("[train]", edit)).unwrap();
+        fails(&run(&mut train_cmd(&bad, &dir.path().join("out-numbers"), &[])), &[needle]);
+    }
+    std::fs::write(&bad, std::fs::read_to_string(&recipe).unwrap().replace("save_steps = 2", "save_steps = 0")).unwrap();
+    fails(&run(&mut train_cmd(&bad, &dir.path().join("out-numbers"), &[])), &["train.save_steps = 0"]);
+    fails(&run(&mut train_cmd(&recipe, &dir.path().join("out-numbers"), &["--learning-rate", "NaN"])), &["train.learning_rate is NaN"]);
+    fails(&run(&mut train_cmd(&recipe, &dir.path().join("out-numbers"), &["--learning-rate=-1e-5"])), &["train.learning_rate = -0.00001"]);
+    std::fs::write(&bad, std::fs::read_to_string(&recipe).unwrap().replace("\"fever\"]", "\"fever\", \"squad\"]")).unwrap();
+    fails(&run(&mut train_cmd(&bad, &dir.path().join("out-numbers"), &[])), &["data.tasks names task \"squad\" twice"]);
+    assert!(!dir.path().join("out-numbers").exists(), "refused before any work");
+
     // A loss that becomes non-finite: steps are skipped with a warning, then the run stops.
     let o = run(&mut train_cmd(&recipe, &dir.path().join("out3"), &["--learning-rate", "1e30", "--max-steps", "20"]));
     fails(&o, &["non-finite loss", "max_skipped_steps"]);
@@ -839,4 +858,82 @@ fn step_phases_and_traces_are_written_when_asked() {
     let o = run(train_cmd(&recipe, &out, &[]).env("RAK_STEP_PHASES", "0"));
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(!std::fs::read_to_string(out.join("trainer_log.jsonl")).unwrap().contains("phases"), "RAK_STEP_PHASES=0 logged phases");
+}
+
+/// Every file of a folder, recursively, with its size and modification time.
+fn listing(dir: &Path) -> Vec<(String, u64, std::time::SystemTime)> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let e = e.unwrap();
+            let m = e.metadata().unwrap();
+            if m.is_dir() {
+                todo.push(e.path());
+            }
+            out.push((e.path().strip_prefix(dir).unwrap().display().to_string(), if m.is_dir() { 0 } else { m.len() }, m.modified().unwrap()));
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A resume that is refused (a mistyped checkpoint, one of other settings) leaves a finished
+/// ANCE run as it was, run.json included; one that changes only logging and saving is taken;
+/// `max_grad_norm = 0` clips nothing (as Hugging Face's Trainer) and the model trains; a
+/// finished run whose checkpoints were deleted is not overwritten without --overwrite-output-dir.
+#[test]
+fn a_refused_resume_leaves_the_run_as_it_was() {
+    let dir = TempDir::new("train-refused-resume");
+    let train = TRAIN.replace("max_steps = 8", "max_steps = 2").replace("save_steps = 2", "save_steps = 1") + "\nmax_grad_norm = 0.0\nance_episodes = 1\nance_depth = 10";
+    let recipe = small_task_data(dir.path(), 6, &train);
+    let out = dir.path().join("out");
+    let o = run(&mut train_cmd(&recipe, &out, &[]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    // No clipping: the log has no clipped norm, and every stage moved the weights.
+    let line: Value = serde_json::from_str(std::fs::read_to_string(out.join("episode-0/trainer_log.jsonl")).unwrap().lines().next().unwrap()).unwrap();
+    assert!(line["optimizer"]["grad_norm"].is_null(), "{line}");
+    let (start, first, last) = (weights(&minilm_dir()), weights(&out.join("episode-0")), weights(&out));
+    assert!(start.iter().zip(&first).any(|((_, a), (_, b))| !a.equal(b)), "max_grad_norm = 0 trained nothing");
+    assert!(first.iter().zip(&last).any(|((_, a), (_, b))| !a.equal(b)), "episode 1 trained nothing");
+
+    let before = listing(&out);
+    assert!(before.iter().any(|(n, ..)| n == "episode-1/checkpoint-1") && before.iter().any(|(n, ..)| n == "final_model_done"), "{before:?}");
+    let missing = out.join("episode-0/checkpoint-9");
+    fails(&run(&mut train_cmd(&recipe, &out, &["--resume-from-checkpoint", p(&missing)])), &["checkpoint-9", "no such checkpoint folder"]);
+    assert_eq!(listing(&out), before, "a refused resume changed the run's files");
+    // A checkpoint of other trainer settings (run.json of a version that did not record them,
+    // so that only the checkpoint's own check refuses it): refused naming the setting, nothing
+    // removed or rewritten.
+    let run_file = out.join("run.json");
+    let mut recorded: Value = serde_json::from_str(&std::fs::read_to_string(&run_file).unwrap()).unwrap();
+    recorded["recipe"].as_object_mut().unwrap().remove("train");
+    std::fs::write(&run_file, recorded.to_string()).unwrap();
+    let before = listing(&out);
+    let ckpt = out.join("episode-0/checkpoint-1");
+    fails(&run(&mut train_cmd(&recipe, &out, &["--resume-from-checkpoint", p(&ckpt), "--learning-rate", "1e-4"])), &["learning_rate: 0.00005 then, 0.0001 now"]);
+    assert_eq!(listing(&out), before, "a refused resume changed the run's files");
+    assert_eq!(std::fs::read_to_string(&run_file).unwrap(), recorded.to_string());
+
+    // Other logging and saving only: resumed mid-stage (the refusal's two JSON blobs are gone).
+    let relogged = dir.path().join("relogged.toml");
+    std::fs::write(&relogged, std::fs::read_to_string(&recipe).unwrap().replace("logging_steps = 1", "logging_steps = 2").replace("save_steps = 1", "save_steps = 5")).unwrap();
+    let ckpt = out.join("episode-1/checkpoint-1");
+    let o = run(&mut train_cmd(&relogged, &out, &["--resume-from-checkpoint", p(&ckpt)]));
+    assert!(o.status.success() && stderr(&o).contains("resumed from"), "{}", stderr(&o));
+
+    // A finished run whose checkpoints (and stages) the user deleted: our run.json and the
+    // model remain, and a new run there needs --overwrite-output-dir.
+    for e in std::fs::read_dir(&out).unwrap() {
+        let path = e.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if path.is_dir() {
+            std::fs::remove_dir_all(&path).unwrap();
+        } else if name.starts_with("negatives-") || name == "final_model_done" {
+            std::fs::remove_file(&path).unwrap();
+        }
+    }
+    let before = listing(&out);
+    fails(&run(&mut train_cmd(&recipe, &out, &["--ance-episodes", "0"])), &["earlier run", "--overwrite-output-dir"]);
+    assert_eq!(listing(&out), before);
 }

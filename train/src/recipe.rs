@@ -183,6 +183,66 @@ impl Default for TrainSection {
     }
 }
 
+impl Recipe {
+    /// The checks that need no file: every number in its range (a NaN is in none), each named
+    /// by its key, and no task named twice in `data.tasks`. `host train` runs them before any
+    /// work (before a model is fetched); [`crate::run::run`] again for every other caller.
+    pub fn validate(&self) -> Result<()> {
+        let mut seen = std::collections::HashSet::new();
+        if let Some(name) = self.data.tasks.iter().find(|n| !seen.insert(n.as_str())) {
+            bail!("data.tasks names task {name:?} twice: list each task once");
+        }
+        self.train.validate()
+    }
+}
+
+impl TrainSection {
+    /// Every number of the section in its range, a clear error naming the key otherwise.
+    pub fn validate(&self) -> Result<()> {
+        let t = self;
+        let check = |key: &str, v: f64, ok: bool, range: &str| -> Result<()> {
+            if v.is_nan() {
+                bail!("train.{key} is NaN: give a number {range}");
+            }
+            if !ok {
+                bail!("train.{key} = {v}: it must be {range}");
+            }
+            Ok(())
+        };
+        check("learning_rate", t.learning_rate, t.learning_rate.is_finite() && t.learning_rate > 0.0, "finite and above 0")?;
+        check("num_train_epochs", t.num_train_epochs, t.num_train_epochs.is_finite() && t.num_train_epochs > 0.0, "finite and above 0")?;
+        check("warmup_ratio", t.warmup_ratio, (0.0..=1.0).contains(&t.warmup_ratio), "in [0, 1]")?;
+        if let Some(m) = t.max_grad_norm {
+            // As Hugging Face's Trainer: 0 or less clips nothing.
+            check("max_grad_norm", m, !m.is_nan(), "(0 or less: no clipping)")?;
+        }
+        check("score_scale", t.score_scale, t.score_scale.is_finite() && t.score_scale > 0.0, "finite and above 0")?;
+        if t.sampler == "taco" {
+            check("temperature", t.temperature, t.temperature.is_finite() && t.temperature > 0.0, "finite and above 0")?;
+        } else if t.temperature.is_nan() {
+            check("temperature", t.temperature, false, "finite and above 0")?;
+        }
+        check("bm25_k1", t.bm25_k1 as f64, t.bm25_k1.is_finite() && t.bm25_k1 >= 0.0, "finite and at least 0")?;
+        check("bm25_b", t.bm25_b as f64, (0.0..=1.0).contains(&t.bm25_b), "in [0, 1]")?;
+        if let Some(e) = t.ance_num_train_epochs {
+            check("ance_num_train_epochs", e, e.is_finite() && e > 0.0, "finite and above 0")?;
+        }
+        if let Some(b) = t.lm_temperature {
+            check("lm_temperature", b, b.is_finite() && b > 0.0, "finite and above 0")?;
+        }
+        if t.max_steps == Some(0) {
+            bail!("train.max_steps = 0: give at least 1, or leave it out to train num_train_epochs");
+        }
+        if t.per_device_train_batch_size == 0 {
+            bail!("train.per_device_train_batch_size = 0: give at least 1");
+        }
+        if t.save_steps == 0 {
+            bail!("train.save_steps = 0: give at least 1 (a checkpoint every that many steps)");
+        }
+        Ok(())
+    }
+}
+
 pub fn read_recipe(path: &Path) -> Result<Recipe> {
     let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
     toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
@@ -230,6 +290,40 @@ impl AnceIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Numbers out of range (a NaN is in none) and a task named twice: one error naming the key.
+    #[test]
+    fn recipe_numbers_are_checked_by_key() {
+        let fails = |edit: &dyn Fn(&mut TrainSection), needle: &str| {
+            let mut t = TrainSection::default();
+            edit(&mut t);
+            let e = format!("{:#}", t.validate().unwrap_err());
+            assert!(e.contains(needle), "expected {needle:?} in {e:?}");
+        };
+        TrainSection::default().validate().unwrap();
+        fails(&|t| t.warmup_ratio = 1.5, "train.warmup_ratio = 1.5: it must be in [0, 1]");
+        fails(&|t| t.warmup_ratio = -0.1, "train.warmup_ratio");
+        fails(&|t| t.warmup_ratio = f64::NAN, "train.warmup_ratio is NaN");
+        fails(&|t| t.score_scale = 0.0, "train.score_scale = 0");
+        fails(&|t| t.score_scale = f64::INFINITY, "train.score_scale = inf");
+        fails(&|t| t.learning_rate = -1e-5, "train.learning_rate");
+        fails(&|t| t.learning_rate = f64::NAN, "train.learning_rate is NaN");
+        fails(&|t| t.num_train_epochs = 0.0, "train.num_train_epochs = 0");
+        fails(&|t| t.save_steps = 0, "train.save_steps = 0");
+        fails(&|t| t.max_steps = Some(0), "train.max_steps = 0");
+        fails(&|t| t.max_grad_norm = Some(f64::NAN), "train.max_grad_norm is NaN");
+        fails(&|t| t.temperature = f64::NAN, "train.temperature is NaN");
+        fails(&|t| t.ance_num_train_epochs = Some(f64::NAN), "train.ance_num_train_epochs is NaN");
+        fails(&|t| t.lm_temperature = Some(f64::NAN), "train.lm_temperature is NaN");
+        fails(&|t| t.bm25_b = f32::NAN, "train.bm25_b is NaN");
+        // As Hugging Face's Trainer: 0 or less means no clipping, not an error.
+        for m in [0.0, -1.0] {
+            TrainSection { max_grad_norm: Some(m), ..Default::default() }.validate().unwrap();
+        }
+        let twice = Recipe { data: DataSection { tasks: vec!["nq".into(), "fever".into(), "nq".into()], ..Default::default() }, ..Default::default() };
+        let e = format!("{:#}", twice.validate().unwrap_err());
+        assert!(e.contains("data.tasks") && e.contains("\"nq\" twice"), "{e}");
+    }
 
     /// The recipe's revision goes with the recipe's model only: a model given on the command
     /// line takes the command line's revision or none.

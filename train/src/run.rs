@@ -16,7 +16,7 @@ use crate::data::{corpus_ids, corpus_pages, corpus_texts, load_task, passage_tex
 use crate::negatives;
 use crate::recipe::{sampler_kind, Recipe, TrainSection};
 use rak_core::rng::Rng;
-use crate::trainer::{check_loss_settings, checkpoints, latest_checkpoint, LossKind, Sampler, TaskLossWeight, Trainer, TrainerConfig, LOG_FILE};
+use crate::trainer::{check_checkpoint, check_loss_settings, checkpoints, latest_checkpoint, LossKind, Sampler, TaskLossWeight, Trainer, TrainerConfig, LOG_FILE};
 use anyhow::{bail, Context, Result};
 use rak_core::dist::{ProcessGroup, Rendezvous};
 use rak_core::plugin::{Encoder, Optimizer};
@@ -104,6 +104,7 @@ fn fill_seed(seed: u64, episode: u32) -> u64 {
 /// Train as `spec` says; returns a summary (output folder, steps, episodes, log file).
 pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Result<Value> {
     let (recipe, t) = (&spec.recipe, &spec.recipe.train);
+    recipe.validate()?;
     // GradNorm and CGD weigh tasks from their gradients' sizes: they would undo the queries'
     // weights (GradNorm) or apply them twice (CGD's gradient products, then its weighted sum).
     if t.task_loss_weight == TaskLossWeight::Queries && matches!(spec.optim.as_str(), "gradnorm" | "cgd") {
@@ -160,16 +161,20 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     };
     let corpus_sha256 = file_digest(&recipe.data.corpus)?;
     let identity = recipe_identity(spec, &corpus_sha256);
+    // A resume is checked whole (the recipe here, the checkpoint once the trainer's settings
+    // are known, below) before anything of the earlier run is removed or run.json rewritten:
+    // a resume refused must leave the run as it was.
     match &spec.resume {
         _ if !lead => layout.check_recipe(&identity)?,
         Resume::No => {
             if layout.has_earlier_run() && !spec.overwrite {
                 bail!(
-                    "{} holds checkpoints of an earlier run; continue it with --resume-from-checkpoint latest, or start over with --overwrite-output-dir",
+                    "{} holds an earlier run (its checkpoints or its model); continue it with --resume-from-checkpoint latest, or start over with --overwrite-output-dir",
                     out.display()
                 );
             }
             layout.clear_from(0, progress)?;
+            layout.record(&identity, world)?;
         }
         Resume::Latest | Resume::At(_) => {
             if let Some(earlier) = layout.recorded_episodes()? {
@@ -186,28 +191,13 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
                 }
             }
             layout.check_recipe(&identity)?;
-            // Resuming inside a stage makes everything after it stale.
-            if let Some((stage, _)) = &resume_at {
-                layout.clear_after(*stage, progress)?;
-            }
         }
-    }
-    if lead {
-        layout.record(&identity, world)?;
     }
 
     let mut tasks = match &spec.examples {
         Some(given) => given_examples(given, t.hard_negatives)?,
         None => load_tasks(recipe, progress)?,
     };
-    if t.hard_negatives > 0 && spec.examples.is_none() {
-        bm25_negatives(spec, &layout, &corpus_sha256, &mut tasks, lead, progress)?;
-    }
-    if lead {
-        if let Some(g) = group.as_mut() {
-            g.after_lead(PREPARE, &mut still_waiting(PREPARE))?;
-        }
-    }
     let kind = sampler_kind(t)?;
     let counts: Vec<usize> = tasks.iter().map(|t| t.examples.len()).collect();
     // A data-parallel step takes the batch of every process.
@@ -240,6 +230,35 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         lm_temperature,
         mask_positive_copies: t.mask_positive_copies,
     };
+    // Each stage draws its own batch order and dropout (a stage is a new run, as in ANCE).
+    let stage_config = |episode: u32| TrainerConfig {
+        max_steps: if episode == 0 { max_steps } else { episode_steps },
+        seed: stage_seed(config.seed, episode),
+        ..config.clone()
+    };
+    if lead && spec.resume != Resume::No {
+        if let Some((stage, dir)) = &resume_at {
+            // The checkpoint asked for, checked as the trainer will take it (it is there, the
+            // trainer's, of this stage and these settings), before anything is cleared.
+            check_checkpoint(dir, &stage_config(*stage as u32), world, Some(*stage as u32)).with_context(|| format!("--resume-from-checkpoint {}", dir.display()))?;
+            // Resuming inside a stage makes everything after it stale.
+            layout.clear_after(*stage, progress)?;
+        } else if let Some(ckpt) = layout.first_unfinished().and_then(|e| latest_checkpoint(&layout.stage(e)).map(|c| (e, c))) {
+            // `latest`: the checkpoint the unfinished stage will resume from, checked before
+            // run.json is written again.
+            let (episode, dir) = ckpt;
+            check_checkpoint(&dir, &stage_config(episode), world, Some(episode))?;
+        }
+        layout.record(&identity, world)?;
+    }
+    if t.hard_negatives > 0 && spec.examples.is_none() {
+        bm25_negatives(spec, &layout, &corpus_sha256, &mut tasks, lead, progress)?;
+    }
+    if lead {
+        if let Some(g) = group.as_mut() {
+            g.after_lead(PREPARE, &mut still_waiting(PREPARE))?;
+        }
+    }
     let names: Vec<String> = tasks.iter().map(|t| format!("{} ({} queries)", t.name, t.examples.len())).collect();
     let episodes_text = if episodes > 0 { format!(", then {episodes} ANCE episodes of {episode_steps} steps") } else { String::new() };
     progress.log(&format!(
@@ -292,13 +311,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         if episodes > 0 {
             progress.log(&format!("train: stage {episode} of {episodes} ({}) in {}", if episode == 0 { "BM25 negatives" } else { "ANCE negatives" }, stage.display()));
         }
-        // Each stage draws its own batch order and dropout (a stage is a new run, as in ANCE).
-        let stage_config = TrainerConfig {
-            max_steps: if episode == 0 { max_steps } else { episode_steps },
-            seed: stage_seed(config.seed, episode),
-            ..config.clone()
-        };
-        let mut trainer = Trainer::data_parallel(stage_config, encoder.as_mut(), optimizer.as_mut(), tasks.clone(), texts, stage, group.as_mut())?;
+        let mut trainer = Trainer::data_parallel(stage_config(episode), encoder.as_mut(), optimizer.as_mut(), tasks.clone(), texts, stage, group.as_mut())?;
         trainer.set_episode(episode);
         if let Some(ckpt) = &checkpoint {
             trainer.resume(ckpt)?;
@@ -758,6 +771,14 @@ impl RunLayout {
         self.out.join(format!(".negatives-episode-{episode}.parts"))
     }
 
+    /// The first stage a resume trains in (none when every stage is done).
+    fn first_unfinished(&self) -> Option<u32> {
+        if self.episodes == 0 {
+            return Some(0);
+        }
+        (0..=self.episodes).find(|e| !self.stage(*e).join(STAGE_DONE).exists())
+    }
+
     /// `episode-E` folders present, by episode.
     fn episode_dirs(&self) -> Vec<(u32, PathBuf)> {
         let Ok(entries) = std::fs::read_dir(&self.out) else { return Vec::new() };
@@ -770,10 +791,12 @@ impl RunLayout {
         dirs
     }
 
-    /// Whether the folder holds a checkpoint of ours (see [`own_checkpoint`]) or a stage's mark.
+    /// Whether the folder holds a checkpoint of ours (see [`own_checkpoint`]), a stage's mark,
+    /// or our own `run.json` beside a model (a finished run whose checkpoints were deleted).
     fn has_earlier_run(&self) -> bool {
         let own = |dir: &Path| checkpoints(dir).iter().any(|c| own_checkpoint(c));
-        own(&self.out) || self.episode_dirs().iter().any(|(_, d)| d.join(STAGE_DONE).exists() || own(d))
+        let model = || std::fs::read_dir(&self.out).into_iter().flatten().flatten().any(|e| e.file_name().to_string_lossy().ends_with(".safetensors"));
+        own(&self.out) || self.episode_dirs().iter().any(|(_, d)| d.join(STAGE_DONE).exists() || own(d)) || (own_run_file(&self.out.join(RUN_FILE)) && model())
     }
 
     /// Remove what stages `from..` left (checkpoints, marks, mined negatives); with 0, every
@@ -1025,6 +1048,24 @@ mod tests {
         assert!(e.contains("train.added_later: null then, true now"), "{e}");
         let e = format!("{:#}", layout.check_recipe(&json!({"train": {"seed": 8}, "data": "e"})).unwrap_err());
         assert!(e.contains("train.seed: 7 then, 8 now") && e.contains("data: \"d\" then, \"e\" now"), "{e}");
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+
+    /// A finished run whose checkpoints were deleted (our run.json and the model left) is an
+    /// earlier run all the same; our run.json alone (a run killed before its first checkpoint)
+    /// or a model alone is not.
+    #[test]
+    fn a_finished_run_without_checkpoints_is_an_earlier_run() {
+        let out = std::env::temp_dir().join(format!("rak-earlier-run-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&out);
+        std::fs::create_dir_all(&out).unwrap();
+        let layout = RunLayout { out: out.clone(), episodes: 0 };
+        std::fs::write(out.join("model.safetensors"), "weights").unwrap();
+        assert!(!layout.has_earlier_run());
+        std::fs::write(out.join(RUN_FILE), json!({"ance_episodes": 0, "recipe": {}}).to_string()).unwrap();
+        assert!(layout.has_earlier_run());
+        std::fs::remove_file(out.join("model.safetensors")).unwrap();
+        assert!(!layout.has_earlier_run());
         std::fs::remove_dir_all(&out).unwrap();
     }
 

@@ -213,6 +213,50 @@ impl Sampler {
     }
 }
 
+/// The trainer settings a resume may change: they change no weight (how often the run logs
+/// and saves, and how many non-finite steps it tolerates), as `run.json`'s recipe identity
+/// leaves them out too.
+pub const RESUMABLE_SETTINGS: [&str; 3] = ["logging_steps", "save_steps", "max_skipped_steps"];
+
+/// Check that `checkpoint` is one this run can resume from before anything depends on it: a
+/// folder holding the trainer's state and the optimizer's, written with `config` (but for
+/// [`RESUMABLE_SETTINGS`]) over `world` processes, and of stage `episode` when given. The
+/// differing settings are named. Returns the state.
+pub fn check_checkpoint(checkpoint: &Path, config: &TrainerConfig, world: usize, episode: Option<u32>) -> Result<TrainerState> {
+    if !checkpoint.is_dir() {
+        bail!("{}: no such checkpoint folder", checkpoint.display());
+    }
+    let state_path = checkpoint.join(STATE_FILE);
+    let text = std::fs::read_to_string(&state_path).with_context(|| format!("{}: cannot read (not a checkpoint of host train's?)", state_path.display()))?;
+    let state: TrainerState = serde_json::from_str(&text).with_context(|| format!("{}: not a trainer state", state_path.display()))?;
+    let (then, now) = (serde_json::to_value(&state.config)?, serde_json::to_value(config)?);
+    let (then, now) = (then.as_object().cloned().unwrap_or_default(), now.as_object().cloned().unwrap_or_default());
+    let keys: BTreeSet<&String> = then.keys().chain(now.keys()).filter(|k| !RESUMABLE_SETTINGS.contains(&k.as_str())).collect();
+    let at = |o: &serde_json::Map<String, Value>, k: &str| o.get(k).cloned().unwrap_or(Value::Null);
+    let differing: Vec<String> = keys.into_iter().filter(|k| at(&then, k) != at(&now, k)).map(|k| format!("  {k}: {} then, {} now", at(&then, k), at(&now, k))).collect();
+    if !differing.is_empty() {
+        bail!(
+            "{} was written by a run with other trainer settings (resume with the same ones; only {} may change):\n{}",
+            checkpoint.display(),
+            RESUMABLE_SETTINGS.join(", "),
+            differing.join("\n")
+        );
+    }
+    if state.world_size != world {
+        bail!("{} was written by a run over {} processes and this one has {world}: resume with the same number of processes", checkpoint.display(), state.world_size);
+    }
+    if let Some(episode) = episode {
+        if state.episode != episode {
+            bail!("{} is a checkpoint of episode {}, not of episode {episode}", checkpoint.display(), state.episode);
+        }
+    }
+    let opt_path = checkpoint.join(OPTIMIZER_FILE);
+    if !opt_path.is_file() {
+        bail!("{}: missing (the checkpoint has no optimizer state)", opt_path.display());
+    }
+    Ok(state)
+}
+
 /// What a checkpoint holds besides the model and the optimizer state.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TrainerState {
@@ -509,26 +553,14 @@ impl<'a> Trainer<'a> {
     /// Continue from a checkpoint directory: the optimizer state, the sampler position and
     /// the step. The encoder must already have been created from the same directory.
     pub fn resume(&mut self, checkpoint: &Path) -> Result<()> {
-        let state_path = checkpoint.join(STATE_FILE);
-        let text = std::fs::read_to_string(&state_path).with_context(|| format!("{}: cannot read", state_path.display()))?;
-        let state: TrainerState = serde_json::from_str(&text).with_context(|| format!("{}: not a trainer state", state_path.display()))?;
-        let (a, b) = (serde_json::to_value(&state.config)?, serde_json::to_value(&self.config)?);
-        if a != b {
-            bail!("{} was written by a run with another configuration:\n  checkpoint {a}\n  this run   {b}", checkpoint.display());
-        }
-        if state.world_size != self.state.world_size {
-            bail!(
-                "{} was written by a run over {} processes and this one has {}: resume with the same number of processes",
-                checkpoint.display(),
-                state.world_size,
-                self.state.world_size
-            );
-        }
+        let state = check_checkpoint(checkpoint, &self.config, self.state.world_size, None)?;
         let opt_path = checkpoint.join(OPTIMIZER_FILE);
         let tensors = Tensor::read_safetensors(&opt_path).map_err(|e| anyhow::anyhow!("{}: cannot read optimizer state: {e}", opt_path.display()))?;
         self.optimizer.load_state(tensors).with_context(|| format!("{}: optimizer state", opt_path.display()))?;
-        self.sampler.load_state(&state.sampler).with_context(|| format!("{}: sampler state", state_path.display()))?;
-        self.state = state;
+        self.sampler.load_state(&state.sampler).with_context(|| format!("{}: sampler state", checkpoint.join(STATE_FILE).display()))?;
+        // This run's settings from here on (they may differ in what changes no weight:
+        // logging and saving), so that its checkpoints record what it ran with.
+        self.state = TrainerState { config: self.config.clone(), ..state };
         self.resumed_from = Some(checkpoint.to_path_buf());
         self.ahead = None;
         if self.writes() {
@@ -976,7 +1008,8 @@ impl<'a> Trainer<'a> {
                 warmup_steps: warmup,
                 lr,
                 tasks: task_names.clone(),
-                max_grad_norm: self.config.max_grad_norm,
+                // As Hugging Face's Trainer: a limit of 0 or less (or none) clips nothing.
+                max_grad_norm: self.config.max_grad_norm.filter(|m| *m > 0.0),
                 lr_scale: lr_scale.clone(),
                 no_weight_decay: no_weight_decay.clone(),
                 seed: optimizer_seed,
@@ -997,7 +1030,14 @@ impl<'a> Trainer<'a> {
                 self.ahead = Some((step + 1, next));
             }
             self.phases.end("sample", tch::Device::Cpu);
-            let losses = match self.train_step(&params, &groups, ctx)? {
+            let outcome = self.train_step(&params, &groups, ctx);
+            // The optimizer checks a loaded state against the model's parameters in its first
+            // step: an error there names the file it came from.
+            let outcome = match (&self.resumed_from, step == first) {
+                (Some(ckpt), true) => outcome.with_context(|| format!("step {}, the first after resuming from {} (its {OPTIMIZER_FILE} is checked against the model here)", step + 1, ckpt.display())),
+                _ => outcome,
+            };
+            let losses = match outcome? {
                 StepOutcome::Updated { losses, stats } => {
                     last_stats = stats;
                     losses
@@ -1387,6 +1427,36 @@ mod group_tests {
         assert!(rak_retrieval::index::is_trainer_state(&path));
         std::fs::write(&path, r#"{"global_step":10,"log_history":[]}"#).unwrap();
         assert!(!rak_retrieval::index::is_trainer_state(&path));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A resume may change how often the run logs and saves (no weight changes), not a
+    /// setting that does; the refusal names the settings that differ, one line each.
+    #[test]
+    fn a_checkpoint_resumes_with_other_logging_and_saving_only() {
+        let (mut enc, mut opt) = (NoEncoder, NoOptimizer);
+        let ex = Example { query_id: "q".into(), query: "query".into(), positives: vec!["p".into()], negatives: vec!["n".into()], answers: vec![], lm_scores: vec![] };
+        let mut trainer = Trainer::new(config(false), &mut enc, &mut opt, vec![TaskData { name: "t".into(), examples: vec![ex] }], HashMap::new(), Path::new(".")).unwrap();
+        trainer.set_episode(2);
+        let dir = std::env::temp_dir().join(format!("rak-resumable-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let e = format!("{:#}", check_checkpoint(&dir, &config(false), 1, None).unwrap_err());
+        assert!(e.contains("no such checkpoint folder"), "{e}");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(STATE_FILE), serde_json::to_string_pretty(&trainer.state).unwrap()).unwrap();
+        let e = format!("{:#}", check_checkpoint(&dir, &config(false), 1, None).unwrap_err());
+        assert!(e.contains(OPTIMIZER_FILE), "{e}");
+        std::fs::write(dir.join(OPTIMIZER_FILE), "").unwrap();
+        let changed = TrainerConfig { logging_steps: 7, save_steps: 9, max_skipped_steps: 4, ..config(false) };
+        assert_eq!(check_checkpoint(&dir, &changed, 1, Some(2)).unwrap().episode, 2);
+        let e = format!("{:#}", check_checkpoint(&dir, &changed, 1, Some(1)).unwrap_err());
+        assert!(e.contains("a checkpoint of episode 2, not of episode 1"), "{e}");
+        let e = format!("{:#}", check_checkpoint(&dir, &changed, 2, None).unwrap_err());
+        assert!(e.contains("over 1 processes and this one has 2"), "{e}");
+        let other = TrainerConfig { learning_rate: 2e-5, seed: 4, save_steps: 9, ..config(false) };
+        let e = format!("{:#}", check_checkpoint(&dir, &other, 1, None).unwrap_err());
+        assert!(e.contains("  learning_rate: 0.00001 then, 0.00002 now") && e.contains("  seed: 3 then, 4 now"), "{e}");
+        assert!(!e.contains("save_steps:") && !e.contains('{'), "only the differing settings: {e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -140,7 +140,7 @@ impl Weighting for GradNorm {
                 "initial_losses" => fresh.initial_losses = tensor_vec(&name, &t, len)?,
                 "adam_m" => fresh.m = tensor_vec(&name, &t, len)?,
                 "adam_v" => fresh.v = tensor_vec(&name, &t, len)?,
-                "adam_steps" => fresh.adam_steps = t.int64_value(&[]) as u64,
+                "adam_steps" => fresh.adam_steps = super::step_count(&name, &t)? as u64,
                 other => bail!("unknown gradnorm state entry {other:?}"),
             }
         }

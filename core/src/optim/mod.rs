@@ -84,11 +84,13 @@ struct Moments {
 pub struct AdamW {
     pub config: AdamWConfig,
     moments: BTreeMap<String, Moments>,
+    /// Moments loaded by [`AdamW::load_state`], not yet checked against the parameters.
+    unchecked: bool,
 }
 
 impl AdamW {
     pub fn new(config: AdamWConfig) -> Self {
-        AdamW { config, moments: BTreeMap::new() }
+        AdamW { config, moments: BTreeMap::new(), unchecked: false }
     }
 
     /// One update of `params` from `grads` (by name). A parameter without a gradient (absent
@@ -110,8 +112,21 @@ impl AdamW {
             // Moments loaded from a checkpoint of another model: an error, not a write past
             // the end of a buffer.
             if let Some(m) = self.moments.get(name).filter(|m| m.exp_avg.size() != p.size() || m.exp_avg_sq.size() != p.size()) {
-                bail!("AdamW moments of {name} have shapes {:?} and {:?}, the parameter {:?} (a checkpoint of another model?)", m.exp_avg.size(), m.exp_avg_sq.size(), p.size());
+                bail!("AdamW moments of {name} (exp_avg/{name}, exp_avg_sq/{name}) have shapes {:?} and {:?}, the parameter {:?} (a checkpoint of another model?)", m.exp_avg.size(), m.exp_avg_sq.size(), p.size());
             }
+            // Of another dtype than the parameter (a checkpoint's float16 moments of float32
+            // weights): no update mixes them.
+            if let Some(m) = self.moments.get(name).filter(|m| m.exp_avg.kind() != p.kind() || m.exp_avg_sq.kind() != p.kind()) {
+                bail!("AdamW moments of {name} (exp_avg/{name}, exp_avg_sq/{name}) are {:?}, the parameter {:?} (a corrupt or foreign optimizer state?)", m.exp_avg.kind(), p.kind());
+            }
+        }
+        if self.unchecked {
+            // Loaded moments of a parameter the model lacks: another model's state.
+            let names: std::collections::BTreeSet<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
+            if let Some(name) = self.moments.keys().find(|n| !names.contains(n.as_str())) {
+                bail!("AdamW state has moments of {name:?} (exp_avg/{name}), which is no parameter of this model (a checkpoint of another model?)");
+            }
+            self.unchecked = false;
         }
         for (name, p) in params {
             let Some(g) = grads.get(name).filter(|g| g.defined()) else { continue };
@@ -154,18 +169,19 @@ impl AdamW {
                 fused.push(((p.device(), p.kind(), lr, weight_decay), (p, g.shallow_clone(), name.clone())));
                 continue;
             }
+            // Fallible calls: an error (another device, a dtype libtorch refuses) and no panic.
             let mut p = p;
             if weight_decay != 0.0 {
-                let _ = p.g_mul_scalar_(1.0 - lr * weight_decay);
+                let _ = p.f_mul_scalar_(1.0 - lr * weight_decay)?;
             }
             let (bias1, bias2) = (1.0 - c.beta1.powi(m.step as i32), 1.0 - c.beta2.powi(m.step as i32));
-            let _ = m.exp_avg.lerp_(g, 1.0 - c.beta1);
-            let _ = m.exp_avg_sq.g_mul_scalar_(c.beta2);
-            let _ = m.exp_avg_sq.addcmul_(&(g * (1.0 - c.beta2)), g);
-            let mut denom = m.exp_avg_sq.sqrt();
-            let _ = denom.g_div_scalar_(bias2.sqrt());
-            let _ = denom.g_add_scalar_(c.eps);
-            let _ = p.addcdiv_(&(&m.exp_avg * (-lr / bias1)), &denom);
+            let _ = m.exp_avg.f_lerp_(g, 1.0 - c.beta1)?;
+            let _ = m.exp_avg_sq.f_mul_scalar_(c.beta2)?;
+            let _ = m.exp_avg_sq.f_addcmul_(&g.f_mul_scalar(1.0 - c.beta2)?, g)?;
+            let mut denom = m.exp_avg_sq.f_sqrt()?;
+            let _ = denom.f_div_scalar_(bias2.sqrt())?;
+            let _ = denom.f_add_scalar_(c.eps)?;
+            let _ = p.f_addcdiv_(&m.exp_avg.f_mul_scalar(-lr / bias1)?, &denom)?;
         }
         for ((_, _, lr, weight_decay), group) in multi::grouped(fused) {
             let mut steps = Vec::with_capacity(group.len());
@@ -215,6 +231,12 @@ impl AdamW {
 
     /// Restore what [`AdamW::state`] returned; entries with other prefixes are an error. A
     /// checkpoint of an older version holds one global `step`, which every parameter gets.
+    /// Every entry is checked as it comes (an error names it): a step count is one
+    /// non-negative integer; a parameter's two moments have one floating dtype and one shape,
+    /// hold finite values (the second, none below 0), and come with a step count. What needs
+    /// the parameters (each moment's shape and dtype are the parameter's, no moments of a
+    /// parameter the model lacks) is checked by the next [`AdamW::step`] before it moves
+    /// anything.
     pub fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
         let mut global_step = None;
         let mut steps = BTreeMap::new();
@@ -222,31 +244,79 @@ impl AdamW {
         let mut sq = BTreeMap::new();
         for (name, t) in state {
             if name == "step" {
-                global_step = Some(t.int64_value(&[]));
+                global_step = Some(step_count(&name, &t)?);
             } else if let Some(p) = name.strip_prefix("step/") {
-                steps.insert(p.to_string(), t.int64_value(&[]));
+                steps.insert(p.to_string(), step_count(&name, &t)?);
             } else if let Some(p) = name.strip_prefix("exp_avg/") {
-                avg.insert(p.to_string(), t.copy());
+                avg.insert(p.to_string(), moment(&name, &t, false)?);
             } else if let Some(p) = name.strip_prefix("exp_avg_sq/") {
-                sq.insert(p.to_string(), t.copy());
+                sq.insert(p.to_string(), moment(&name, &t, true)?);
             } else {
                 bail!("unknown AdamW state entry {name:?}");
             }
         }
-        if avg.keys().ne(sq.keys()) {
-            bail!("AdamW state has first and second moments for different parameters");
+        if let Some(name) = avg.keys().find(|n| !sq.contains_key(*n)) {
+            bail!("AdamW state has exp_avg/{name} but no exp_avg_sq/{name}");
+        }
+        if let Some(name) = sq.keys().find(|n| !avg.contains_key(*n)) {
+            bail!("AdamW state has exp_avg_sq/{name} but no exp_avg/{name}");
         }
         let mut moments = BTreeMap::new();
         for ((name, exp_avg), exp_avg_sq) in avg.into_iter().zip(sq.into_values()) {
-            let Some(step) = steps.remove(&name).or(global_step) else { bail!("AdamW state has no step count for {name:?}") };
+            if exp_avg.size() != exp_avg_sq.size() || exp_avg.kind() != exp_avg_sq.kind() {
+                bail!(
+                    "AdamW state: exp_avg/{name} is {:?} of shape {:?} but exp_avg_sq/{name} {:?} of shape {:?}",
+                    exp_avg.kind(),
+                    exp_avg.size(),
+                    exp_avg_sq.kind(),
+                    exp_avg_sq.size()
+                );
+            }
+            let Some(step) = steps.remove(&name).or(global_step) else { bail!("AdamW state has no step count for {name:?} (no step/{name})") };
             moments.insert(name, Moments { exp_avg, exp_avg_sq, step, device_step: None });
         }
         if let Some(name) = steps.keys().next() {
             bail!("AdamW state has a step count for {name:?} but no moments");
         }
         self.moments = moments;
+        self.unchecked = true;
         Ok(())
     }
+}
+
+/// A step count of the saved state: one integer, at least 0 (and within what the bias
+/// correction's powers take).
+pub(crate) fn step_count(name: &str, t: &Tensor) -> Result<i64> {
+    use tch::Kind::*;
+    if t.numel() != 1 {
+        bail!("optimizer state entry {name:?}: a step count is one number, this holds {} (shape {:?})", t.numel(), t.size());
+    }
+    if !matches!(t.kind(), Int64 | Int | Int16 | Int8 | Uint8) {
+        bail!("optimizer state entry {name:?}: a step count is an integer, this is {:?}", t.kind());
+    }
+    let step = t.f_reshape([1])?.f_int64_value(&[0])?;
+    if !(0..=i32::MAX as i64).contains(&step) {
+        bail!("optimizer state entry {name:?}: step count {step} (it must be at least 0)");
+    }
+    Ok(step)
+}
+
+/// A saved moment, copied: a floating tensor of finite values (a second moment: none below 0).
+pub(crate) fn moment(name: &str, t: &Tensor, second: bool) -> Result<Tensor> {
+    use tch::Kind::*;
+    if !matches!(t.kind(), Float | Double | Half | BFloat16) {
+        bail!("optimizer state entry {name:?}: a moment is a floating tensor, this is {:?}", t.kind());
+    }
+    let _guard = tch::no_grad_guard();
+    if t.numel() > 0 {
+        if t.f_isfinite()?.f_all()?.f_int64_value(&[])? == 0 {
+            bail!("optimizer state entry {name:?} holds NaN or infinite values");
+        }
+        if second && t.f_lt(0.0)?.f_any()?.f_int64_value(&[])? != 0 {
+            bail!("optimizer state entry {name:?} holds negative values (a second moment is a mean of squares)");
+        }
+    }
+    Ok(t.f_detach_copy()?)
 }
 
 /// Scale `grads` in place so their global L2 norm is at most `max_norm`, as
@@ -575,6 +645,69 @@ mod tests {
         b.step(&pb, &g, &ctx).unwrap();
         assert!(pa[0].1.equal(&pb[0].1));
         assert!(b.load_state(vec![("bogus".into(), Tensor::from(1))]).is_err());
+    }
+
+    /// A corrupt saved state is an error naming the entry, never a panic, a later failure
+    /// that names nothing, or moments that train into NaN weights; and no parameter moves.
+    #[test]
+    fn a_corrupt_state_is_an_error_naming_the_entry() {
+        let p = vec![("w".to_string(), Tensor::from_slice(&[1.0f32, 2.0]))];
+        let g: BTreeMap<String, Tensor> = [("w".to_string(), Tensor::from_slice(&[0.5f32, -0.5]))].into();
+        let ctx = StepContext { lr: 0.1, ..Default::default() };
+        let mut a = AdamW::new(AdamWConfig::default());
+        a.step(&p, &g, &ctx).unwrap();
+        let good: Vec<(String, Tensor)> = a.state().into_iter().map(|(n, t)| (n, t.copy())).collect();
+        let with = |name: &str, t: Option<Tensor>| -> Vec<(String, Tensor)> {
+            let mut s: Vec<(String, Tensor)> = good.iter().filter(|(n, _)| n != name).map(|(n, t)| (n.clone(), t.copy())).collect();
+            if let Some(t) = t {
+                s.push((name.to_string(), t));
+            }
+            s
+        };
+        // Refused by load_state, each naming what is wrong.
+        let cases: Vec<(Vec<(String, Tensor)>, &str)> = vec![
+            (with("step/w", Some(Tensor::from_slice(&[1i64, 2]))), "\"step/w\": a step count is one number"),
+            (with("step/w", Some(Tensor::from(-3i64))), "\"step/w\": step count -3"),
+            (with("step/w", Some(Tensor::from(1.5f32))), "\"step/w\": a step count is an integer"),
+            (with("step/w", None), "no step count for \"w\""),
+            (with("exp_avg_sq/w", None), "exp_avg/w but no exp_avg_sq/w"),
+            (with("exp_avg/w", Some(Tensor::from_slice(&[f32::NAN, 0.0]))), "\"exp_avg/w\" holds NaN"),
+            (with("exp_avg_sq/w", Some(Tensor::from_slice(&[f32::INFINITY, 0.0]))), "\"exp_avg_sq/w\" holds NaN or infinite"),
+            (with("exp_avg_sq/w", Some(Tensor::from_slice(&[-1.0f32, 0.0]))), "\"exp_avg_sq/w\" holds negative"),
+            (with("exp_avg/w", Some(Tensor::from_slice(&[1i64, 0]))), "\"exp_avg/w\": a moment is a floating tensor"),
+            (with("exp_avg/w", Some(Tensor::from_slice(&[0.0f32, 0.0, 0.0]))), "exp_avg/w is Float of shape [3] but exp_avg_sq/w Float of shape [2]"),
+            (with("exp_avg/w", Some(Tensor::from_slice(&[0.0f32, 0.0]).to_kind(Kind::Half))), "exp_avg/w is Half"),
+            (with("momentum/w", Some(Tensor::from_slice(&[0.0f32]))), "unknown AdamW state entry \"momentum/w\""),
+        ];
+        for (state, needle) in cases {
+            let mut b = AdamW::new(AdamWConfig::default());
+            let e = format!("{:#}", b.load_state(state).unwrap_err());
+            assert!(e.contains(needle), "expected {needle:?} in {e:?}");
+        }
+        // Refused by the next step, before any parameter moves: moments of another shape or
+        // dtype than the parameter's, and moments of a parameter the model lacks.
+        let half = |v: &[f32]| Tensor::from_slice(v).to_kind(Kind::Half);
+        let cases: Vec<(Vec<(String, Tensor)>, &str)> = vec![
+            (with("exp_avg/w", Some(half(&[0.0, 0.0]))).into_iter().map(|(n, t)| if n == "exp_avg_sq/w" { (n, half(&[0.0, 0.0])) } else { (n, t) }).collect(), "moments of w (exp_avg/w, exp_avg_sq/w) are Half, the parameter Float"),
+            (
+                with("exp_avg/w", Some(Tensor::from_slice(&[0.0f32; 3]))).into_iter().map(|(n, t)| if n == "exp_avg_sq/w" { (n, Tensor::from_slice(&[0.0f32; 3])) } else { (n, t) }).collect(),
+                "moments of w (exp_avg/w, exp_avg_sq/w) have shapes [3] and [3], the parameter [2]",
+            ),
+            (good.iter().map(|(n, t)| (n.clone(), t.copy())).chain(good.iter().map(|(n, t)| (n.replace("/w", "/gone"), t.copy()))).collect(), "moments of \"gone\" (exp_avg/gone), which is no parameter"),
+        ];
+        for (state, needle) in cases {
+            let mut b = AdamW::new(AdamWConfig::default());
+            b.load_state(state).unwrap();
+            let before = p[0].1.copy();
+            let e = format!("{:#}", b.step(&p, &g, &ctx).unwrap_err());
+            assert!(e.contains(needle), "expected {needle:?} in {e:?}");
+            assert!(p[0].1.equal(&before), "a parameter moved");
+        }
+        // The good state still loads and steps.
+        let mut b = AdamW::new(AdamWConfig::default());
+        b.load_state(good.iter().map(|(n, t)| (n.clone(), t.copy())).collect()).unwrap();
+        b.step(&p, &g, &ctx).unwrap();
+        assert!(p[0].1.isfinite().all().int64_value(&[]) == 1);
     }
 }
 

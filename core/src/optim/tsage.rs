@@ -552,7 +552,9 @@ impl TSage {
     pub fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<()> {
         let (momentum, adam): (Vec<_>, Vec<_>) = state.into_iter().partition(|(n, _)| n.starts_with("momentum/"));
         self.adam.load_state(adam)?;
-        self.momentum = momentum.into_iter().map(|(n, m)| (n["momentum/".len()..].to_string(), m.copy())).collect();
+        // Each checked as it comes (floating, finite); its shape against the parameter's by
+        // the next step.
+        self.momentum = momentum.into_iter().map(|(n, m)| Ok((n["momentum/".len()..].to_string(), super::moment(&n, &m, false)?))).collect::<Result<_>>()?;
         Ok(())
     }
 }

@@ -212,9 +212,12 @@ pub(crate) fn vec_tensor(v: &[f64]) -> Tensor {
 
 /// Back from [`vec_tensor`], checking the length.
 pub(crate) fn tensor_vec(name: &str, t: &Tensor, len: usize) -> Result<Vec<f64>> {
-    let v: Vec<f64> = Vec::<f64>::try_from(t.to_kind(Kind::Double).flatten(0, -1))?;
+    let v: Vec<f64> = Vec::<f64>::try_from(t.f_to_kind(Kind::Double)?.f_flatten(0, -1)?)?;
     if v.len() != len {
         bail!("state {name:?} holds {} values for {len} tasks", v.len());
+    }
+    if v.iter().any(|x| !x.is_finite()) {
+        bail!("state {name:?} holds NaN or infinite values");
     }
     Ok(v)
 }

@@ -122,6 +122,8 @@ pub fn run(registry: &Registry, args: &TrainArgs) -> Result<Value> {
     if let Some(v) = args.ance_episodes {
         t.ance_episodes = v;
     }
+    // Before any work (the model may be fetched from the Hub below).
+    recipe.validate()?;
     let device = process_device(&args.device, rendezvous.as_ref())?;
     let rendezvous = rendezvous.map(|r| with_backend(r, &args.device)).transpose()?;
     let spec = RunSpec {
