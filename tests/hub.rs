@@ -526,3 +526,39 @@ fn the_hub_fetches_the_files_the_encoders_read() {
     core.sort_unstable();
     assert_eq!(hub, core);
 }
+
+/// A snapshot as `hf download` leaves it (every file the loaders read, no `.no_exist` marks
+/// for the optional files the repo lacks): with the Hub unreachable, or answering 503 or 429,
+/// `host encode` uses it as transformers does, with a one-line note naming what could not be
+/// checked; the embeddings are the local folder's.
+#[test]
+fn a_complete_cached_snapshot_is_used_when_the_hub_cannot_be_reached() {
+    let dir = TempDir::new("hub-fallback");
+    let cache = hub_cache(dir.path());
+    assert!(!cache.join("models--sentence-transformers--all-MiniLM-L6-v2/.no_exist").exists());
+    ok(&encode(dir.path(), p(&minilm_dir()), "local", &[], &[]));
+    let local = embeddings(dir.path(), "local");
+    let down = |status: &'static str| {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            for mut conn in listener.incoming().flatten() {
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+                let _ = conn.read(&mut [0u8; 4096]);
+                let _ = write!(conn, "HTTP/1.1 {status}\r\nContent-Length: 2\r\nRetry-After: 1\r\nConnection: close\r\n\r\n{{}}");
+            }
+        });
+        url
+    };
+    for (i, endpoint) in ["http://127.0.0.1:1".to_string(), down("503 Service Unavailable"), down("429 Too Many Requests")].into_iter().enumerate() {
+        let t = Instant::now();
+        let out = format!("fallback-{i}");
+        let o = encode(dir.path(), REPO, &out, &[], &[("HF_HUB_CACHE", p(&cache)), ("HF_ENDPOINT", endpoint.as_str())]);
+        ok(&o);
+        assert!(t.elapsed() < Duration::from_secs(30), "{endpoint}: {:?}", t.elapsed());
+        assert_eq!(embeddings(dir.path(), &out), local, "{endpoint}");
+        let e = stderr(&o);
+        let note = e.lines().find(|l| l.contains("could not be checked")).unwrap_or_else(|| panic!("{endpoint}: no note: {e}"));
+        assert!(note.contains(&endpoint) && note.contains("spiece.model") && note.contains("generation_config.json") && note.contains("rak_encoder.json"), "{note}");
+    }
+}

@@ -159,6 +159,8 @@ fn assert_error(r: &Reply, status: u16, param: Option<&str>, says: &str) {
     let e = &r.json()["error"];
     assert!(e["message"].as_str().unwrap().contains(says), "{}", r.body);
     assert!(e["type"].is_string(), "{}", r.body);
+    // OpenAI's `code` is a string or null, never the status.
+    assert!(e["code"].is_string() || e["code"].is_null(), "{}", r.body);
     if let Some(param) = param {
         assert_eq!(e["param"], param, "{}", r.body);
     }
@@ -191,6 +193,10 @@ fn vectors_and_passages_equal_host_encode_and_host_search() {
         // then sum in another order (host encode's own batches differ the same way).
         close(&v, row, &format!("passage {i}"));
     }
+    // Usage counts the encoder's tokens ([CLS] hello world [SEP], [CLS] a b c d e f [SEP]),
+    // not an estimate from the bytes (22 / 4).
+    let r = post(&serve, "/v1/embeddings", &json!({"input": ["hello world", "a b c d e f"]})).json();
+    assert_eq!(r["usage"], json!({"prompt_tokens": 12, "total_tokens": 12}), "{r}");
     // base64: the same float32 bytes, little-endian.
     let b = post(&serve, "/v1/embeddings", &json!({"input": texts[0], "encoding_format": "base64", "model": "all-MiniLM-L6-v2-passage"})).json();
     let bytes = base64_decode(b["data"][0]["embedding"].as_str().unwrap());
@@ -327,7 +333,17 @@ fn faults_are_answered_as_documented() {
     assert_error(&post(&serve, "/search", &json!({"query": "x"})), 401, None, "requires an API key");
     let wrong = request(serve.addr(), "POST", "/search", &[("Authorization", "Bearer sk-wrong")], br#"{"query": "x"}"#);
     assert_error(&wrong, 401, None, "not this server's");
+    assert_eq!(wrong.json()["error"]["code"], "invalid_api_key");
     assert_eq!(request(serve.addr(), "GET", "/metrics", &[("Authorization", &auth)], b"").status, 200);
+    // The scheme's name in any case (RFC 7235).
+    for scheme in ["bearer", "BEARER"] {
+        let r = request(serve.addr(), "GET", "/metrics", &[("Authorization", &format!("{scheme} {key}"))], b"");
+        assert_eq!(r.status, 200, "{scheme}: {}", r.body);
+    }
+    // A known route asked with another method: 405, the same error body, and `Allow`.
+    let r = request(serve.addr(), "GET", "/v1/embeddings", &[("Authorization", &auth)], b"");
+    assert_error(&r, 405, None, "/v1/embeddings");
+    assert_eq!(r.header("allow"), Some("POST"), "{:?}", r.headers);
 
     // Malformed requests: 400, OpenAI's error shape, the field named.
     assert_error(&call("/v1/embeddings", b"{not json"), 400, None, "not valid JSON");
@@ -335,7 +351,10 @@ fn faults_are_answered_as_documented() {
     assert_error(&call("/v1/embeddings", br#"{"model": "all-MiniLM-L6-v2"}"#), 400, Some("input"), "needs `input`");
     assert_error(&call("/v1/embeddings", br#"{"input": [[101, 2054]]}"#), 400, Some("input"), "check_embedding_ctx_length=False");
     assert_error(&call("/v1/embeddings", br#"{"input": "x", "encoding_format": "int8"}"#), 400, Some("encoding_format"), "int8");
-    assert_error(&call("/v1/embeddings", br#"{"input": "x", "model": "text-embedding-3-small"}"#), 404, Some("model"), "not served");
+    let r = call("/v1/embeddings", br#"{"input": "x", "model": "text-embedding-3-small"}"#);
+    assert_error(&r, 404, Some("model"), "not served");
+    assert_eq!(r.json()["error"]["code"], "model_not_found");
+    assert_eq!(call("/v1/embeddings", b"{not json").json()["error"]["code"], Value::Null);
     assert_error(&call("/search", br#"{"query": "x", "k": 1000}"#), 400, Some("k"), "--max-k");
     assert_error(&call("/v1/chat/completions", br#"{"messages": "hi"}"#), 400, Some("messages"), "messages");
     assert_error(&call("/v1/chat/completions", br#"{"messages": [{"role": "user", "content": "x"}], "retrieval": {"k": "two"}}"#), 400, Some("retrieval.k"), "integer");
@@ -363,6 +382,15 @@ fn faults_are_answered_as_documented() {
     BufReader::new(&stalled).read_line(&mut head).unwrap();
     assert!(head.contains(" 504 "), "{head}");
     assert!(t.elapsed() < Duration::from_secs(6), "{:?}", t.elapsed());
+    // One that sends part of its request head and stalls: the connection is closed at the
+    // request timeout, not held.
+    let t = Instant::now();
+    let mut stalled = TcpStream::connect(serve.addr()).unwrap();
+    stalled.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(stalled, "POST /search HTTP/1.1\r\nHost: {}\r\nAuthorization: {auth}\r\n", serve.addr()).unwrap();
+    let n = stalled.read(&mut [0u8; 256]).expect("closed, not left open");
+    assert_eq!(n, 0, "closed without an answer");
+    assert!(t.elapsed() >= Duration::from_millis(1500) && t.elapsed() < Duration::from_secs(6), "{:?}", t.elapsed());
 
     // An embeddings request past its deadline: 504, and its texts are not encoded on behind
     // it (a search right after is answered at once, not after the abandoned work).
@@ -407,6 +435,7 @@ fn faults_are_answered_as_documented() {
     let busy = chat("are you busy?");
     assert_error(&busy, 429, None, "rate-limiting");
     assert_eq!(busy.header("retry-after"), Some("7"));
+    assert_eq!(busy.json()["error"]["code"], "rate_limit_exceeded");
     let streamed = call("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hello"}], "stream": true}).to_string().as_bytes());
     assert_error(&streamed, 502, None, "not server-sent events");
 
@@ -529,5 +558,246 @@ fn shutdown_waits_for_a_stalled_client_only_as_long_as_the_grace_period() {
     assert!(status.success(), "{status:?}");
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     assert!(serve.log().contains("grace period passed"), "{}", serve.log());
+    drop(stalled);
+}
+
+/// `host serve ARGS` expected to refuse to start: its exit code and stderr (killed, and the
+/// test failed, if it is still running after `limit`).
+fn refused(args: &[&str], env: &[(&str, &str)], limit: Duration) -> (Option<i32>, String) {
+    let log = slice().dir.join(format!("serve-refused-{}.log", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()));
+    let mut child = Command::new(host_bin())
+        .arg("serve")
+        .args(args)
+        .envs(env.iter().copied())
+        .env_remove("RAK_PLUGIN_PATH")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("host serve {args:?} still running after {limit:?}: {}", std::fs::read_to_string(&log).unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    (status.code(), std::fs::read_to_string(&log).unwrap())
+}
+
+/// A free port on 127.0.0.1 (nothing listens on it once this returns).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// The README's recipe sets the target's timeout_s = 120, above --request-timeout-s: the
+/// target call is capped at the request timeout, so a call answered 504 frees its
+/// --target-concurrency slot then, and the next request is served at once rather than after
+/// the stalled call's own timeout.
+#[test]
+fn a_call_that_timed_out_frees_its_target_slot_at_the_request_timeout() {
+    let target = FakeServer::start(Options {
+        plan: Box::new(|prompt, _| prompt.contains("stall").then(|| Fault::Stall(Duration::from_secs(15)))),
+        models: Some(vec!["fake".into()]),
+        ..Options::default()
+    });
+    let cfg = root().join("configs/augment/chat.toml");
+    let serve = Serve::start(&["--base-url", &target.url, "--config", p(&cfg), "--request-timeout-s", "2", "--target-concurrency", "1", "--k", "1"], &[]);
+    assert!(serve.log().contains("capped at --request-timeout-s"), "{}", serve.log());
+    let chat = |content: &str| post(&serve, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": content}], "max_tokens": 4}));
+    let t = Instant::now();
+    assert_error(&chat("please stall"), 504, None, "");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    let t = Instant::now();
+    let r = chat("Who founded the Roman Empire?");
+    assert_eq!(r.status, 200, "the slot was still held by the stalled call: {}", r.body);
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+}
+
+/// A corpus that does not hold the index's passages (another collection, a shard) is refused
+/// at start, naming the first missing ids and both files, rather than serving passages
+/// without text.
+#[test]
+fn a_corpus_without_the_index_s_passages_is_refused_at_start() {
+    let dir = TempDir::new("serve-corpus");
+    let (idx, _) = flat_index();
+    let all = std::fs::read_to_string(&slice().corpus).unwrap();
+    let lines: Vec<&str> = all.lines().collect();
+    let dropped: Vec<String> = lines[..3].iter().map(|l| serde_json::from_str::<Value>(l).unwrap()["_id"].as_str().unwrap().to_string()).collect();
+    let partial = dir.path().join("partial.jsonl");
+    std::fs::write(&partial, lines[3..].join("\n") + "\n").unwrap();
+    let (code, e) = refused(&["--index", p(idx), "--encoder", "dpr", "--model", p(&minilm_dir()), "--corpus", p(&partial), "--port", "0"], &[], Duration::from_secs(120));
+    assert_eq!(code, Some(1), "{e}");
+    assert!(e.contains(p(&partial)) && e.contains(p(&idx.join("ids.txt"))), "both files named: {e}");
+    assert!(e.contains(&format!("lacks 3 of the {}", lines.len())), "{e}");
+    for id in &dropped {
+        assert!(e.contains(&format!("{id:?}")), "{id} named: {e}");
+    }
+    assert!(!e.contains("listening"), "{e}");
+}
+
+/// A target whose address is the server's own (the recipes' base_url 127.0.0.1:8080 is
+/// serve's default --port) would have every chat request forwarded to itself: refused at
+/// start, before anything loads or binds.
+#[test]
+fn a_target_at_the_server_s_own_address_is_refused_at_start() {
+    let (idx, _) = flat_index();
+    let dir = TempDir::new("serve-self");
+    let port = free_port().to_string();
+    let recipe = dir.path().join("self.toml");
+    std::fs::write(&recipe, format!("[target]\nname = \"openai\"\nsettings = {{ base_url = \"http://127.0.0.1:{port}\", model = \"\" }}\n")).unwrap();
+    let model = minilm_dir();
+    let base = ["--index", p(idx), "--encoder", "dpr", "--model", p(&model), "--corpus", p(&slice().corpus)];
+    let localhost = format!("http://localhost:{port}/");
+    let chat_toml = root().join("configs/augment/chat.toml");
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["--config", p(&recipe), "--port", &port],
+        vec!["--base-url", &localhost, "--port", &port],
+        // The README's recipe with serve's default port.
+        vec!["--config", p(&chat_toml)],
+    ];
+    for extra in cases {
+        let args = [&base[..], &extra[..]].concat();
+        let t = Instant::now();
+        let (code, e) = refused(&args, &[], Duration::from_secs(60));
+        assert_eq!(code, Some(1), "{extra:?}: {e}");
+        assert!(e.contains("this server's own") && e.contains("--base-url") && e.contains("another --port"), "{extra:?}: {e}");
+        assert!(t.elapsed() < Duration::from_secs(10), "refused before loading anything: {:?}", t.elapsed());
+    }
+}
+
+/// Listening beyond loopback without a key is warned about at start. (The server never
+/// binds here: the index does not exist, which stops it after the warning.)
+#[test]
+fn a_non_loopback_address_without_a_key_is_warned_about() {
+    let args = ["--index", "/no/such/index", "--host", "0.0.0.0", "--port", "0", "--corpus", p(&slice().corpus)];
+    let (code, e) = refused(&args, &[], Duration::from_secs(30));
+    assert_eq!(code, Some(1), "{e}");
+    assert!(e.contains("warning: listening on 0.0.0.0") && e.contains("--api-key-env"), "{e}");
+    let (_, e) = refused(&[&args[..], &["--api-key-env", "SERVE_WARN_KEY"]].concat(), &[("SERVE_WARN_KEY", "k-123456789")], Duration::from_secs(30));
+    assert!(!e.contains("warning: listening"), "{e}");
+    let (_, e) = refused(&["--index", "/no/such/index", "--host", "127.0.0.1", "--port", "0"], &[], Duration::from_secs(30));
+    assert!(!e.contains("warning: listening"), "{e}");
+}
+
+/// A target that streams server-sent events whose JSON spans several `data:` lines (as the
+/// SSE spec allows): `GET /v1/models`, and every chat completion answered with `events`.
+fn sse_target(events: &'static str) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut out = conn;
+                let mut first = String::new();
+                if reader.read_line(&mut first).unwrap_or(0) == 0 {
+                    return;
+                }
+                let mut len = 0;
+                loop {
+                    let mut h = String::new();
+                    if reader.read_line(&mut h).unwrap_or(0) == 0 || h.trim().is_empty() {
+                        break;
+                    }
+                    if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                        len = v.trim().parse().unwrap_or(0);
+                    }
+                }
+                let _ = reader.read_exact(&mut vec![0u8; len]);
+                if first.starts_with("GET /v1/models") {
+                    let body = r#"{"object":"list","data":[{"id":"fake-sse","object":"model"}]}"#;
+                    let _ = write!(out, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+                } else if !first.starts_with("POST /v1/chat/completions") {
+                    let _ = write!(out, "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+                } else {
+                    let _ = write!(out, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nConnection: close\r\n\r\n{events}");
+                }
+            });
+        }
+    });
+    url
+}
+
+/// The events of an SSE body, read as the spec says: `data:` lines joined with "\n" up to
+/// the blank line; comments (`:`) apart.
+fn sse_events(body: &str) -> (Vec<String>, Vec<String>) {
+    let (mut events, mut comments, mut data): (Vec<String>, Vec<String>, Option<String>) = (Vec::new(), Vec::new(), None);
+    for line in body.split('\n').map(|l| l.trim_end_matches('\r')) {
+        if line.is_empty() {
+            events.extend(data.take());
+        } else if let Some(c) = line.strip_prefix(':') {
+            comments.push(c.trim().to_string());
+        } else if let Some(v) = line.strip_prefix("data:") {
+            let v = v.strip_prefix(' ').unwrap_or(v);
+            data = Some(match data.take() {
+                Some(d) => format!("{d}\n{v}"),
+                None => v.to_string(),
+            });
+        }
+    }
+    events.extend(data);
+    (events, comments)
+}
+
+/// An upstream event whose JSON spans several `data:` lines reaches the client as one event
+/// (its lines joined), so every event parses, with the raw SSE read by the spec and with the
+/// real OpenAI Python client.
+#[test]
+fn a_streamed_event_spanning_several_data_lines_reaches_the_client_whole() {
+    const EVENTS: &str = "data: {\"id\": \"c1\", \"object\": \"chat.completion.chunk\", \"created\": 1, \"model\": \"fake-sse\",\n\
+                          data:  \"choices\": [{\"index\": 0, \"delta\": {\"role\": \"assistant\", \"content\": \"Augustus\"}, \"finish_reason\": null}]}\n\n\
+                          : a comment of the target's\n\n\
+                          data: {\"id\": \"c1\", \"object\": \"chat.completion.chunk\", \"created\": 1, \"model\": \"fake-sse\",\n\
+                          data:  \"choices\": [{\"index\": 0,\n\
+                          data:   \"delta\": {\"content\": \" founded it\"}, \"finish_reason\": \"stop\"}]}\n\n\
+                          data: [DONE]\n\n";
+    let target = sse_target(EVENTS);
+    let serve = Serve::start(&["--base-url", &target, "--k", "1"], &[]);
+    let r = post(&serve, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Who founded the Roman Empire?"}], "stream": true}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let (events, comments) = sse_events(&r.body);
+    assert!(comments.iter().any(|c| c.starts_with("rak-retrieval ")), "{}", r.body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{}", r.body);
+    let mut text = String::new();
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap_or_else(|err| panic!("an event that is not JSON ({err}): {e:?}\n{}", r.body));
+        text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+    }
+    assert_eq!((events.len(), text.as_str()), (3, "Augustus founded it"), "{}", r.body);
+
+    let script = "import sys\nfrom openai import OpenAI\nc = OpenAI(base_url=sys.argv[1] + '/v1', api_key='unused', max_retries=0, timeout=60)\n\
+                  s = c.chat.completions.create(model='any', messages=[{'role': 'user', 'content': 'Who founded the Roman Empire?'}], stream=True)\n\
+                  print(''.join(ch.choices[0].delta.content or '' for ch in s if ch.choices))\n";
+    let out = Command::new(root().join(".venv/bin/python")).args(["-c", script, &serve.url]).output().unwrap();
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    assert_eq!(stdout(&out).trim(), "Augustus founded it");
+}
+
+/// SIGTERM with a client that sent part of a request head and stalled: the connection is
+/// closed at the request timeout (the head's limit), so the drain ends then, not after the
+/// whole grace period.
+#[test]
+fn a_partial_request_head_holds_neither_its_connection_nor_the_drain() {
+    let mut serve = Serve::start(&["--shutdown-grace-s", "60", "--request-timeout-s", "2"], &[]);
+    let mut stalled = TcpStream::connect(serve.addr()).unwrap();
+    write!(stalled, "POST /search HTTP/1.1\r\nHost: {}\r\nContent-Len", serve.addr()).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    assert!(Command::new("kill").args(["-TERM", &serve.child.id().to_string()]).status().unwrap().success());
+    let status = loop {
+        if let Some(s) = serve.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "host serve still running {:?} after SIGTERM", t.elapsed());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}: {}", serve.log());
+    assert!(t.elapsed() < Duration::from_secs(8), "the drain waited for the stalled head: {:?}", t.elapsed());
+    assert!(!serve.log().contains("grace period passed"), "{}", serve.log());
     drop(stalled);
 }

@@ -23,6 +23,10 @@
 //!
 //! A revision is a branch, a tag or a commit (40 hexadecimal digits, used directly as the
 //! snapshot folder). A snapshot already complete in the cache is used without asking the Hub.
+//! One with every file the loaders need whose optional files the cache does not all account
+//! for (no `.no_exist` marks: `hf download` and transformers write none) is checked with the
+//! Hub; when the Hub cannot be reached, or answers 5xx or 429, it is used as it is, with a
+//! note naming the files that could not be checked (as transformers falls back to the cache).
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
@@ -448,22 +452,22 @@ fn resolve_hub(id: &str, alias: Option<&str>, typed: &str, revision: Option<&str
     }
     let mut looked = Vec::new();
     let mut first_gaps: Option<(String, Gaps)> = None;
+    // A snapshot with every file the loaders need, whose optional files the cache does not
+    // all account for (`hf download` and transformers write no `.no_exist` marks): asked about
+    // online, and used as it is when the Hub cannot answer, as transformers falls back to it.
+    let mut usable: Option<(String, String, PathBuf, Vec<String>)> = None;
     for (name, folder) in &folders {
         match cached_commit(folder, revision) {
             Some(commit) if folder.join("snapshots").join(&commit).is_dir() => {
                 let g = gaps(folder, &commit)?;
                 let snap = folder.join("snapshots").join(&commit);
                 if g.missing.is_empty() && (g.unknown.is_empty() || env.offline) {
-                    let mut notes = Vec::new();
-                    if g.unknown.iter().any(|f| f == "modules.json") && !is_t5(&snap) {
-                        notes.push(format!(
-                            "{} has no modules.json, and the cache does not say whether {name} has one (offline, not asked): a sentence-transformers model's pooling is in it; if {name} is one, fetch it with `{}`",
-                            snap.display(),
-                            fetch_command(name, revision)
-                        ));
-                    }
+                    let notes = modules_note(&g.unknown, &snap, name, revision, "offline, not asked").into_iter().collect();
                     let hub = HubModel { id: name.clone(), revision: revision.to_string(), commit, downloaded: Vec::new(), notes };
                     return Ok(Resolved { path: snap, hub: Some(hub) });
+                }
+                if g.missing.is_empty() && usable.is_none() {
+                    usable = Some((name.clone(), commit.clone(), snap.clone(), g.unknown.clone()));
                 }
                 looked.push(format!("{} (missing: {})", snap.display(), g.missing.join(", ")));
                 if first_gaps.is_none() {
@@ -489,7 +493,19 @@ fn resolve_hub(id: &str, alias: Option<&str>, typed: &str, revision: Option<&str
             no_folder_either(typed)
         );
     }
-    download(id, typed, revision, env).map_err(|e| match e {
+    let fetched = download(id, typed, revision, env);
+    if let (Err(Fetch::Unreachable(why) | Fetch::Unavailable(_, why)), Some((name, commit, snap, unknown))) = (&fetched, usable) {
+        let mut notes = vec![format!(
+            "the Hub at {} cannot be reached ({why}): using the cached snapshot {} as it is; whether {name} has {} could not be checked",
+            env.endpoint,
+            snap.display(),
+            unknown.join(", ")
+        )];
+        notes.extend(modules_note(&unknown, &snap, &name, revision, "the Hub could not be asked"));
+        let hub = HubModel { id: name, revision: revision.to_string(), commit, downloaded: Vec::new(), notes };
+        return Ok(Resolved { path: snap, hub: Some(hub) });
+    }
+    fetched.map_err(|e| match e {
         Fetch::Unreachable(why) => anyhow!(
             "model {id} (revision {revision}) is not complete in {cache_line}, and the Hub at {} cannot be reached ({why})\n  looked in: {}\n  missing: {missing_line}\n  fetch it with: {}{}",
             env.endpoint,
@@ -497,7 +513,19 @@ fn resolve_hub(id: &str, alias: Option<&str>, typed: &str, revision: Option<&str
             fetch_command(id, revision),
             no_folder_either(typed)
         ),
-        Fetch::Other(e) => e,
+        Fetch::Unavailable(e, _) | Fetch::Other(e) => e,
+    })
+}
+
+/// The note for a snapshot without `modules.json` whose repo may have one (`unknown` lists
+/// the optional files the cache does not account for; `why` says why the Hub was not asked).
+fn modules_note(unknown: &[String], snap: &Path, name: &str, revision: &str, why: &str) -> Option<String> {
+    (unknown.iter().any(|f| f == "modules.json") && !is_t5(snap)).then(|| {
+        format!(
+            "{} has no modules.json, and the cache does not say whether {name} has one ({why}): a sentence-transformers model's pooling is in it; if {name} is one, fetch it with `{}`",
+            snap.display(),
+            fetch_command(name, revision)
+        )
     })
 }
 
@@ -514,6 +542,8 @@ pub fn fetch_command(id: &str, revision: &str) -> String {
 enum Fetch {
     /// The Hub could not be reached at all (no network, a wrong HF_ENDPOINT).
     Unreachable(String),
+    /// The Hub answered that it cannot serve now (5xx, 429): the error, and the short reason.
+    Unavailable(anyhow::Error, String),
     Other(anyhow::Error),
 }
 
@@ -559,6 +589,9 @@ fn download(id: &str, typed: &str, revision: &str, env: &HubEnv) -> std::result:
         if let Some(why) = transport_error(&e) {
             return Fetch::Unreachable(why);
         }
+        if let Some(code @ (429 | 500..=599)) = status_of(&e) {
+            return Fetch::Unavailable(anyhow!("{id} (revision {revision}): the Hub at {} answered: {e}", env.endpoint), format!("it answered HTTP {code}"));
+        }
         Fetch::Other(match status_of(&e) {
             // The Hub may answer 401 for a repo that does not exist too (asked without a token).
             Some(401 | 403) => anyhow!(
@@ -599,10 +632,12 @@ fn download(id: &str, typed: &str, revision: &str, env: &HubEnv) -> std::result:
                     }
                 }
                 Err(e) => {
-                    return Err(match transport_error(&e) {
-                        Some(why) => Fetch::Unreachable(why),
-                        None => Fetch::Other(anyhow!("{id} at {commit}: cannot download {file} from {}: {e}", env.endpoint)),
-                    })
+                    let failed = anyhow!("{id} at {commit}: cannot download {file} from {}: {e}", env.endpoint);
+                    return Err(match (transport_error(&e), status_of(&e)) {
+                        (Some(why), _) => Fetch::Unreachable(why),
+                        (None, Some(code @ (429 | 500..=599))) => Fetch::Unavailable(failed, format!("it answered HTTP {code} for {file}")),
+                        _ => Fetch::Other(failed),
+                    });
                 }
             }
         }

@@ -265,3 +265,60 @@ fn online_an_unreachable_hub_gives_the_offline_error_with_the_reason() {
     assert!(e.contains("not a branch, tag or commit"), "{e}");
     std::fs::remove_dir_all(&cache).unwrap();
 }
+
+/// A server on 127.0.0.1 answering every request with `status` (and counting them).
+fn failing_hub(status: &'static str) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = asked.clone();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let _ = conn.set_read_timeout(Some(std::time::Duration::from_secs(2)));
+            let _ = conn.read(&mut [0u8; 4096]);
+            let body = "{\"error\": \"try later\"}";
+            let _ = write!(conn, "HTTP/1.1 {status}\r\nContent-Length: {}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n{body}", body.len());
+        }
+    });
+    (url, asked)
+}
+
+/// A snapshot holding every file the loaders need but no `.no_exist` marks for the optional
+/// files (as `hf download` and transformers leave it): online with the Hub unreachable, or
+/// answering 5xx or 429, it is used as it is, with a note naming what could not be checked;
+/// a snapshot missing a needed file still fails.
+#[test]
+fn a_complete_snapshot_without_absence_marks_is_used_when_the_hub_cannot_answer() {
+    let cache = tmp("fallback");
+    let repo = cache.join("models--org--m");
+    lay_out(&repo, COMMIT, &["main"], MODEL);
+    mark_absent(&repo, COMMIT, &["modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"]);
+    let (busy, asked_busy) = failing_hub("503 Service Unavailable");
+    let (limited, asked_limited) = failing_hub("429 Too Many Requests");
+    for endpoint in ["http://127.0.0.1:9".to_string(), busy, limited] {
+        let env = HubEnv { endpoint: endpoint.clone(), ..env_at(&cache, false) };
+        let t = std::time::Instant::now();
+        let r = resolve_in(Path::new("org/m"), None, &env).unwrap_or_else(|e| panic!("{endpoint}: {e:#}"));
+        assert!(t.elapsed().as_secs() < 10, "{endpoint}: {:?}", t.elapsed());
+        assert_eq!(r.path, repo.join("snapshots").join(COMMIT));
+        let h = r.hub.unwrap();
+        assert_eq!((h.commit.as_str(), h.downloaded.len()), (COMMIT, 0));
+        assert_eq!(h.notes.len(), 1, "{endpoint}: {:?}", h.notes);
+        let note = &h.notes[0];
+        assert!(!note.contains('\n') && note.contains(&endpoint) && note.contains("spiece.model, generation_config.json, rak_encoder.json"), "{note}");
+        assert!(!note.contains("modules.json"), "marked absent: {note}");
+    }
+    assert!(asked_busy.load(std::sync::atomic::Ordering::Relaxed) > 0 && asked_limited.load(std::sync::atomic::Ordering::Relaxed) > 0, "the Hub was asked first");
+    // Without modules.json's mark, the note about it comes too.
+    std::fs::remove_file(repo.join(".no_exist").join(COMMIT).join("modules.json")).unwrap();
+    let h = resolve_in(Path::new("org/m"), None, &env_at(&cache, false)).unwrap().hub.unwrap();
+    assert_eq!(h.notes.len(), 2, "{:?}", h.notes);
+    assert!(h.notes[1].contains("modules.json") && h.notes[1].contains("hf download org/m"), "{:?}", h.notes);
+    // A needed file missing: no fallback.
+    std::fs::remove_file(repo.join("snapshots").join(COMMIT).join("model.safetensors")).unwrap();
+    let e = resolve_in(Path::new("org/m"), None, &env_at(&cache, false)).unwrap_err().to_string();
+    assert!(e.contains("cannot be reached") && e.contains("missing: model.safetensors"), "{e}");
+    std::fs::remove_dir_all(&cache).unwrap();
+}

@@ -1,5 +1,6 @@
-//! Errors as OpenAI's API returns them (`{"error": {"message", "type", "param", "code"}}`),
-//! and reading a request body with its size cap.
+//! Errors as OpenAI's API returns them (`{"error": {"message", "type", "param", "code"}}`,
+//! `code` a string such as `"model_not_found"` or null, as OpenAI's), and reading a request
+//! body with its size cap.
 
 use axum::body::Body;
 use axum::http::{header, HeaderValue, StatusCode};
@@ -16,13 +17,17 @@ pub struct ApiError {
     pub kind: &'static str,
     /// The request field at fault, when one is.
     pub param: Option<String>,
+    /// OpenAI's `code`: a machine-readable string where OpenAI has one for the case
+    /// (`model_not_found`, `invalid_api_key`, `rate_limit_exceeded`,
+    /// `context_length_exceeded`), else null.
+    pub code: Option<&'static str>,
     /// Seconds a client should wait before retrying (429).
     pub retry_after: Option<u64>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, message: message.into(), kind, param: None, retry_after: None }
+        ApiError { status, message: message.into(), kind, param: None, code: None, retry_after: None }
     }
 
     /// A malformed request: 400, naming the field.
@@ -39,7 +44,12 @@ impl ApiError {
     }
 
     pub fn busy(message: impl Into<String>) -> Self {
-        ApiError { retry_after: Some(1), ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message) }
+        ApiError { retry_after: Some(1), ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message).with_code("rate_limit_exceeded") }
+    }
+
+    /// The same error with OpenAI's `code`.
+    pub fn with_code(self, code: &'static str) -> Self {
+        ApiError { code: Some(code), ..self }
     }
 
     pub fn timeout(message: impl Into<String>) -> Self {
@@ -47,7 +57,7 @@ impl ApiError {
     }
 
     pub fn body(&self) -> Value {
-        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status.as_u16()}})
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
     }
 }
 

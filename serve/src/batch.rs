@@ -35,13 +35,27 @@ pub struct BatchOptions {
     pub max_wait: Duration,
 }
 
-/// Rows of one request, in its input order, and their width.
-pub type Rows = Result<(Vec<Vec<f32>>, usize), String>;
+/// What one request gets back.
+#[derive(Debug)]
+pub struct Encoded {
+    /// Rows, in the request's input order.
+    pub rows: Vec<Vec<f32>>,
+    /// Their width.
+    pub dim: usize,
+    /// Tokens the texts became (after truncation, special tokens included), when asked for
+    /// and the encoder tells them (`Encoder::token_lengths`).
+    pub tokens: Option<usize>,
+}
+
+/// Rows of one request, or why it failed.
+pub type Rows = Result<Encoded, String>;
 
 struct Job {
     texts: Vec<String>,
     role: Role,
     task: Option<String>,
+    /// Whether the reply should count the texts' tokens (`/v1/embeddings`' usage).
+    count_tokens: bool,
     reply: oneshot::Sender<Rows>,
 }
 
@@ -86,10 +100,11 @@ impl Batcher {
     }
 
     /// Queue `texts` for encoding; the rows arrive on the receiver (dropping it abandons them).
-    pub fn submit(&self, texts: Vec<String>, role: Role, task: Option<String>) -> Result<oneshot::Receiver<Rows>, Refused> {
+    /// With `count_tokens`, the reply counts their tokens too, when the encoder can.
+    pub fn submit(&self, texts: Vec<String>, role: Role, task: Option<String>, count_tokens: bool) -> Result<oneshot::Receiver<Rows>, Refused> {
         let (reply, rx) = oneshot::channel();
         self.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
-        match self.tx.try_send(Job { texts, role, task, reply }) {
+        match self.tx.try_send(Job { texts, role, task, count_tokens, reply }) {
             Ok(()) => Ok(rx),
             Err(e) => {
                 self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
@@ -174,6 +189,8 @@ fn encode_round(encoder: &mut dyn Encoder, round: &[Job], opts: &BatchOptions, m
     let mut rows: Vec<Vec<Option<Vec<f32>>>> = round.iter().map(|j| vec![None; j.texts.len()]).collect();
     let mut failed: Vec<Option<String>> = vec![None; round.len()];
     let mut dims: Vec<usize> = vec![0; round.len()];
+    // Token counts of the jobs that asked (None once the encoder cannot tell).
+    let mut tokens: Vec<Option<usize>> = round.iter().map(|j| j.count_tokens.then_some(0)).collect();
     let mut groups: BTreeMap<(u8, Option<&str>), Vec<(usize, usize)>> = BTreeMap::new();
     for (j, job) in round.iter().enumerate() {
         for t in 0..job.texts.len() {
@@ -191,6 +208,27 @@ fn encode_round(encoder: &mut dyn Encoder, round: &[Job], opts: &BatchOptions, m
                 continue;
             }
             let texts: Vec<&str> = chunk.iter().map(|&(j, t)| round[j].texts[t].as_str()).collect();
+            // The tokeniser's count, for the requests that report usage: a tokenising pass of
+            // the texts (about 0.03 ms for a query against 8 ms for its encoding, MiniLM on 2
+            // CPU cores). An encoder that cannot tell leaves the usage to the estimate.
+            let counted: Vec<usize> = (0..chunk.len()).filter(|&r| tokens[chunk[r].0].is_some()).collect();
+            if !counted.is_empty() {
+                let some: Vec<&str> = counted.iter().map(|&r| texts[r]).collect();
+                match encoder.token_lengths(&some, role, task) {
+                    Ok(Some(lengths)) if lengths.len() == some.len() => {
+                        for (&r, n) in counted.iter().zip(lengths) {
+                            if let Some(total) = tokens[chunk[r].0].as_mut() {
+                                *total += n;
+                            }
+                        }
+                    }
+                    _ => {
+                        for &r in &counted {
+                            tokens[chunk[r].0] = None;
+                        }
+                    }
+                }
+            }
             metrics.observe_batch(texts.len());
             let encoded = encoder
                 .encode(&texts, role, task, false)
@@ -215,9 +253,10 @@ fn encode_round(encoder: &mut dyn Encoder, round: &[Job], opts: &BatchOptions, m
     rows.into_iter()
         .zip(failed)
         .zip(dims)
-        .map(|((rows, failed), dim)| match failed {
+        .zip(tokens)
+        .map(|(((rows, failed), dim), tokens)| match failed {
             Some(e) => Err(e),
-            None => Ok((rows.into_iter().map(|r| r.unwrap_or_default()).collect(), dim)),
+            None => Ok(Encoded { rows: rows.into_iter().map(|r| r.unwrap_or_default()).collect(), dim, tokens }),
         })
         .collect()
 }

@@ -138,11 +138,16 @@ fn upstream_error(err: &Value) -> ApiError {
         // The target's rate limit, passed on with its wait so clients back off.
         "rate_limited" => ApiError {
             retry_after: Some(err["retry_after_s"].as_f64().map(|s| s.ceil().max(1.0) as u64).unwrap_or(1)),
-            ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", format!("the target LM is rate-limiting: {message}"))
+            ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", format!("the target LM is rate-limiting: {message}")).with_code("rate_limit_exceeded")
         },
         "rejected" | "context_length" => {
             let status = err["status"].as_u64().and_then(|s| StatusCode::from_u16(s as u16).ok()).unwrap_or(StatusCode::BAD_REQUEST);
-            ApiError::new(status, "invalid_request_error", format!("the target LM refused the request: {message}"))
+            let e = ApiError::new(status, "invalid_request_error", format!("the target LM refused the request: {message}"));
+            if kind == "context_length" {
+                e.with_code("context_length_exceeded")
+            } else {
+                e
+            }
         }
         _ => ApiError::new(StatusCode::BAD_GATEWAY, "upstream_error", format!("the target LM failed: {message}")),
     }

@@ -49,8 +49,9 @@ pub struct Options {
     pub api_key: Option<String>,
     /// Largest request body read (larger: 413).
     pub max_body_bytes: usize,
-    /// How long one request may take, from its first byte (past it: 504); for a stream,
-    /// until its first piece.
+    /// How long one request may take once its head is read (past it: 504); for a stream,
+    /// until its first piece. Also how long its head may take to arrive (past it, the
+    /// connection is closed), so the two bound a request from its first byte.
     pub request_timeout: Duration,
     /// After SIGTERM, how long requests in flight may still take before the server exits
     /// anyway (a second signal exits at once).
@@ -125,6 +126,7 @@ pub fn serve(opts: Options, backend: Backend, on_ready: impl FnOnce(SocketAddr) 
     let addr = format!("{}:{}", opts.host, opts.port);
     let loopback = opts.host == "localhost" || opts.host.trim_matches(['[', ']']).parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
     let grace = opts.shutdown_grace;
+    let header_timeout = opts.request_timeout;
     let target_permits = Arc::new(tokio::sync::Semaphore::new(opts.target_concurrency.max(1)));
     let state = Arc::new(AppState {
         opts,
@@ -150,10 +152,7 @@ pub fn serve(opts: Options, backend: Backend, on_ready: impl FnOnce(SocketAddr) 
         let (stopping, mut stop) = tokio::sync::watch::channel(0u32);
         tokio::spawn(count_signals(stopping, term));
         on_ready(listener.local_addr()?);
-        let mut first = stop.clone();
-        let server = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
-            let _ = first.wait_for(|&n| n >= 1).await;
-        });
+        let server = accept_until_stopped(listener, router(state), stop.clone(), header_timeout);
         // After the first signal the server drains; the grace period or a second signal ends
         // the wait (a stalled client must not keep a restart waiting forever).
         let deadline = async move {
@@ -164,7 +163,7 @@ pub fn serve(opts: Options, backend: Backend, on_ready: impl FnOnce(SocketAddr) 
             }
         };
         tokio::select! {
-            r = server => r.context("the server failed").map(|_| true),
+            () = server => Ok::<bool, anyhow::Error>(true),
             why = deadline => {
                 log_line(&serde_json::json!({"event": "shutdown", "message": format!("{why} before the requests in flight finished; exiting without them")}));
                 Ok(false)
@@ -184,6 +183,65 @@ pub fn serve(opts: Options, backend: Backend, on_ready: impl FnOnce(SocketAddr) 
         }
     }
     Ok(())
+}
+
+/// Accept connections and serve `app` on each (HTTP/1.1) until the first signal, then stop
+/// accepting, let every connection finish the request it is in (an idle one closes at once)
+/// and return when all have closed. A connection's request head must arrive within
+/// `header_timeout` (the request timeout), and so must the next request on a kept-alive one:
+/// a client that sends part of a head and stalls is closed then, so it can neither hold a
+/// connection for ever nor keep SIGTERM's drain waiting for the grace period. (The
+/// middleware's deadline only starts once the head is read.)
+async fn accept_until_stopped(listener: tokio::net::TcpListener, app: Router, stop: tokio::sync::watch::Receiver<u32>, header_timeout: Duration) {
+    // Every connection's task holds a receiver; the sender's `closed` is all of them ended.
+    let (open_tx, open_rx) = tokio::sync::watch::channel(());
+    let mut stopped = stop.clone();
+    loop {
+        let (io, _peer) = tokio::select! {
+            biased;
+            _ = stopped.wait_for(|&n| n >= 1) => break,
+            conn = listener.accept() => match conn {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait, rather than spin.
+                    log_line(&serde_json::json!({"event": "accept", "message": format!("cannot accept a connection: {e}")}));
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = io.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let (mut stop, open) = (stop.clone(), open_rx.clone());
+        tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .serve_connection(hyper_util::rt::TokioIo::new(io), service);
+            let mut conn = std::pin::pin!(conn);
+            let mut draining = false;
+            let result = loop {
+                tokio::select! {
+                    r = conn.as_mut() => break r,
+                    _ = stop.wait_for(|&n| n >= 1), if !draining => {
+                        draining = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            };
+            if let Err(e) = result {
+                if e.is_timeout() {
+                    log_line(&serde_json::json!({"event": "connection", "message": format!(
+                        "closed a connection whose request head did not arrive within {:.0} s (--request-timeout-s)", header_timeout.as_secs_f64()
+                    )}));
+                }
+            }
+            drop(open);
+        });
+    }
+    drop(listener);
+    drop(open_rx);
+    open_tx.closed().await;
 }
 
 /// Counts SIGTERM and SIGINT into `count`.
@@ -221,6 +279,9 @@ fn router(state: Shared) -> Router {
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(chat::completions))
         .fallback(routes::not_found)
+        // A known route asked with another method: 405 with the same error body as the rest
+        // (axum's own has none), and axum's `Allow` header.
+        .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(state.clone(), around_request))
         .with_state(state)
 }
@@ -298,12 +359,19 @@ fn authorize(state: &AppState, req: &Request, path: &str) -> Result<(), api::Api
     if path == "/health" || path == "/" {
         return Ok(());
     }
-    let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer_token);
     match given {
-        Some(g) if constant_time_eq(g.trim().as_bytes(), key.as_bytes()) => Ok(()),
-        Some(_) => Err(api::ApiError::new(StatusCode::UNAUTHORIZED, "authentication_error", "the API key given is not this server's")),
+        Some(g) if constant_time_eq(g.as_bytes(), key.as_bytes()) => Ok(()),
+        Some(_) => Err(api::ApiError::new(StatusCode::UNAUTHORIZED, "authentication_error", "the API key given is not this server's").with_code("invalid_api_key")),
         None => Err(api::ApiError::new(StatusCode::UNAUTHORIZED, "authentication_error", "this server requires an API key: send `Authorization: Bearer KEY`")),
     }
+}
+
+/// The token of an `Authorization: Bearer TOKEN` value; the scheme's name is matched without
+/// regard to case (RFC 7235: `bearer`, `BEARER`).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once([' ', '\t'])?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|t| !t.is_empty())
 }
 
 /// Equality whose time does not depend on where the first difference is (only the length
@@ -338,6 +406,16 @@ mod tests {
         assert_eq!(super::host_name("[::1]"), "[::1]");
         assert_eq!(super::host_name("localhost"), "localhost");
         assert_eq!(super::host_name("rag.example.com:443"), "rag.example.com");
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_matched_without_regard_to_case() {
+        for v in ["Bearer k1", "bearer k1", "BEARER k1", "  Bearer   k1 ", "Bearer\tk1"] {
+            assert_eq!(super::bearer_token(v), Some("k1"), "{v:?}");
+        }
+        for v in ["Basic k1", "Bearerk1", "Bearer ", "k1", ""] {
+            assert_eq!(super::bearer_token(v), None, "{v:?}");
+        }
     }
 
     #[test]

@@ -32,6 +32,10 @@ pub async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", "no such route (see GET /v1/models, POST /v1/embeddings, POST /search, POST /v1/chat/completions, POST /v1/completions)")
 }
 
+pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", format!("{} does not take {method} (see the Allow header)", uri.path()))
+}
+
 pub async fn metrics(State(state): State<Shared>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], state.metrics.render()).into_response()
 }
@@ -84,7 +88,7 @@ pub async fn embeddings(State(state): State<Shared>, body: Body) -> Result<Json<
     } else {
         return Err(ApiError {
             param: Some("model".into()),
-            ..ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("model {model:?} is not served here (served: {name}, {name}-query, {name}-passage)"))
+            ..ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("model {model:?} is not served here (served: {name}, {name}-query, {name}-passage)")).with_code("model_not_found")
         });
     };
     let role = match (opt_str(&req, "input_type")?, role_of_model) {
@@ -119,7 +123,7 @@ pub async fn embeddings(State(state): State<Shared>, body: Body) -> Result<Json<
         }
     }
     let chars: usize = texts.iter().map(|t| t.len()).sum();
-    let (rows, dim) = encode(batcher, texts, role, task).await?;
+    let crate::batch::Encoded { rows, dim, tokens } = encode(batcher, texts, role, task, true).await?;
     if let Some(d) = asked.filter(|&d| d != dim) {
         return Err(wrong_width(dim, d));
     }
@@ -136,8 +140,9 @@ pub async fn embeddings(State(state): State<Shared>, body: Body) -> Result<Json<
             json!({"object": "embedding", "index": i, "embedding": embedding})
         })
         .collect();
-    // Tokens are the encoder's business; usage counts characters / 4, as OpenAI's rule of thumb.
-    let tokens = chars.div_ceil(4);
+    // The encoder's own token counts (special tokens included, after truncation); an encoder
+    // that cannot tell them gets an estimate, bytes / 4 (OpenAI's rule of thumb).
+    let tokens = tokens.unwrap_or(chars.div_ceil(4));
     Ok(Json(json!({"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})))
 }
 
@@ -174,9 +179,10 @@ fn embedding_inputs(req: &Map<String, Value>, max: usize) -> Result<Vec<String>,
     Ok(texts)
 }
 
-/// Texts through the shared encoder queue: their rows and width (429 when the queue is full).
-pub(crate) async fn encode(batcher: &crate::batch::Batcher, texts: Vec<String>, role: Role, task: Option<String>) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
-    let rx = batcher.submit(texts, role, task).map_err(|e| match e {
+/// Texts through the shared encoder queue: their rows, width and (with `count_tokens`, when
+/// the encoder tells) tokens (429 when the queue is full).
+pub(crate) async fn encode(batcher: &crate::batch::Batcher, texts: Vec<String>, role: Role, task: Option<String>, count_tokens: bool) -> Result<crate::batch::Encoded, ApiError> {
+    let rx = batcher.submit(texts, role, task, count_tokens).map_err(|e| match e {
         crate::batch::Refused::Full => ApiError::busy("the encoder queue is full; retry after a moment"),
         crate::batch::Refused::Gone => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the encoder has stopped; this server cannot encode"),
     })?;
@@ -211,7 +217,7 @@ pub(crate) async fn retrieve(state: &Shared, queries: Vec<String>, k: usize, tas
         }
         _ => {
             let batcher = state.batcher.as_ref().ok_or_else(|| ApiError::internal("a dense index without an encoder"))?;
-            let (rows, dim) = encode(batcher, queries, Role::Query, task).await?;
+            let crate::batch::Encoded { rows, dim, .. } = encode(batcher, queries, Role::Query, task, false).await?;
             let s = state.clone();
             blocking(move || {
                 let flat: Vec<f32> = rows.concat();

@@ -45,6 +45,8 @@ pub struct ServeArgs {
     /// k and task, and [passages] layout.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Address to listen on. Any but a loopback one (0.0.0.0, a LAN address) without
+    /// --api-key-env is warned about: anyone who can reach it can use the server.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     #[arg(long, default_value_t = 8080)]
@@ -79,7 +81,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 2 << 20)]
     pub max_body_bytes: usize,
     /// Seconds a request may take, from its first byte (a stream: until its first piece);
-    /// past it: 504.
+    /// past it: 504. Also the longest the request's head may take to arrive, and a call to an
+    /// openai target's timeout at most (its `timeout_s` is capped at it, so a call that timed
+    /// out here does not hold its --target-concurrency slot past it).
     #[arg(long, default_value_t = 60.0)]
     pub request_timeout_s: f64,
     /// After SIGTERM, seconds the requests in flight may still take before the server exits
@@ -148,6 +152,27 @@ pub fn run(registry: &Registry, args: &ServeArgs) -> Result<()> {
             Some(other) => bail!("--target {name}: a {other} plugin; host serve's target is a connector (an LM behind HTTP)"),
             None => bail!("--target {name}: no plugin of that name (see `host plugins list`)"),
         }
+        // A target at this server's own address would have every chat request forwarded to
+        // itself, again and again (the recipes' base_url, 127.0.0.1:8080, is serve's default).
+        let recipe_url = cfg.as_ref().map(|c| c.target_settings()).transpose()?.and_then(|t| t["base_url"].as_str().map(str::to_string));
+        let (url, from) = match (&args.base_url, recipe_url) {
+            (Some(u), _) => (Some(u.clone()), "--base-url".to_string()),
+            (None, Some(u)) => (Some(u), format!("the recipe's target.settings.base_url ({})", args.config.as_deref().unwrap_or(std::path::Path::new("")).display())),
+            (None, None) => (None, String::new()),
+        };
+        if let Some(url) = url.filter(|u| is_own_address(u, &args.host, args.port)) {
+            bail!(
+                "the target's address {url} ({from}) is this server's own (--host {} --port {}): every chat request would be forwarded to itself; pass --base-url with the target LM's address, or another --port",
+                args.host,
+                args.port
+            );
+        }
+    }
+    if !is_loopback(&args.host) && args.api_key_env.is_none() {
+        eprintln!(
+            "host serve: warning: listening on {} (not a loopback address) without --api-key-env: anyone who can reach it can search the corpus, embed and use the target; set a key with --api-key-env VAR",
+            args.host
+        );
     }
 
     let mut index = index::open(&args.index)?;
@@ -175,7 +200,29 @@ pub fn run(registry: &Registry, args: &ServeArgs) -> Result<()> {
     let model_name = args.served_model_name.clone().or_else(|| args.model.as_ref().map(|m| served_name(m))).unwrap_or_else(|| "bm25".into());
     eprintln!("host serve: loading the corpus {}", corpus_path.display());
     let corpus = beir::load_corpus(&corpus_path)?;
-    if corpus.len() != index.meta().count {
+    // Every passage the index can return must have its text: a corpus of other ids (another
+    // collection, a shard) would serve passages without text, silently.
+    let ids: Option<&[String]> = match &index {
+        Index::Flat(i) => Some(i.ids()),
+        Index::Hnsw(i) => Some(i.ids()),
+        Index::Milvus(i) => Some(i.ids()),
+        Index::Bm25(_) => None,
+    };
+    if let Some(ids) = ids {
+        let missing: Vec<&String> = ids.iter().filter(|id| !corpus.contains(id)).collect();
+        if !missing.is_empty() {
+            let first: Vec<String> = missing.iter().take(5).map(|id| format!("{id:?}")).collect();
+            bail!(
+                "the corpus {} lacks {} of the {} passage ids in the index's {} (first: {}{}): give --corpus the passages JSONL the index was built from",
+                corpus_path.display(),
+                missing.len(),
+                ids.len(),
+                args.index.join("ids.txt").display(),
+                first.join(", "),
+                if missing.len() > first.len() { ", ..." } else { "" }
+            );
+        }
+    } else if corpus.len() != index.meta().count {
         eprintln!(
             "host serve: warning: {} holds {} passages but the index {}; passages missing from the corpus are served without text",
             corpus_path.display(),
@@ -197,13 +244,20 @@ pub fn run(registry: &Registry, args: &ServeArgs) -> Result<()> {
                 settings["model"] = json!(m);
             }
             // The server holds at most --target-concurrency calls at the target itself; the
-            // connector's own gate must not hold them back further. Its timeout, unless the
-            // recipe sets one, is the request's.
+            // connector's own gate must not hold them back further. Its timeout is at most the
+            // request's: a call the client was answered 504 for must not keep its permit (and
+            // the target's slot) for the rest of a longer recipe timeout.
             if name == "openai" {
                 let recipe_concurrency = settings["concurrency"].as_u64().unwrap_or(0) as usize;
                 settings["concurrency"] = json!(recipe_concurrency.max(args.target_concurrency));
-                if settings.get("timeout_s").is_none() {
-                    settings["timeout_s"] = json!(args.request_timeout_s);
+                match settings.get("timeout_s").map(|t| t.as_f64()) {
+                    None => settings["timeout_s"] = json!(args.request_timeout_s),
+                    Some(Some(t)) if t > args.request_timeout_s => {
+                        eprintln!("host serve: note: the target's timeout_s ({t} s) is capped at --request-timeout-s ({} s)", args.request_timeout_s);
+                        settings["timeout_s"] = json!(args.request_timeout_s);
+                    }
+                    // Shorter, or not a number (the connector says what is wrong with it).
+                    Some(_) => {}
                 }
             }
             let c = registry.connector(name, &settings)?;
@@ -261,6 +315,43 @@ fn passage_layout(p: &PassageConfig) -> Result<Box<dyn Fn(&[&Passage]) -> String
     }))
 }
 
+/// Whether `host` is a loopback address (or `localhost`).
+fn is_loopback(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost") || host.trim_matches(['[', ']']).parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Whether `url` (an http or https URL) names the address this server binds (`host`:`port`):
+/// the same port, and the same host, or a loopback one (`localhost` included) when the
+/// server binds a loopback or unspecified (0.0.0.0, ::) address. Names that would need DNS
+/// are not looked up. Port 0 (any free one) is never anyone's.
+fn is_own_address(url: &str, host: &str, port: u16) -> bool {
+    let Some((scheme, rest)) = url.trim().split_once("://") else { return false };
+    let default_port = match scheme.to_ascii_lowercase().as_str() {
+        "http" => 80,
+        "https" => 443,
+        _ => return false,
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let authority = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
+    let (name, their_port) = match authority.rsplit_once(':') {
+        Some((n, p)) if !n.is_empty() && (n.starts_with('[') == n.ends_with(']')) && !p.contains(']') => match p.parse::<u16>() {
+            Ok(p) => (n, p),
+            Err(_) => return false,
+        },
+        _ => (authority, default_port),
+    };
+    if port == 0 || their_port != port {
+        return false;
+    }
+    let ip = |h: &str| h.trim_matches(['[', ']']).parse::<std::net::IpAddr>().ok();
+    let ours_open = ip(host).is_some_and(|a| a.is_unspecified());
+    if name.eq_ignore_ascii_case(host) || (ip(name).is_some() && ip(name) == ip(host)) {
+        return true;
+    }
+    let theirs_local = is_loopback(name) || ip(name).is_some_and(|a| a.is_unspecified());
+    theirs_local && (is_loopback(host) || ours_open)
+}
+
 /// A model's served name: a local folder's name, or the Hub id as given.
 fn served_name(model: &str) -> String {
     let path = std::path::Path::new(model);
@@ -270,4 +361,40 @@ fn served_name(model: &str) -> String {
         }
     }
     model.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_own_address;
+
+    #[test]
+    fn a_target_at_the_server_s_own_address_is_told() {
+        for (url, host, port) in [
+            ("http://127.0.0.1:8080", "127.0.0.1", 8080),
+            ("http://127.0.0.1:8080/", "127.0.0.1", 8080),
+            ("http://localhost:8080/v1", "127.0.0.1", 8080),
+            ("HTTP://LOCALHOST:8080", "localhost", 8080),
+            ("http://127.0.0.1:8080", "0.0.0.0", 8080),
+            ("http://[::1]:8080", "::", 8080),
+            ("http://[::1]:8080", "[::1]", 8080),
+            ("http://10.0.0.5:8080", "10.0.0.5", 8080),
+            ("http://127.0.0.1", "127.0.0.1", 80),
+            ("https://localhost", "127.0.0.1", 443),
+            ("http://user:pw@127.0.0.1:8080", "127.0.0.1", 8080),
+        ] {
+            assert!(is_own_address(url, host, port), "{url} vs {host}:{port}");
+        }
+        for (url, host, port) in [
+            ("http://127.0.0.1:8081", "127.0.0.1", 8080),
+            ("http://127.0.0.1:8080", "127.0.0.1", 0),
+            ("http://127.0.0.1:8080", "10.0.0.5", 8080),
+            ("http://10.0.0.6:8080", "10.0.0.5", 8080),
+            ("http://gpu-box:8080", "127.0.0.1", 8080),
+            ("http://127.0.0.1", "127.0.0.1", 8080),
+            ("https://127.0.0.1:8080", "127.0.0.1", 443),
+            ("not a url", "127.0.0.1", 8080),
+        ] {
+            assert!(!is_own_address(url, host, port), "{url} vs {host}:{port}");
+        }
+    }
 }

@@ -428,8 +428,9 @@ impl Http {
     }
 
     /// [`Http::forward`] for a streamed reply (server-sent events): each event's `data`
-    /// goes to `sink` as it arrives (`[DONE]` included); a refusal comes back whole as in
-    /// `forward`. Returns the status; a sink that says stop ends the read.
+    /// goes to `sink` as it arrives (`[DONE]` included), its `data:` lines joined with "\n"
+    /// as the SSE spec says (a JSON object may span several); a refusal comes back whole as
+    /// in `forward`. Returns the status; a sink that says stop ends the read.
     pub fn forward_stream(&self, path: &str, body: &str, sink: &mut dyn FnMut(&str) -> bool) -> Result<(u16, Value), ApiError> {
         let resp = self.send_once(path, body)?;
         let status = resp.status().as_u16();
@@ -450,24 +451,33 @@ impl Http {
         let mut reader = std::io::BufReader::new(resp);
         let mut line = Vec::new();
         let mut read = 0u64;
+        let mut event = SseEvent::default();
         loop {
             line.clear();
             let left = self.max_body.saturating_sub(read).saturating_add(1);
-            match std::io::BufRead::read_until(&mut std::io::Read::take(&mut reader, left), b'\n', &mut line) {
-                Ok(0) => break,
-                Ok(n) => read += n as u64,
+            let done = match std::io::BufRead::read_until(&mut std::io::Read::take(&mut reader, left), b'\n', &mut line) {
+                Ok(0) => true,
+                Ok(n) => {
+                    read += n as u64;
+                    false
+                }
                 Err(e) => return Err(self.read_error(path, &e)),
-            }
+            };
             if read > self.max_body {
                 return Err(ApiError::new(ErrorKind::BadReply, format!("{path}: a streamed reply longer than max_response_bytes ({} bytes)", self.max_body)));
             }
-            let line = String::from_utf8_lossy(&line);
-            let Some(data) = line.trim_end_matches(['\r', '\n']).strip_prefix("data:") else { continue };
-            let data = data.strip_prefix(' ').unwrap_or(data);
-            if self.quotes_key(data) {
-                return Err(ApiError::new(ErrorKind::BadReply, format!("{path}: a streamed piece quotes the API key; the stream is cut")));
+            // At the end, an event not closed by a blank line is still passed on (servers that
+            // end with `data: [DONE]` and no blank line exist).
+            let data = if done { event.finish() } else { event.line(&String::from_utf8_lossy(&line)) };
+            if let Some(data) = data {
+                if self.quotes_key(&data) {
+                    return Err(ApiError::new(ErrorKind::BadReply, format!("{path}: a streamed piece quotes the API key; the stream is cut")));
+                }
+                if !sink(&data) {
+                    break;
+                }
             }
-            if !sink(data) {
+            if done {
                 break;
             }
         }
@@ -636,6 +646,43 @@ impl Http {
         }
         let v = serde_json::from_str::<Value>(&text).unwrap_or(Value::Null);
         Attempt::Fail(classify(code, &v, &self.scrub(text.into_owned())))
+    }
+}
+
+/// One server-sent event being read, line by line: its `data` lines, joined with "\n" (the
+/// SSE spec's rule; other fields and comments are ignored).
+#[derive(Default)]
+struct SseEvent {
+    data: Option<String>,
+}
+
+impl SseEvent {
+    /// Take one line (its line break included or not); at the blank line that ends an event,
+    /// the event's data, if it had any.
+    fn line(&mut self, line: &str) -> Option<String> {
+        let line = line.trim_end_matches('\n').trim_end_matches('\r');
+        if line.is_empty() {
+            return self.data.take();
+        }
+        let (field, value) = match line.split_once(':') {
+            Some((f, v)) => (f, v.strip_prefix(' ').unwrap_or(v)),
+            None => (line, ""),
+        };
+        if field == "data" {
+            match &mut self.data {
+                Some(d) => {
+                    d.push('\n');
+                    d.push_str(value);
+                }
+                None => self.data = Some(value.to_string()),
+            }
+        }
+        None
+    }
+
+    /// What is left at the end of the stream.
+    fn finish(&mut self) -> Option<String> {
+        self.data.take()
     }
 }
 
@@ -843,6 +890,17 @@ mod tests {
         // Keys too short to be secrets (vLLM's EMPTY, "1") would rewrite any message.
         assert_eq!(http_with_key("1").scrub("HTTP 401: 1 error".into()), "HTTP 401: 1 error");
         assert_eq!(http_with_key("EMPTY").scrub("EMPTY".into()), "EMPTY");
+    }
+
+    #[test]
+    fn an_event_s_data_lines_are_joined_as_the_sse_spec_says() {
+        let stream = "data: {\n data:x\ndata:  \"a\": 1\r\ndata: }\n\n: a comment\nevent: message\nid: 7\ndata: [DONE]\n\nretry: 5\n\ndata\ndata: tail";
+        let mut e = SseEvent::default();
+        let mut got: Vec<String> = stream.split_inclusive('\n').filter_map(|l| e.line(l)).collect();
+        got.extend(e.finish());
+        // ` data:x` is a field named " data", not data: ignored, as a browser's EventSource does.
+        assert_eq!(got, ["{\n \"a\": 1\n}", "[DONE]", "\ntail"]);
+        assert_eq!(serde_json::from_str::<Value>(&got[0]).unwrap()["a"], 1);
     }
 
     #[test]
