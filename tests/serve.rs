@@ -79,6 +79,23 @@ impl Serve {
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap()
     }
+
+    /// Send it SIGTERM, as a service manager stops it.
+    fn terminate(&self) {
+        assert!(Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap().success());
+    }
+
+    /// Its exit status, failing the test if it is still running after `limit`.
+    fn exit_within(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let t = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(t.elapsed() < limit, "host serve still running {:?} after SIGTERM", t.elapsed());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 impl Drop for Serve {
@@ -483,20 +500,12 @@ fn a_full_queue_answers_429_and_sigterm_finishes_what_is_in_flight() {
         std::thread::spawn(move || request(&addr, "POST", "/v1/embeddings", &[], body.as_bytes()))
     };
     std::thread::sleep(Duration::from_millis(300));
-    let pid = serve.child.id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    serve.terminate();
     let r = in_flight.join().unwrap();
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["data"].as_array().unwrap().len(), 600);
     eprintln!("the request SIGTERM met took {:?}", sent.elapsed());
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = serve.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(t.elapsed() < Duration::from_secs(30), "host serve did not exit after SIGTERM");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = serve.exit_within(Duration::from_secs(30));
     assert!(status.success(), "{status:?}: {}", serve.log());
     assert!(TcpStream::connect(&addr).is_err(), "still listening after SIGTERM");
     // The request was answered after the signal: it was in flight when SIGTERM came.
@@ -537,6 +546,15 @@ fn a_bm25_index_is_served_without_an_encoder() {
     assert_error(&post(&serve, "/v1/embeddings", &json!({"input": "x"})), 400, None, "no encoder");
     assert_eq!(get(&serve, "/v1/models").json()["data"].as_array().unwrap().len(), 0);
     assert_eq!(get(&serve, "/health").status, 200);
+    // A corpus without some of the index's passages is refused as for a dense index.
+    let all = std::fs::read_to_string(&slice().corpus).unwrap();
+    let lines: Vec<&str> = all.lines().collect();
+    let partial = dir.path().join("partial.jsonl");
+    std::fs::write(&partial, lines[1..].join("\n") + "\n").unwrap();
+    let (code, e) = refused(&["--index", p(&bm25), "--corpus", p(&partial), "--port", "0"], &[], Duration::from_secs(60));
+    assert_eq!(code, Some(1), "{e}");
+    let dropped = serde_json::from_str::<Value>(lines[0]).unwrap()["_id"].as_str().unwrap().to_string();
+    assert!(e.contains(&format!("lacks 1 of the {}", lines.len())) && e.contains(p(&bm25)) && e.contains(&format!("{dropped:?}")), "{e}");
 }
 
 #[test]
@@ -547,14 +565,8 @@ fn shutdown_waits_for_a_stalled_client_only_as_long_as_the_grace_period() {
     write!(stalled, "POST /search HTTP/1.1\r\nHost: {}\r\nContent-Length: 100\r\n\r\n{{\"query\": ", serve.addr()).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let t = Instant::now();
-    assert!(Command::new("kill").args(["-TERM", &serve.child.id().to_string()]).status().unwrap().success());
-    let status = loop {
-        if let Some(s) = serve.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(t.elapsed() < Duration::from_secs(15), "host serve still running {:?} after SIGTERM with a grace of 1 s", t.elapsed());
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    serve.terminate();
+    let status = serve.exit_within(Duration::from_secs(15));
     assert!(status.success(), "{status:?}");
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     assert!(serve.log().contains("grace period passed"), "{}", serve.log());
@@ -788,14 +800,8 @@ fn a_partial_request_head_holds_neither_its_connection_nor_the_drain() {
     write!(stalled, "POST /search HTTP/1.1\r\nHost: {}\r\nContent-Len", serve.addr()).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let t = Instant::now();
-    assert!(Command::new("kill").args(["-TERM", &serve.child.id().to_string()]).status().unwrap().success());
-    let status = loop {
-        if let Some(s) = serve.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(t.elapsed() < Duration::from_secs(20), "host serve still running {:?} after SIGTERM", t.elapsed());
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    serve.terminate();
+    let status = serve.exit_within(Duration::from_secs(20));
     assert!(status.success(), "{status:?}: {}", serve.log());
     assert!(t.elapsed() < Duration::from_secs(8), "the drain waited for the stalled head: {:?}", t.elapsed());
     assert!(!serve.log().contains("grace period passed"), "{}", serve.log());

@@ -914,6 +914,13 @@ fn a_refused_resume_leaves_the_run_as_it_was() {
     fails(&run(&mut train_cmd(&recipe, &out, &["--resume-from-checkpoint", p(&ckpt), "--learning-rate", "1e-4"])), &["learning_rate: 0.00005 then, 0.0001 now"]);
     assert_eq!(listing(&out), before, "a refused resume changed the run's files");
     assert_eq!(std::fs::read_to_string(&run_file).unwrap(), recorded.to_string());
+    // Queries edited since the run began: the rest of it would train on other data.
+    let queries = dir.path().join("tasks/squad/queries.train.jsonl");
+    let kept = std::fs::read_to_string(&queries).unwrap();
+    std::fs::write(&queries, kept.replacen("\"text\": \"", "\"text\": \"edited ", 1)).unwrap();
+    fails(&run(&mut train_cmd(&recipe, &out, &["--resume-from-checkpoint", "latest"])), &["another recipe", "task_files_sha256.squad"]);
+    assert_eq!(listing(&out), before, "a refused resume changed the run's files");
+    std::fs::write(&queries, kept).unwrap();
 
     // Other logging and saving only: resumed mid-stage (the refusal's two JSON blobs are gone).
     let relogged = dir.path().join("relogged.toml");

@@ -2,7 +2,7 @@
 //! negatives; and the texts of the passages they name.
 //!
 //! Problems a run cannot train through are errors naming the file: a task without examples,
-//! a passage text that is empty. Problems that only shrink the data are counted and reported:
+//! a passage text that is empty, a query or passage id that occurs twice (with its record). Problems that only shrink the data are counted and reported:
 //! queries without gold passages are dropped, judgements naming passages the corpus lacks
 //! are ignored.
 
@@ -57,7 +57,13 @@ pub fn load_task(src: &TaskSource, known: &dyn Fn(&str) -> bool, report: &mut Lo
     let queries = beir::load_queries(&src.queries)?;
     let qrels = beir::read_qrels(&src.qrels)?;
     let mut examples = Vec::new();
-    for q in queries {
+    let mut seen = HashSet::with_capacity(queries.len());
+    for (i, q) in queries.into_iter().enumerate() {
+        // A repeated id would train twice on one query under one key (its dropout masks, its
+        // mined negatives) and is most likely two files joined: refuse it by record.
+        if !seen.insert(q.id.clone()) {
+            bail!("{}: query id {:?} occurs twice (record {})", src.queries.display(), q.id, i + 1);
+        }
         let mut positives = Vec::new();
         for (pid, &grade) in qrels.get(&q.id).into_iter().flatten() {
             if grade < 1 {
@@ -86,11 +92,16 @@ pub fn load_task(src: &TaskSource, known: &dyn Fn(&str) -> bool, report: &mut Lo
     Ok(TaskData { name: src.name.clone(), examples })
 }
 
-/// The ids of every passage in a corpus file (streamed).
+/// The ids of every passage in a corpus file (streamed); a repeated id is an error naming its
+/// record (the texts the trainer reads for it would depend on which copy came last).
 pub fn corpus_ids(corpus: &Path) -> Result<HashSet<String>> {
     let mut ids = HashSet::new();
-    for p in beir::read_corpus(corpus)? {
-        ids.insert(p?.id);
+    for (i, p) in beir::read_corpus(corpus)?.enumerate() {
+        let id = p?.id;
+        if ids.contains(&id) {
+            bail!("{}: passage id {:?} occurs twice (record {})", corpus.display(), id, i + 1);
+        }
+        ids.insert(id);
     }
     Ok(ids)
 }
@@ -125,11 +136,16 @@ pub fn corpus_texts(corpus: &Path, wanted: &HashSet<&str>) -> Result<HashMap<Str
 /// corpus. An empty passage text is an error naming it: it would train on nothing.
 pub fn passage_texts(corpus: &Path, wanted: &HashSet<&str>) -> Result<HashMap<String, String>> {
     let mut out = HashMap::with_capacity(wanted.len());
-    for p in beir::read_corpus(corpus)? {
+    for (i, p) in beir::read_corpus(corpus)?.enumerate() {
         let p = p?;
         if wanted.contains(p.id.as_str()) {
             if p.text.trim().is_empty() {
-                bail!("{}: passage {:?} has an empty text; remove it or give it one", corpus.display(), p.id);
+                bail!(
+                    "{}: passage {:?} (record {}) has an empty text; remove it or give it one",
+                    corpus.display(),
+                    p.id,
+                    i + 1
+                );
             }
             out.insert(p.id.clone(), passage_string(&p.title, &p.text));
         }
@@ -158,4 +174,38 @@ pub fn task_sources(task_dir: &Path, tasks: &[String], split: &str) -> Result<Ve
             Ok(src)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A folder of its own under the system's temporary one, removed first.
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("rak-data-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn repeated_ids_and_empty_texts_name_their_records() {
+        let dir = scratch("repeated");
+        let corpus = dir.join("corpus.jsonl");
+        std::fs::write(&corpus, "{\"_id\": \"a\", \"text\": \"one\"}\n{\"_id\": \"b\", \"text\": \" \"}\n{\"_id\": \"a\", \"text\": \"two\"}\n").unwrap();
+        let err = format!("{:#}", corpus_ids(&corpus).unwrap_err());
+        assert!(err.contains("corpus.jsonl") && err.contains("passage id \"a\" occurs twice (record 3)"), "{err}");
+        let err = format!("{:#}", passage_texts(&corpus, &HashSet::from(["b"])).unwrap_err());
+        assert!(err.contains("passage \"b\" (record 2) has an empty text"), "{err}");
+
+        let src = TaskSource { name: "t".into(), queries: dir.join("queries.train.jsonl"), qrels: dir.join("qrels.train.tsv") };
+        std::fs::write(&src.qrels, "query-id\tcorpus-id\tscore\nq1\ta\t1\nq2\ta\t1\n").unwrap();
+        std::fs::write(&src.queries, "{\"_id\": \"q1\", \"text\": \"x\"}\n{\"_id\": \"q2\", \"text\": \"y\"}\n").unwrap();
+        let mut report = LoadReport::default();
+        assert_eq!(load_task(&src, &|_| true, &mut report).unwrap().examples.len(), 2);
+        std::fs::write(&src.queries, "{\"_id\": \"q1\", \"text\": \"x\"}\n{\"_id\": \"q2\", \"text\": \"y\"}\n\n{\"_id\": \"q1\", \"text\": \"z\"}\n").unwrap();
+        let err = format!("{:#}", load_task(&src, &|_| true, &mut report).unwrap_err());
+        assert!(err.contains("queries.train.jsonl") && err.contains("query id \"q1\" occurs twice (record 3)"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -160,7 +160,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         _ => None,
     };
     let corpus_sha256 = file_digest(&recipe.data.corpus)?;
-    let identity = recipe_identity(spec, &corpus_sha256);
+    let identity = recipe_identity(spec, &corpus_sha256)?;
     // A resume is checked whole (the recipe here, the checkpoint once the trainer's settings
     // are known, below) before anything of the earlier run is removed or run.json rewritten:
     // a resume refused must leave the run as it was.
@@ -678,7 +678,7 @@ fn exclude_answer_holders(spec: &RunSpec, tasks: &mut [TaskData], depth: usize, 
 /// checks): encoder, optimizer, their settings, the starting model, the data and how negatives
 /// are mined. Kept in `run.json`, so a resume with another recipe is refused instead of
 /// continuing a checkpoint under settings it was not trained with.
-fn recipe_identity(spec: &RunSpec, corpus_sha256: &str) -> Value {
+fn recipe_identity(spec: &RunSpec, corpus_sha256: &str) -> Result<Value> {
     let path = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()).display().to_string();
     let (d, t) = (&spec.recipe.data, &spec.recipe.train);
     let mut identity = json!({
@@ -720,7 +720,25 @@ fn recipe_identity(spec: &RunSpec, corpus_sha256: &str) -> Value {
     if t.exclude_answer_negatives {
         identity["negatives"]["exclude_answer_negatives"] = json!(true);
     }
-    identity
+    // The task files' content: a resume after queries or judgements were edited would train
+    // the rest of the run on other data under the same name.
+    if spec.examples.is_none() {
+        identity[TASK_FILES] = task_files_digest(d)?;
+    }
+    Ok(identity)
+}
+
+/// The key of the task files' digests in the recorded recipe (absent in runs recorded before
+/// it, which then resume unchecked on it).
+const TASK_FILES: &str = "task_files_sha256";
+
+/// `{task: {"queries": sha256, "qrels": sha256}}` for the recipe's tasks.
+fn task_files_digest(d: &crate::recipe::DataSection) -> Result<Value> {
+    let mut by_task = serde_json::Map::new();
+    for src in task_sources(&d.task_dir, &d.tasks, &d.split)? {
+        by_task.insert(src.name.clone(), json!({"queries": file_digest(&src.queries)?, "qrels": file_digest(&src.qrels)?}));
+    }
+    Ok(Value::Object(by_task))
 }
 
 fn report_filled(filled: usize, retriever: &str, progress: &dyn Progress) {
@@ -883,9 +901,9 @@ impl RunLayout {
             .as_object()
             .into_iter()
             .flatten()
-            // The trainer's settings, recorded since issue 32: a run recorded before has its
-            // checkpoints' check only.
-            .filter(|(k, _)| k.as_str() != "train" || earlier.contains_key("train"))
+            // The trainer's settings, recorded since issue 32 (a run recorded before has its
+            // checkpoints' check only), and the task files' digests, recorded later still.
+            .filter(|(k, _)| !["train", TASK_FILES].contains(&k.as_str()) || earlier.contains_key(k.as_str()))
             // A key an older version did not record counts as absent (null), not as changed
             // (inside a section too: see `differing`).
             .flat_map(|(k, v)| differing(k, earlier.get(k.as_str()).unwrap_or(&Value::Null), v))

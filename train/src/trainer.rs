@@ -242,6 +242,17 @@ pub fn check_checkpoint(checkpoint: &Path, config: &TrainerConfig, world: usize,
             differing.join("\n")
         );
     }
+    // The settings match, so a step past their max_steps (or more skipped steps than steps)
+    // is a state edited or damaged by hand: resuming would train nothing and call it done.
+    if state.step > config.max_steps || state.skipped_steps > state.step {
+        bail!(
+            "{}: step {} (skipped {}) is not a step of a run of max_steps = {}; the checkpoint's state is damaged",
+            state_path.display(),
+            state.step,
+            state.skipped_steps,
+            config.max_steps
+        );
+    }
     if state.world_size != world {
         bail!("{} was written by a run over {} processes and this one has {world}: resume with the same number of processes", checkpoint.display(), state.world_size);
     }
@@ -1457,6 +1468,12 @@ mod group_tests {
         let e = format!("{:#}", check_checkpoint(&dir, &other, 1, None).unwrap_err());
         assert!(e.contains("  learning_rate: 0.00001 then, 0.00002 now") && e.contains("  seed: 3 then, 4 now"), "{e}");
         assert!(!e.contains("save_steps:") && !e.contains('{'), "only the differing settings: {e}");
+        // A state whose step lies past the run's end is damaged, not finished.
+        let mut past = trainer.state.clone();
+        past.step = config(false).max_steps + 1;
+        std::fs::write(dir.join(STATE_FILE), serde_json::to_string_pretty(&past).unwrap()).unwrap();
+        let e = format!("{:#}", check_checkpoint(&dir, &config(false), 1, Some(2)).unwrap_err());
+        assert!(e.contains(&format!("step {} (skipped 0) is not a step of a run of max_steps = {}", past.step, past.step - 1)), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

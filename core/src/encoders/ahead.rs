@@ -79,6 +79,20 @@ impl TokenizeAhead {
     }
 }
 
+/// The batch prepared ahead for exactly these texts, role and task, else `tokenize`'s (an
+/// encoder's tokens for one encode call, whether tokenising ahead is on or not).
+pub fn take_or(ahead: Option<&mut TokenizeAhead>, texts: &[&str], role: Role, task: Option<&str>, tokenize: impl FnOnce() -> Result<Encoded>) -> Result<Encoded> {
+    match ahead.and_then(|a| a.take(texts, role, task)) {
+        Some(enc) => Ok(enc),
+        None => tokenize(),
+    }
+}
+
+/// Encode calls that found their batch prepared; 0 when tokenising ahead is off.
+pub fn hits(ahead: Option<&TokenizeAhead>) -> u64 {
+    ahead.map_or(0, TokenizeAhead::hits)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

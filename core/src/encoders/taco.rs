@@ -180,15 +180,13 @@ impl TacoEncoder {
 
     /// [`TacoEncoder::tokenize`], or the batch prepared ahead for exactly these texts.
     fn tokens(&mut self, texts: &[&str], role: Role, task: Option<&str>) -> Result<Encoded> {
-        match self.ahead.as_mut().and_then(|a| a.take(texts, role, task)) {
-            Some(enc) => Ok(enc),
-            None => self.tokenize(texts, role, task),
-        }
+        let tokenizing = &self.tokenizing;
+        ahead::take_or(self.ahead.as_mut(), texts, role, task, || tokenizing.tokenize(texts, role, task))
     }
 
     /// How many encode calls found their batch tokenised ahead (0 when it is off).
     pub fn tokenized_ahead(&self) -> u64 {
-        self.ahead.as_ref().map_or(0, TokenizeAhead::hits)
+        ahead::hits(self.ahead.as_ref())
     }
 
     pub fn model(&self) -> &T5Model {

@@ -202,32 +202,27 @@ pub fn run(registry: &Registry, args: &ServeArgs) -> Result<()> {
     let corpus = beir::load_corpus(&corpus_path)?;
     // Every passage the index can return must have its text: a corpus of other ids (another
     // collection, a shard) would serve passages without text, silently.
-    let ids: Option<&[String]> = match &index {
-        Index::Flat(i) => Some(i.ids()),
-        Index::Hnsw(i) => Some(i.ids()),
-        Index::Milvus(i) => Some(i.ids()),
-        Index::Bm25(_) => None,
-    };
-    if let Some(ids) = ids {
-        let missing: Vec<&String> = ids.iter().filter(|id| !corpus.contains(id)).collect();
-        if !missing.is_empty() {
-            let first: Vec<String> = missing.iter().take(5).map(|id| format!("{id:?}")).collect();
-            bail!(
-                "the corpus {} lacks {} of the {} passage ids in the index's {} (first: {}{}): give --corpus the passages JSONL the index was built from",
-                corpus_path.display(),
-                missing.len(),
-                ids.len(),
-                args.index.join("ids.txt").display(),
-                first.join(", "),
-                if missing.len() > first.len() { ", ..." } else { "" }
-            );
+    let bm25_ids;
+    let (ids, ids_source): (&[String], PathBuf) = match &index {
+        Index::Flat(i) => (i.ids(), args.index.join("ids.txt")),
+        Index::Hnsw(i) => (i.ids(), args.index.join("ids.txt")),
+        Index::Milvus(i) => (i.ids(), args.index.join("ids.txt")),
+        Index::Bm25(i) => {
+            bm25_ids = i.ids()?;
+            (&bm25_ids, args.index.clone())
         }
-    } else if corpus.len() != index.meta().count {
-        eprintln!(
-            "host serve: warning: {} holds {} passages but the index {}; passages missing from the corpus are served without text",
+    };
+    let missing: Vec<&String> = ids.iter().filter(|id| !corpus.contains(id)).collect();
+    if !missing.is_empty() {
+        let first: Vec<String> = missing.iter().take(5).map(|id| format!("{id:?}")).collect();
+        bail!(
+            "the corpus {} lacks {} of the {} passage ids in the index's {} (first: {}{}): give --corpus the passages JSONL the index was built from",
             corpus_path.display(),
-            corpus.len(),
-            index.meta().count
+            missing.len(),
+            ids.len(),
+            ids_source.display(),
+            first.join(", "),
+            if missing.len() > first.len() { ", ..." } else { "" }
         );
     }
 
