@@ -732,13 +732,25 @@ fn recipe_identity(spec: &RunSpec, corpus_sha256: &str) -> Result<Value> {
 /// it, which then resume unchecked on it).
 const TASK_FILES: &str = "task_files_sha256";
 
-/// `{task: {"queries": sha256, "qrels": sha256}}` for the recipe's tasks.
+/// `{"TASK/FILE": sha256}` for the recipe's tasks' queries and qrels files, named under the
+/// task folder (`squad/queries.train.jsonl`).
 fn task_files_digest(d: &crate::recipe::DataSection) -> Result<Value> {
-    let mut by_task = serde_json::Map::new();
+    let mut files = serde_json::Map::new();
     for src in task_sources(&d.task_dir, &d.tasks, &d.split)? {
-        by_task.insert(src.name.clone(), json!({"queries": file_digest(&src.queries)?, "qrels": file_digest(&src.qrels)?}));
+        for path in [&src.queries, &src.qrels] {
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            files.insert(format!("{}/{name}", src.name), json!(file_digest(path)?));
+        }
     }
-    Ok(Value::Object(by_task))
+    Ok(Value::Object(files))
+}
+
+/// The task files (`squad/queries.train.jsonl`) whose digest differs between two records, or
+/// that only one holds (a task added or dropped is refused before, as a recipe change).
+fn changed_task_files(then: &Value, now: &Value) -> Vec<String> {
+    let (Some(a), Some(b)) = (then.as_object(), now.as_object()) else { return vec![TASK_FILES.to_string()] };
+    let names: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    names.into_iter().filter(|n| a.get(*n) != b.get(*n)).cloned().collect()
 }
 
 fn report_filled(filled: usize, retriever: &str, progress: &dyn Progress) {
@@ -902,8 +914,8 @@ impl RunLayout {
             .into_iter()
             .flatten()
             // The trainer's settings, recorded since issue 32 (a run recorded before has its
-            // checkpoints' check only), and the task files' digests, recorded later still.
-            .filter(|(k, _)| !["train", TASK_FILES].contains(&k.as_str()) || earlier.contains_key(k.as_str()))
+            // checkpoints' check only); the task files, compared below.
+            .filter(|(k, _)| k.as_str() != TASK_FILES && (k.as_str() != "train" || earlier.contains_key("train")))
             // A key an older version did not record counts as absent (null), not as changed
             // (inside a section too: see `differing`).
             .flat_map(|(k, v)| differing(k, earlier.get(k.as_str()).unwrap_or(&Value::Null), v))
@@ -914,6 +926,17 @@ impl RunLayout {
                 self.out.display(),
                 differences.join("\n")
             );
+        }
+        // Recorded later still: a run recorded before has no digests to compare.
+        if let (Some(then), Some(now)) = (earlier.get(TASK_FILES), recipe.get(TASK_FILES)) {
+            let changed = changed_task_files(then, now);
+            if !changed.is_empty() {
+                bail!(
+                    "{} was started on other task data: under data.task_dir, {} changed since the run began; put back what the run trained on, or start over with --overwrite-output-dir",
+                    self.out.display(),
+                    changed.join(", ")
+                );
+            }
         }
         Ok(())
     }

@@ -244,14 +244,11 @@ pub fn check_checkpoint(checkpoint: &Path, config: &TrainerConfig, world: usize,
     }
     // The settings match, so a step past their max_steps (or more skipped steps than steps)
     // is a state edited or damaged by hand: resuming would train nothing and call it done.
-    if state.step > config.max_steps || state.skipped_steps > state.step {
-        bail!(
-            "{}: step {} (skipped {}) is not a step of a run of max_steps = {}; the checkpoint's state is damaged",
-            state_path.display(),
-            state.step,
-            state.skipped_steps,
-            config.max_steps
-        );
+    if state.step > config.max_steps {
+        bail!("{}: step {} lies past the run's max_steps = {}; the checkpoint's state is damaged", state_path.display(), state.step, config.max_steps);
+    }
+    if state.skipped_steps > state.step {
+        bail!("{}: {} steps skipped of {} taken; the checkpoint's state is damaged", state_path.display(), state.skipped_steps, state.step);
     }
     if state.world_size != world {
         bail!("{} was written by a run over {} processes and this one has {world}: resume with the same number of processes", checkpoint.display(), state.world_size);
@@ -1473,7 +1470,11 @@ mod group_tests {
         past.step = config(false).max_steps + 1;
         std::fs::write(dir.join(STATE_FILE), serde_json::to_string_pretty(&past).unwrap()).unwrap();
         let e = format!("{:#}", check_checkpoint(&dir, &config(false), 1, Some(2)).unwrap_err());
-        assert!(e.contains(&format!("step {} (skipped 0) is not a step of a run of max_steps = {}", past.step, past.step - 1)), "{e}");
+        assert!(e.contains(&format!("step {} lies past the run's max_steps = {}", past.step, past.step - 1)), "{e}");
+        let skipped = TrainerState { step: 1, skipped_steps: 2, ..trainer.state.clone() };
+        std::fs::write(dir.join(STATE_FILE), serde_json::to_string_pretty(&skipped).unwrap()).unwrap();
+        let e = format!("{:#}", check_checkpoint(&dir, &config(false), 1, Some(2)).unwrap_err());
+        assert!(e.contains("2 steps skipped of 1 taken"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -200,31 +200,7 @@ pub fn run(registry: &Registry, args: &ServeArgs) -> Result<()> {
     let model_name = args.served_model_name.clone().or_else(|| args.model.as_ref().map(|m| served_name(m))).unwrap_or_else(|| "bm25".into());
     eprintln!("host serve: loading the corpus {}", corpus_path.display());
     let corpus = beir::load_corpus(&corpus_path)?;
-    // Every passage the index can return must have its text: a corpus of other ids (another
-    // collection, a shard) would serve passages without text, silently.
-    let bm25_ids;
-    let (ids, ids_source): (&[String], PathBuf) = match &index {
-        Index::Flat(i) => (i.ids(), args.index.join("ids.txt")),
-        Index::Hnsw(i) => (i.ids(), args.index.join("ids.txt")),
-        Index::Milvus(i) => (i.ids(), args.index.join("ids.txt")),
-        Index::Bm25(i) => {
-            bm25_ids = i.ids()?;
-            (&bm25_ids, args.index.clone())
-        }
-    };
-    let missing: Vec<&String> = ids.iter().filter(|id| !corpus.contains(id)).collect();
-    if !missing.is_empty() {
-        let first: Vec<String> = missing.iter().take(5).map(|id| format!("{id:?}")).collect();
-        bail!(
-            "the corpus {} lacks {} of the {} passage ids in the index's {} (first: {}{}): give --corpus the passages JSONL the index was built from",
-            corpus_path.display(),
-            missing.len(),
-            ids.len(),
-            ids_source.display(),
-            first.join(", "),
-            if missing.len() > first.len() { ", ..." } else { "" }
-        );
-    }
+    check_corpus_holds_index(&index, &args.index, &corpus, &corpus_path)?;
 
     let (connector, target_model) = match &target_name {
         Some(name) => {
@@ -356,6 +332,39 @@ fn served_name(model: &str) -> String {
         }
     }
     model.to_string()
+}
+
+/// Every passage the index can return must have its text: a corpus of other ids (another
+/// collection, a shard) would serve passages without text, silently. A corpus holding more
+/// passages than the index is fine.
+fn check_corpus_holds_index(index: &Index, index_dir: &std::path::Path, corpus: &rak_retrieval::data::Corpus, corpus_path: &std::path::Path) -> Result<()> {
+    let (mut missing, mut count) = (Vec::new(), 0usize);
+    let mut check = |id: &str| {
+        count += 1;
+        if !corpus.contains(id) {
+            missing.push(id.to_string());
+        }
+    };
+    match index {
+        Index::Flat(i) => i.ids().iter().for_each(|id| check(id)),
+        Index::Hnsw(i) => i.ids().iter().for_each(|id| check(id)),
+        Index::Milvus(i) => i.ids().iter().for_each(|id| check(id)),
+        Index::Bm25(i) => i.for_each_id(&mut check)?,
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let (ids_file, bm25) = (index_dir.join("ids.txt"), matches!(index, Index::Bm25(_)));
+    let first: Vec<String> = missing.iter().take(5).map(|id| format!("{id:?}")).collect();
+    bail!(
+        "the corpus {} lacks {} of the {} passage ids in {} (first: {}{}): give --corpus the passages JSONL the index was built from",
+        corpus_path.display(),
+        missing.len(),
+        count,
+        if bm25 { format!("the index {}", index_dir.display()) } else { format!("the index's {}", ids_file.display()) },
+        first.join(", "),
+        if missing.len() > first.len() { ", ..." } else { "" }
+    )
 }
 
 #[cfg(test)]

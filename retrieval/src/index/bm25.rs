@@ -287,19 +287,19 @@ impl Bm25Index {
         self.meta.count == 0
     }
 
-    /// Every passage id the index holds, in no particular order: the id field's terms, read
-    /// from its term dictionaries without decompressing a stored document.
-    pub fn ids(&self) -> Result<Vec<String>> {
+    /// Call `f` with every passage id the index holds, in no particular order: the id field's
+    /// terms, read from its term dictionaries without decompressing a stored document or
+    /// holding all the ids at once.
+    pub fn for_each_id(&self, mut f: impl FnMut(&str)) -> Result<()> {
         let searcher = self.reader.searcher();
-        let mut ids = Vec::with_capacity(self.docs as usize);
         for segment in searcher.segment_readers() {
             let inverted = segment.inverted_index(self.id)?;
             let mut terms = inverted.terms().stream()?;
             while terms.advance() {
-                ids.push(String::from_utf8(terms.key().to_vec()).context("a passage id in the BM25 index is not UTF-8")?);
+                f(std::str::from_utf8(terms.key()).context("a passage id in the BM25 index is not UTF-8")?);
             }
         }
-        Ok(ids)
+        Ok(())
     }
 
     /// The query's analysed terms with how often each occurs.
