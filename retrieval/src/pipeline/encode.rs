@@ -286,7 +286,11 @@ fn check_output_is_ours(out: &Path) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(e).with_context(|| format!("{}: cannot list", out.display())),
     };
-    if out.join("encode.json").exists() || parts_dir(out).join("manifest.json").exists() {
+    // The manifest first: a finishing run writes encode.json and then removes parts/, so a
+    // manifest found gone means encode.json is there by the next look. In the other order a
+    // run finishing between the two looks would leave neither seen (a concurrent join, which
+    // makes this check before taking the lock, then refused a finished output as foreign).
+    if parts_dir(out).join("manifest.json").exists() || out.join("encode.json").exists() {
         return Ok(());
     }
     let only_temporaries = |dir: &Path| std::fs::read_dir(dir).is_ok_and(|d| d.flatten().all(|e| e.file_name().to_string_lossy().starts_with('.')));
