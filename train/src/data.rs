@@ -2,9 +2,9 @@
 //! negatives; and the texts of the passages they name.
 //!
 //! Problems a run cannot train through are errors naming the file: a task without examples,
-//! a passage text that is empty, a query or passage id that occurs twice (with its record). Problems that only shrink the data are counted and reported:
-//! queries without gold passages are dropped, judgements naming passages the corpus lacks
-//! are ignored.
+//! a passage text that is empty, a query or passage id that occurs twice (with its record).
+//! Problems that only shrink the data are counted and reported: queries without gold passages
+//! are dropped, judgements naming passages the corpus lacks are ignored.
 
 use anyhow::{bail, Context, Result};
 use rak_core::encoders::passage_string;
@@ -97,11 +97,10 @@ pub fn load_task(src: &TaskSource, known: &dyn Fn(&str) -> bool, report: &mut Lo
 pub fn corpus_ids(corpus: &Path) -> Result<HashSet<String>> {
     let mut ids = HashSet::new();
     for (i, p) in beir::read_corpus(corpus)?.enumerate() {
-        let id = p?.id;
-        if ids.contains(&id) {
+        // One lookup a passage: `replace` hands back the copy already there.
+        if let Some(id) = ids.replace(p?.id) {
             bail!("{}: passage id {:?} occurs twice (record {})", corpus.display(), id, i + 1);
         }
-        ids.insert(id);
     }
     Ok(ids)
 }

@@ -11,7 +11,7 @@ use rak_retrieval::data::{beir, Passage};
 use rak_retrieval::index::{self, Index};
 use serde_json::json;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -337,12 +337,17 @@ fn served_name(model: &str) -> String {
 /// Every passage the index can return must have its text: a corpus of other ids (another
 /// collection, a shard) would serve passages without text, silently. A corpus holding more
 /// passages than the index is fine.
-fn check_corpus_holds_index(index: &Index, index_dir: &std::path::Path, corpus: &rak_retrieval::data::Corpus, corpus_path: &std::path::Path) -> Result<()> {
-    let (mut missing, mut count) = (Vec::new(), 0usize);
+fn check_corpus_holds_index(index: &Index, index_dir: &Path, corpus: &rak_retrieval::data::Corpus, corpus_path: &Path) -> Result<()> {
+    // The count of missing ids and the first few, not all of them (a corpus of another
+    // collection lacks every one).
+    let (mut first, mut missing, mut count) = (Vec::new(), 0usize, 0usize);
     let mut check = |id: &str| {
         count += 1;
         if !corpus.contains(id) {
-            missing.push(id.to_string());
+            missing += 1;
+            if first.len() < 5 {
+                first.push(format!("{id:?}"));
+            }
         }
     };
     match index {
@@ -351,19 +356,18 @@ fn check_corpus_holds_index(index: &Index, index_dir: &std::path::Path, corpus: 
         Index::Milvus(i) => i.ids().iter().for_each(|id| check(id)),
         Index::Bm25(i) => i.for_each_id(&mut check)?,
     }
-    if missing.is_empty() {
+    if missing == 0 {
         return Ok(());
     }
-    let (ids_file, bm25) = (index_dir.join("ids.txt"), matches!(index, Index::Bm25(_)));
-    let first: Vec<String> = missing.iter().take(5).map(|id| format!("{id:?}")).collect();
+    let source = match index {
+        Index::Bm25(_) => format!("the index {}", index_dir.display()),
+        _ => format!("the index's {}", index_dir.join("ids.txt").display()),
+    };
     bail!(
-        "the corpus {} lacks {} of the {} passage ids in {} (first: {}{}): give --corpus the passages JSONL the index was built from",
+        "the corpus {} lacks {missing} of the {count} passage ids in {source} (first: {}{}): give --corpus the passages JSONL the index was built from",
         corpus_path.display(),
-        missing.len(),
-        count,
-        if bm25 { format!("the index {}", index_dir.display()) } else { format!("the index's {}", ids_file.display()) },
         first.join(", "),
-        if missing.len() > first.len() { ", ..." } else { "" }
+        if missing > first.len() { ", ..." } else { "" }
     )
 }
 
