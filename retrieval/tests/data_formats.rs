@@ -75,6 +75,11 @@ fn malformed_json_line_names_file_and_line() {
     let e = err_of(beir::load_corpus(&c));
     assert!(e.contains("corpus_noid.jsonl:1:") && e.contains("_id"), "{e}");
 
+    // A repeated id is named by its line, blank lines counted.
+    let c = write("corpus_dup.jsonl", "{\"_id\": \"d1\", \"text\": \"a\"}\n\n{\"_id\": \"d1\", \"text\": \"b\"}\n");
+    let e = err_of(beir::load_corpus(&c));
+    assert!(e.contains("corpus_dup.jsonl:3: passage id \"d1\" occurs twice"), "{e}");
+
     let q = write("queries_bad.jsonl", "\n{\"_id\": \"q1\", \"text\": \"ok\"}\n[1, 2]\n");
     let e = err_of(beir::load_queries(&q));
     assert!(e.contains("queries_bad.jsonl:3:"), "{e}");

@@ -2,7 +2,7 @@
 //! negatives; and the texts of the passages they name.
 //!
 //! Problems a run cannot train through are errors naming the file: a task without examples,
-//! a passage text that is empty, a query or passage id that occurs twice (with its record).
+//! a passage text that is empty, a query or passage id that occurs twice (with its line).
 //! Problems that only shrink the data are counted and reported: queries without gold passages
 //! are dropped, judgements naming passages the corpus lacks are ignored.
 
@@ -54,15 +54,15 @@ pub struct LoadReport {
 
 /// Load a task's queries and their relevant passages (grade >= 1) that exist in `known`.
 pub fn load_task(src: &TaskSource, known: &dyn Fn(&str) -> bool, report: &mut LoadReport) -> Result<TaskData> {
-    let queries = beir::load_queries(&src.queries)?;
     let qrels = beir::read_qrels(&src.qrels)?;
     let mut examples = Vec::new();
-    let mut seen = HashSet::with_capacity(queries.len());
-    for (i, q) in queries.into_iter().enumerate() {
+    let mut seen = HashSet::new();
+    for q in beir::read_queries(&src.queries)?.numbered() {
+        let (line, q) = q?;
         // A repeated id would train twice on one query under one key (its dropout masks, its
-        // mined negatives) and is most likely two files joined: refuse it by record.
+        // mined negatives) and is most likely two files joined: refuse it by line.
         if !seen.insert(q.id.clone()) {
-            bail!("{}: query id {:?} occurs twice (record {})", src.queries.display(), q.id, i + 1);
+            bail!("{}:{line}: query id {:?} occurs twice; give each query its own id", src.queries.display(), q.id);
         }
         let mut positives = Vec::new();
         for (pid, &grade) in qrels.get(&q.id).into_iter().flatten() {
@@ -93,13 +93,14 @@ pub fn load_task(src: &TaskSource, known: &dyn Fn(&str) -> bool, report: &mut Lo
 }
 
 /// The ids of every passage in a corpus file (streamed); a repeated id is an error naming its
-/// record (the texts the trainer reads for it would depend on which copy came last).
+/// line (the texts the trainer reads for it would depend on which copy came last).
 pub fn corpus_ids(corpus: &Path) -> Result<HashSet<String>> {
     let mut ids = HashSet::new();
-    for (i, p) in beir::read_corpus(corpus)?.enumerate() {
+    for p in beir::read_corpus(corpus)?.numbered() {
+        let (line, p) = p?;
         // One lookup a passage: `replace` hands back the copy already there.
-        if let Some(id) = ids.replace(p?.id) {
-            bail!("{}: passage id {:?} occurs twice (record {})", corpus.display(), id, i + 1);
+        if let Some(id) = ids.replace(p.id) {
+            bail!("{}:{line}: passage id {:?} occurs twice; give each passage its own id", corpus.display(), id);
         }
     }
     Ok(ids)
@@ -135,16 +136,11 @@ pub fn corpus_texts(corpus: &Path, wanted: &HashSet<&str>) -> Result<HashMap<Str
 /// corpus. An empty passage text is an error naming it: it would train on nothing.
 pub fn passage_texts(corpus: &Path, wanted: &HashSet<&str>) -> Result<HashMap<String, String>> {
     let mut out = HashMap::with_capacity(wanted.len());
-    for (i, p) in beir::read_corpus(corpus)?.enumerate() {
-        let p = p?;
+    for p in beir::read_corpus(corpus)?.numbered() {
+        let (line, p) = p?;
         if wanted.contains(p.id.as_str()) {
             if p.text.trim().is_empty() {
-                bail!(
-                    "{}: passage {:?} (record {}) has an empty text; remove it or give it one",
-                    corpus.display(),
-                    p.id,
-                    i + 1
-                );
+                bail!("{}:{line}: passage {:?} has an empty text; remove it or give it one", corpus.display(), p.id);
             }
             out.insert(p.id.clone(), passage_string(&p.title, &p.text));
         }
@@ -188,14 +184,14 @@ mod tests {
     }
 
     #[test]
-    fn repeated_ids_and_empty_texts_name_their_records() {
+    fn repeated_ids_and_empty_texts_name_their_lines() {
         let dir = scratch("repeated");
         let corpus = dir.join("corpus.jsonl");
         std::fs::write(&corpus, "{\"_id\": \"a\", \"text\": \"one\"}\n{\"_id\": \"b\", \"text\": \" \"}\n{\"_id\": \"a\", \"text\": \"two\"}\n").unwrap();
         let err = format!("{:#}", corpus_ids(&corpus).unwrap_err());
-        assert!(err.contains("corpus.jsonl") && err.contains("passage id \"a\" occurs twice (record 3)"), "{err}");
+        assert!(err.contains("corpus.jsonl:3: passage id \"a\" occurs twice"), "{err}");
         let err = format!("{:#}", passage_texts(&corpus, &HashSet::from(["b"])).unwrap_err());
-        assert!(err.contains("passage \"b\" (record 2) has an empty text"), "{err}");
+        assert!(err.contains("corpus.jsonl:2: passage \"b\" has an empty text"), "{err}");
 
         let src = TaskSource { name: "t".into(), queries: dir.join("queries.train.jsonl"), qrels: dir.join("qrels.train.tsv") };
         std::fs::write(&src.qrels, "query-id\tcorpus-id\tscore\nq1\ta\t1\nq2\ta\t1\n").unwrap();
@@ -204,7 +200,7 @@ mod tests {
         assert_eq!(load_task(&src, &|_| true, &mut report).unwrap().examples.len(), 2);
         std::fs::write(&src.queries, "{\"_id\": \"q1\", \"text\": \"x\"}\n{\"_id\": \"q2\", \"text\": \"y\"}\n\n{\"_id\": \"q1\", \"text\": \"z\"}\n").unwrap();
         let err = format!("{:#}", load_task(&src, &|_| true, &mut report).unwrap_err());
-        assert!(err.contains("queries.train.jsonl") && err.contains("query id \"q1\" occurs twice (record 3)"), "{err}");
+        assert!(err.contains("queries.train.jsonl:4: query id \"q1\" occurs twice"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -56,10 +56,10 @@ pub fn read_queries(path: &Path) -> Result<Records<Query>> {
 /// Read a whole corpus; the first bad line, or a repeated id, is an error naming its line.
 pub fn load_corpus(path: &Path) -> Result<Corpus> {
     let mut map = HashMap::new();
-    for (i, p) in read_corpus(path)?.enumerate() {
-        let p = p?;
+    for p in read_corpus(path)?.numbered() {
+        let (line, p) = p?;
         if map.contains_key(&p.id) {
-            return Err(anyhow!("{}: passage id {:?} occurs twice (record {})", path.display(), p.id, i + 1));
+            return Err(anyhow!("{}:{line}: passage id {:?} occurs twice; give each passage its own id", path.display(), p.id));
         }
         map.insert(p.id.clone(), p);
     }

@@ -57,17 +57,37 @@ pub struct Records<T> {
     parse: ParseLine<T>,
     what: &'static str,
     records: usize,
+    /// The line the last record came from.
+    line: usize,
     done: bool,
 }
 
 impl<T> Records<T> {
     pub(crate) fn open(path: &Path, what: &'static str, parse: ParseLine<T>) -> Result<Self> {
-        Ok(Self { lines: Lines::open(path)?, parse, what, records: 0, done: false })
+        Ok(Self { lines: Lines::open(path)?, parse, what, records: 0, line: 0, done: false })
     }
 
     /// The file being read.
     pub fn path(&self) -> &Path {
         self.lines.path()
+    }
+
+    /// Each record with its 1-based line number, for errors a reader's caller finds (a
+    /// repeated id, an empty text): `file:line: msg`, as the readers' own errors are.
+    pub fn numbered(self) -> Numbered<T> {
+        Numbered(self)
+    }
+}
+
+/// [`Records::numbered`]'s iterator.
+pub struct Numbered<T>(Records<T>);
+
+impl<T> Iterator for Numbered<T> {
+    type Item = Result<(usize, T)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let rec = self.0.next()?;
+        Some(rec.map(|r| (self.0.line, r)))
     }
 }
 
@@ -91,6 +111,7 @@ impl<T> Iterator for Records<T> {
                     Ok(None) => {}
                     Ok(Some(rec)) => {
                         self.records += 1;
+                        self.line = n;
                         return Some(Ok(rec));
                     }
                     Err(msg) => {
