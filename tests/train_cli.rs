@@ -248,6 +248,44 @@ fn bad_training_inputs_are_clear_errors() {
     }
 }
 
+/// The TACO authors' schedule as stage overrides: the BM25 stage without the task prefix and
+/// with AdamW, the ANCE episode with the prefix and T-SAGE; each stage's model says which
+/// prefix it trained with and its optimizer state is its optimizer's. A resume without the
+/// overrides is refused, naming them.
+#[test]
+fn stage_overrides_give_a_stage_its_own_prefix_and_optimizer() {
+    let dir = TempDir::new("train-stages");
+    let train = TRAIN.replace("max_steps = 8", "max_steps = 2").replace("optim = \"adamw\"", "optim = \"tsage\"") + "\nance_episodes = 1\nance_depth = 10";
+    let recipe = small_task_data(dir.path(), 12, &train);
+    let text = std::fs::read_to_string(&recipe).unwrap().replace("max_length = 64 }", "max_length = 64, task_prefix = true }");
+    let overrides = "\n[[train.stage_overrides]]\nstages = [0]\nmodel_settings = { task_prefix = false }\noptim = \"adamw\"\n";
+    std::fs::write(&recipe, format!("{text}{overrides}")).unwrap();
+    let out = dir.path().join("out");
+    let o = Command::new(host_bin()).args(["train", "--model", p(&minilm_dir()), "--config", p(&recipe), "--output-dir", p(&out)]).env_remove("RAK_PLUGIN_PATH").output().unwrap();
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("stage 0 of 1 (BM25 negatives, adamw with {") && err.contains("stage 1 of 1 (ANCE negatives, tsage with {"), "{err}");
+    let prefix = |dir: &Path| -> Value {
+        let s: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("rak_encoder.json")).unwrap()).unwrap();
+        s["task_prefix"].clone()
+    };
+    assert_eq!(prefix(&out.join("episode-0")), Value::Bool(false));
+    assert_eq!(prefix(&out.join("episode-1")), Value::Bool(true));
+    assert_eq!(prefix(&out), Value::Bool(true), "the run's model is the last stage's");
+    let state = |stage: &str| -> Vec<String> {
+        let mut names: Vec<String> = tch::Tensor::read_safetensors(out.join(stage).join("checkpoint-2/optimizer.safetensors")).unwrap().into_iter().map(|(n, _)| n).collect();
+        names.sort();
+        names
+    };
+    let (adamw, tsage) = (state("episode-0"), state("episode-1"));
+    assert!(adamw.iter().any(|n| n.starts_with("exp_avg")), "{adamw:?}");
+    assert_ne!(adamw, tsage, "T-SAGE keeps its task sensitivities besides Adam's moments");
+
+    std::fs::write(&recipe, &text).unwrap();
+    let o = run(&mut train_cmd(&recipe, &out, &["--resume-from-checkpoint", "latest"]));
+    fails(&o, &["another recipe", "train.stage_overrides: [{"]);
+}
+
 /// `negatives-episode-E.json`: every example's negatives by task and query id.
 fn saved_negatives(path: &Path) -> (String, std::collections::BTreeMap<String, Vec<String>>) {
     let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
@@ -571,12 +609,17 @@ fn every_recipe_parses_and_names_known_plugins_and_settings() {
             }
             let recipe = rak_train::recipe::read_recipe(&path).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
             let optim = recipe.train.optim.clone().expect("every recipe names its optimizer");
-            registry.optimizer(&optim, &Value::Object(recipe.train.optim_settings.clone())).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+            recipe.validate().unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
             let encoder = recipe.model.encoder.clone().expect("every recipe names its encoder");
             let plugin = registry.iter().find(|p| p.header.name == encoder).unwrap_or_else(|| panic!("{}: no encoder {encoder}", path.display()));
             let schema = rak_host::proxy::settings_schema(plugin);
-            for key in recipe.model.settings.keys() {
-                assert!(schema.get(key).is_some(), "{}: encoder {encoder} has no setting {key}", path.display());
+            // Every stage's optimizer and encoder settings, with the stage overrides applied.
+            for stage in 0..=recipe.train.ance_episodes {
+                let plan = recipe.train.stage_plan(&recipe.model.settings, &optim, stage);
+                registry.optimizer(&plan.optim, &Value::Object(plan.optim_settings)).unwrap_or_else(|e| panic!("{} stage {stage}: {e:#}", path.display()));
+                for key in plan.model_settings.keys() {
+                    assert!(schema.get(key).is_some(), "{} stage {stage}: encoder {encoder} has no setting {key}", path.display());
+                }
             }
             seen += 1;
         }

@@ -141,6 +141,35 @@ pub struct TrainSection {
     /// REPLUG's β: the temperature on the LM's scores of the `lm_supervised` loss (default 0.1,
     /// REFERENCE §6's common choice); its γ is `1 / score_scale`.
     pub lm_temperature: Option<f64>,
+    /// Settings that differ in some stages of an ANCE run (`[[train.stage_overrides]]`), in
+    /// order: a later entry's settings win over an earlier one's.
+    pub stage_overrides: Vec<StageOverride>,
+}
+
+/// Other settings for some stages of a run: the TACO authors' schedule switches the task
+/// prefix on only after the BM25 warm-up, and weighs tasks with T-SAGE in the last episode
+/// only (plain summed gradients before).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct StageOverride {
+    /// The stages it applies to: 0 is the BM25 stage, E the E-th ANCE episode.
+    pub stages: Vec<u32>,
+    /// Encoder settings over `[model] settings` (e.g. `{ task_prefix = false }`).
+    #[serde(default)]
+    pub model_settings: serde_json::Map<String, Value>,
+    /// The optimizer of these stages; its settings are then this entry's `optim_settings`
+    /// alone (another optimizer's would not fit it).
+    pub optim: Option<String>,
+    /// Optimizer settings: over `train.optim_settings` when this entry names no optimizer.
+    pub optim_settings: Option<serde_json::Map<String, Value>>,
+}
+
+/// What one stage trains with, once the overrides that name it are applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StagePlan {
+    pub model_settings: serde_json::Map<String, Value>,
+    pub optim: String,
+    pub optim_settings: serde_json::Map<String, Value>,
 }
 
 impl Default for TrainSection {
@@ -179,7 +208,26 @@ impl Default for TrainSection {
             mask_positive_copies: false,
             loss: LossKind::Nce,
             lm_temperature: None,
+            stage_overrides: Vec::new(),
         }
+    }
+}
+
+impl TrainSection {
+    /// Stage `stage`'s settings: `model_settings` and `optim` (the run's, from the recipe or
+    /// the command line) with every override that names the stage applied in order.
+    pub fn stage_plan(&self, model_settings: &serde_json::Map<String, Value>, optim: &str, stage: u32) -> StagePlan {
+        let mut plan = StagePlan { model_settings: model_settings.clone(), optim: optim.to_string(), optim_settings: self.optim_settings.clone() };
+        for o in self.stage_overrides.iter().filter(|o| o.stages.contains(&stage)) {
+            plan.model_settings.extend(o.model_settings.clone());
+            if let Some(name) = &o.optim {
+                plan.optim = name.clone();
+                plan.optim_settings = o.optim_settings.clone().unwrap_or_default();
+            } else if let Some(settings) = &o.optim_settings {
+                plan.optim_settings.extend(settings.clone());
+            }
+        }
+        plan
     }
 }
 
@@ -239,6 +287,18 @@ impl TrainSection {
         if t.save_steps == 0 {
             bail!("train.save_steps = 0: give at least 1 (a checkpoint every that many steps)");
         }
+        for (i, o) in t.stage_overrides.iter().enumerate() {
+            let key = format!("train.stage_overrides[{i}]");
+            if o.stages.is_empty() {
+                bail!("{key}.stages is empty: name the stages it is for (0: the BM25 stage, E: the E-th ANCE episode)");
+            }
+            if let Some(s) = o.stages.iter().find(|&&s| s > t.ance_episodes) {
+                bail!("{key}.stages names stage {s}, but the run has stages 0 to {} (ance_episodes = {})", t.ance_episodes, t.ance_episodes);
+            }
+            if let Some(k) = ["model", "device", "bf16"].iter().find(|k| o.model_settings.contains_key(**k)) {
+                bail!("{key}.model_settings sets {k:?}, which the run decides for every stage (the model and --device on the command line, --bf16)");
+            }
+        }
         Ok(())
     }
 }
@@ -290,6 +350,7 @@ impl AnceIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     /// Numbers out of range (a NaN is in none) and a task named twice: one error naming the key.
     #[test]
@@ -323,6 +384,55 @@ mod tests {
         let twice = Recipe { data: DataSection { tasks: vec!["nq".into(), "fever".into(), "nq".into()], ..Default::default() }, ..Default::default() };
         let e = format!("{:#}", twice.validate().unwrap_err());
         assert!(e.contains("data.tasks") && e.contains("\"nq\" twice"), "{e}");
+    }
+
+    /// Stage overrides apply in order to the stages they name; an override naming another
+    /// optimizer brings its own settings, one naming none adds to the recipe's.
+    #[test]
+    fn stage_overrides_apply_in_order_to_the_stages_they_name() {
+        let recipe: Recipe = toml::from_str(
+            r#"
+            [model]
+            settings = { task_prefix = true, max_length = 64 }
+            [data]
+            corpus = "c.jsonl"
+            [train]
+            optim = "tsage"
+            optim_settings = { tau = 2.0, beta = 0.999 }
+            ance_episodes = 2
+            [[train.stage_overrides]]
+            stages = [0]
+            model_settings = { task_prefix = false }
+            [[train.stage_overrides]]
+            stages = [0, 1]
+            optim = "adamw"
+            optim_settings = { weight_decay = 0.0 }
+            [[train.stage_overrides]]
+            stages = [1, 2]
+            optim_settings = { beta = 0.9 }
+            "#,
+        )
+        .unwrap();
+        recipe.validate().unwrap();
+        let t = &recipe.train;
+        let plan = |stage| t.stage_plan(&recipe.model.settings, "tsage", stage);
+        let map = |v: Value| v.as_object().unwrap().clone();
+        assert_eq!(plan(0), StagePlan { model_settings: map(json!({"task_prefix": false, "max_length": 64})), optim: "adamw".into(), optim_settings: map(json!({"weight_decay": 0.0})) });
+        // The third entry's settings add to the second's optimizer's.
+        assert_eq!(plan(1), StagePlan { model_settings: map(json!({"task_prefix": true, "max_length": 64})), optim: "adamw".into(), optim_settings: map(json!({"weight_decay": 0.0, "beta": 0.9})) });
+        assert_eq!(plan(2), StagePlan { model_settings: map(json!({"task_prefix": true, "max_length": 64})), optim: "tsage".into(), optim_settings: map(json!({"tau": 2.0, "beta": 0.9})) });
+
+        let fails = |o: StageOverride, episodes: u32, needle: &str| {
+            // The first entry is fine: the error names the second by its place.
+            let first = StageOverride { stages: vec![0], ..Default::default() };
+            let t = TrainSection { ance_episodes: episodes, stage_overrides: vec![first, o], ..Default::default() };
+            let e = format!("{:#}", t.validate().unwrap_err());
+            assert!(e.contains(needle), "expected {needle:?} in {e:?}");
+        };
+        fails(StageOverride::default(), 1, "train.stage_overrides[1].stages is empty");
+        fails(StageOverride { stages: vec![0, 3], ..Default::default() }, 2, "train.stage_overrides[1].stages names stage 3, but the run has stages 0 to 2 (ance_episodes = 2)");
+        let bf16 = StageOverride { stages: vec![1], model_settings: map(json!({"bf16": true})), ..Default::default() };
+        fails(bf16, 1, "model_settings sets \"bf16\"");
     }
 
     /// The recipe's revision goes with the recipe's model only: a model given on the command

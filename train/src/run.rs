@@ -14,7 +14,7 @@
 
 use crate::data::{corpus_ids, corpus_pages, corpus_texts, load_task, passage_texts, task_sources, LoadReport, TaskData};
 use crate::negatives;
-use crate::recipe::{sampler_kind, Recipe, TrainSection};
+use crate::recipe::{sampler_kind, Recipe, StagePlan, TrainSection};
 use rak_core::rng::Rng;
 use crate::trainer::{check_checkpoint, check_loss_settings, checkpoints, latest_checkpoint, LossKind, Sampler, TaskLossWeight, Trainer, TrainerConfig, LOG_FILE};
 use anyhow::{bail, Context, Result};
@@ -107,8 +107,11 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     recipe.validate()?;
     // GradNorm and CGD weigh tasks from their gradients' sizes: they would undo the queries'
     // weights (GradNorm) or apply them twice (CGD's gradient products, then its weighted sum).
-    if t.task_loss_weight == TaskLossWeight::Queries && matches!(spec.optim.as_str(), "gradnorm" | "cgd") {
-        bail!("task_loss_weight = \"queries\" scales the task gradients, which {} weighs itself; use \"equal\" with it", spec.optim);
+    let plans: Vec<StagePlan> = (0..=t.ance_episodes).map(|stage| t.stage_plan(&recipe.model.settings, &spec.optim, stage)).collect();
+    if let Some(plan) = plans.iter().find(|p| matches!(p.optim.as_str(), "gradnorm" | "cgd")) {
+        if t.task_loss_weight == TaskLossWeight::Queries {
+            bail!("task_loss_weight = \"queries\" scales the task gradients, which {} weighs itself; use \"equal\" with it", plan.optim);
+        }
     }
     if t.save_total_limit == Some(0) {
         bail!("save_total_limit = 0 would keep no checkpoint: give at least 1, or leave it out to keep all");
@@ -306,10 +309,14 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
                 if spec.bf16 { "" } else { " (--bf16 gives bf16 autocast)" }
             ));
         }
-        let mut encoder = plugins.encoder(&spec.encoder, &encoder_settings(spec, &start, false))?;
-        let mut optimizer = plugins.optimizer(&spec.optim, &Value::Object(t.optim_settings.clone()))?;
+        let plan = &plans[episode as usize];
+        let mut encoder = plugins.encoder(&spec.encoder, &encoder_settings(spec, plan, &start, false))?;
+        let mut optimizer = plugins.optimizer(&plan.optim, &Value::Object(plan.optim_settings.clone()))?;
         if episodes > 0 {
-            progress.log(&format!("train: stage {episode} of {episodes} ({}) in {}", if episode == 0 { "BM25 negatives" } else { "ANCE negatives" }, stage.display()));
+            let negatives = if episode == 0 { "BM25 negatives" } else { "ANCE negatives" };
+            // With overrides the stage says what it trains with.
+            let with = if t.stage_overrides.is_empty() { String::new() } else { format!(", {} with {}", plan.optim, Value::Object(plan.model_settings.clone())) };
+            progress.log(&format!("train: stage {episode} of {episodes} ({negatives}{with}) in {}", stage.display()));
         }
         let mut trainer = Trainer::data_parallel(stage_config(episode), encoder.as_mut(), optimizer.as_mut(), tasks.clone(), texts, stage, group.as_mut())?;
         trainer.set_episode(episode);
@@ -343,7 +350,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         if !final_saved && !out.join(FINAL_MARK).exists() {
             // Every stage was done already but the copy never finished: make it from the last stage.
             progress.log(&format!("train: copying the last stage's model from {} to {}", model.display(), out.display()));
-            plugins.encoder(&spec.encoder, &encoder_settings(spec, &model, false))?.save(out)?;
+            plugins.encoder(&spec.encoder, &encoder_settings(spec, &plans[episodes as usize], &model, false))?.save(out)?;
         }
         rak_core::fsutil::write_bytes(&out.join(FINAL_MARK), b"")?;
     }
@@ -351,13 +358,14 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     Ok(json!({"output_dir": out, "steps": total_steps, "episodes": episodes, "log": stages.last().map(|s| s.join(LOG_FILE))}))
 }
 
-/// Encoder settings for checkpoint `model`: the recipe's, the model and the device. The
-/// encoder trained keeps float32 weights (the trainer runs autocast); only the one that mines
-/// ANCE negatives, which never trains, holds bf16 weights (`bf16_weights`). A checkpoint an
-/// older version's training saved with `bf16 = true` (its encoder settings file) is loaded in
-/// float32 all the same: settings given override the saved ones.
-fn encoder_settings(spec: &RunSpec, model: &Path, bf16_weights: bool) -> Value {
-    let mut settings = Value::Object(spec.recipe.model.settings.clone());
+/// Encoder settings for checkpoint `model`: the stage's (the recipe's, with the stage's
+/// overrides), the model and the device. The encoder trained keeps float32 weights (the
+/// trainer runs autocast); only the one that mines ANCE negatives, which never trains, holds
+/// bf16 weights (`bf16_weights`). A checkpoint an older version's training saved with
+/// `bf16 = true` (its encoder settings file) is loaded in float32 all the same: settings given
+/// override the saved ones.
+fn encoder_settings(spec: &RunSpec, plan: &StagePlan, model: &Path, bf16_weights: bool) -> Value {
+    let mut settings = Value::Object(plan.model_settings.clone());
     settings["model"] = json!(model);
     settings["device"] = json!(spec.device);
     if bf16_weights {
@@ -553,7 +561,9 @@ fn ance_negatives(
 ) -> Result<()> {
     let t = &spec.recipe.train;
     let saved = layout.negatives_file(episode);
-    let settings = encoder_settings(spec, model, spec.bf16);
+    // The miner encodes as the stage it mines for will train (its task prefix, say).
+    let plan = t.stage_plan(&spec.recipe.model.settings, &spec.optim, episode);
+    let settings = encoder_settings(spec, &plan, model, spec.bf16);
     let identity = encoder_identity(&spec.encoder, &settings)?;
     // Keyed on the miner's weights (their digest), not on the stage's path.
     let mut miner_key = json!({"ance": identity, "task_names": t.task_names});
@@ -716,6 +726,11 @@ fn recipe_identity(spec: &RunSpec, corpus_sha256: &str) -> Result<Value> {
             "ance_ann": t.ance_index.milvus().map(|m| m.ann),
         },
     });
+    // Only when given, so that runs made before the setting existed still resume; in the
+    // trainer's section, whose keys are compared both ways (a resume without them is refused).
+    if !t.stage_overrides.is_empty() {
+        identity["train"]["stage_overrides"] = json!(t.stage_overrides);
+    }
     // Only when on, so that runs made before the setting existed still resume.
     if t.exclude_answer_negatives {
         identity["negatives"]["exclude_answer_negatives"] = json!(true);
