@@ -59,7 +59,7 @@ set +e
 # --no-fail-fast: one run reports every failing test binary, not only the first.
 # cargo runs as many tests at once as there are cores; each libtorch (in a test process or in
 # a host a test starts) takes one core, so that two never share one: OpenMP threads spinning
-# against each other made train_cli's tests take 331 s instead of 215 s on 2 cores. What a
+# against each other made train_cli's tests take 331 s instead of 209 s on 2 cores. What a
 # user runs keeps libtorch's default, every core.
 OMP_NUM_THREADS=1 cargo test --release --workspace --no-fail-fast 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}

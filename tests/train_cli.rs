@@ -251,7 +251,8 @@ fn bad_training_inputs_are_clear_errors() {
 /// The TACO authors' schedule as stage overrides: the BM25 stage without the task prefix and
 /// with AdamW, the ANCE episode with the prefix and T-SAGE; each stage's model says which
 /// prefix it trained with and its optimizer state is its optimizer's. A resume without the
-/// overrides is refused, naming them.
+/// overrides is refused, naming them; a bad setting of a later stage's optimizer is refused
+/// before any work.
 #[test]
 fn stage_overrides_give_a_stage_its_own_prefix_and_optimizer() {
     let dir = TempDir::new("train-stages");
@@ -284,6 +285,13 @@ fn stage_overrides_give_a_stage_its_own_prefix_and_optimizer() {
     std::fs::write(&recipe, &text).unwrap();
     let o = run(&mut train_cmd(&recipe, &out, &["--resume-from-checkpoint", "latest"]));
     fails(&o, &["another recipe", "train.stage_overrides: [{"]);
+
+    // A misspelt setting of the last stage's optimizer fails before the first stage trains.
+    let misspelt = dir.path().join("misspelt.toml");
+    std::fs::write(&misspelt, format!("{text}\n[[train.stage_overrides]]\nstages = [1]\noptim_settings = {{ tua = 2.0 }}\n")).unwrap();
+    let never = dir.path().join("never");
+    fails(&run(&mut train_cmd(&misspelt, &never, &[])), &["stage 1's optimizer", "tua"]);
+    assert!(!never.exists(), "refused before any work");
 }
 
 /// `negatives-episode-E.json`: every example's negatives by task and query id.

@@ -157,10 +157,10 @@ pub struct StageOverride {
     /// Encoder settings over `[model] settings` (e.g. `{ task_prefix = false }`).
     #[serde(default)]
     pub model_settings: serde_json::Map<String, Value>,
-    /// The optimizer of these stages; its settings are then this entry's `optim_settings`
-    /// alone (another optimizer's would not fit it).
+    /// The optimizer of these stages. Another than the stage's so far starts from this
+    /// entry's `optim_settings` alone (the other optimizer's would not fit it).
     pub optim: Option<String>,
-    /// Optimizer settings: over `train.optim_settings` when this entry names no optimizer.
+    /// Optimizer settings, over the stage's so far (unless `optim` switched optimizer).
     pub optim_settings: Option<serde_json::Map<String, Value>>,
 }
 
@@ -220,10 +220,11 @@ impl TrainSection {
         let mut plan = StagePlan { model_settings: model_settings.clone(), optim: optim.to_string(), optim_settings: self.optim_settings.clone() };
         for o in self.stage_overrides.iter().filter(|o| o.stages.contains(&stage)) {
             plan.model_settings.extend(o.model_settings.clone());
-            if let Some(name) = &o.optim {
+            if let Some(name) = o.optim.as_ref().filter(|name| **name != plan.optim) {
                 plan.optim = name.clone();
-                plan.optim_settings = o.optim_settings.clone().unwrap_or_default();
-            } else if let Some(settings) = &o.optim_settings {
+                plan.optim_settings.clear();
+            }
+            if let Some(settings) = &o.optim_settings {
                 plan.optim_settings.extend(settings.clone());
             }
         }
@@ -240,7 +241,27 @@ impl Recipe {
         if let Some(name) = self.data.tasks.iter().find(|n| !seen.insert(n.as_str())) {
             bail!("data.tasks names task {name:?} twice: list each task once");
         }
-        self.train.validate()
+        self.train.validate()?;
+        // A stage's model saves its settings and the next stage loads them where none is
+        // given: a key only an override sets would carry its value on into later stages.
+        for (i, o) in self.train.stage_overrides.iter().enumerate() {
+            if let Some(k) = o.model_settings.keys().find(|k| !self.model.settings.contains_key(*k)) {
+                bail!(
+                    "train.stage_overrides[{i}].model_settings sets {k:?}, which [model] settings does not: give there the value the other stages train with (otherwise a stage's saved value carries on into the next)"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The encoder settings every stage trains with: `[model] settings` without the keys a
+    /// stage override sets (for those, a stage's checkpoint holds its own, saved with it).
+    pub fn shared_model_settings(&self) -> serde_json::Map<String, Value> {
+        let mut settings = self.model.settings.clone();
+        for o in &self.train.stage_overrides {
+            settings.retain(|k, _| !o.model_settings.contains_key(k));
+        }
+        settings
     }
 }
 
@@ -290,10 +311,14 @@ impl TrainSection {
         for (i, o) in t.stage_overrides.iter().enumerate() {
             let key = format!("train.stage_overrides[{i}]");
             if o.stages.is_empty() {
-                bail!("{key}.stages is empty: name the stages it is for (0: the BM25 stage, E: the E-th ANCE episode)");
+                bail!("{key}.stages is empty (entries are counted from 0): name the stages it is for (0: the BM25 stage, E: the E-th ANCE episode)");
             }
             if let Some(s) = o.stages.iter().find(|&&s| s > t.ance_episodes) {
-                bail!("{key}.stages names stage {s}, but the run has stages 0 to {} (ance_episodes = {})", t.ance_episodes, t.ance_episodes);
+                bail!(
+                    "{key}.stages names stage {s}, but the run has stages 0 to {} (ance_episodes = {}, from train.ance_episodes or --ance-episodes); entries are counted from 0",
+                    t.ance_episodes,
+                    t.ance_episodes
+                );
             }
             if let Some(k) = ["model", "device", "bf16"].iter().find(|k| o.model_settings.contains_key(**k)) {
                 bail!("{key}.model_settings sets {k:?}, which the run decides for every stage (the model and --device on the command line, --bf16)");
@@ -410,6 +435,10 @@ mod tests {
             [[train.stage_overrides]]
             stages = [1, 2]
             optim_settings = { beta = 0.9 }
+            [[train.stage_overrides]]
+            stages = [2]
+            optim = "tsage"
+            optim_settings = { tau = 1.0 }
             "#,
         )
         .unwrap();
@@ -420,7 +449,14 @@ mod tests {
         assert_eq!(plan(0), StagePlan { model_settings: map(json!({"task_prefix": false, "max_length": 64})), optim: "adamw".into(), optim_settings: map(json!({"weight_decay": 0.0})) });
         // The third entry's settings add to the second's optimizer's.
         assert_eq!(plan(1), StagePlan { model_settings: map(json!({"task_prefix": true, "max_length": 64})), optim: "adamw".into(), optim_settings: map(json!({"weight_decay": 0.0, "beta": 0.9})) });
-        assert_eq!(plan(2), StagePlan { model_settings: map(json!({"task_prefix": true, "max_length": 64})), optim: "tsage".into(), optim_settings: map(json!({"tau": 2.0, "beta": 0.9})) });
+        // Naming the stage's own optimizer again keeps its settings so far.
+        assert_eq!(plan(2), StagePlan { model_settings: map(json!({"task_prefix": true, "max_length": 64})), optim: "tsage".into(), optim_settings: map(json!({"tau": 1.0, "beta": 0.9})) });
+        assert_eq!(recipe.shared_model_settings(), map(json!({"max_length": 64})), "task_prefix differs by stage");
+        // A key only an override sets would carry over from a stage's saved settings.
+        let mut lone = recipe;
+        lone.model.settings.remove("task_prefix");
+        let e = format!("{:#}", lone.validate().unwrap_err());
+        assert!(e.contains("train.stage_overrides[0].model_settings sets \"task_prefix\", which [model] settings does not"), "{e}");
 
         let fails = |o: StageOverride, episodes: u32, needle: &str| {
             // The first entry is fine: the error names the second by its place.
@@ -430,7 +466,7 @@ mod tests {
             assert!(e.contains(needle), "expected {needle:?} in {e:?}");
         };
         fails(StageOverride::default(), 1, "train.stage_overrides[1].stages is empty");
-        fails(StageOverride { stages: vec![0, 3], ..Default::default() }, 2, "train.stage_overrides[1].stages names stage 3, but the run has stages 0 to 2 (ance_episodes = 2)");
+        fails(StageOverride { stages: vec![0, 3], ..Default::default() }, 2, "train.stage_overrides[1].stages names stage 3, but the run has stages 0 to 2 (ance_episodes = 2, from train.ance_episodes or --ance-episodes)");
         let bf16 = StageOverride { stages: vec![1], model_settings: map(json!({"bf16": true})), ..Default::default() };
         fails(bf16, 1, "model_settings sets \"bf16\"");
     }

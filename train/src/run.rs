@@ -113,6 +113,13 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
             bail!("task_loss_weight = \"queries\" scales the task gradients, which {} weighs itself; use \"equal\" with it", plan.optim);
         }
     }
+    // Every stage's optimizer made once now: a misspelt setting of the last stage's is an
+    // error before the first stage trains, not after.
+    for (stage, plan) in plans.iter().enumerate() {
+        if plans[..stage].iter().all(|p| (&p.optim, &p.optim_settings) != (&plan.optim, &plan.optim_settings)) {
+            plugins.optimizer(&plan.optim, &Value::Object(plan.optim_settings.clone())).with_context(|| format!("stage {stage}'s optimizer"))?;
+        }
+    }
     if t.save_total_limit == Some(0) {
         bail!("save_total_limit = 0 would keep no checkpoint: give at least 1, or leave it out to keep all");
     }
@@ -312,7 +319,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         let plan = &plans[episode as usize];
         let mut encoder = plugins.encoder(&spec.encoder, &encoder_settings(spec, plan, &start, false))?;
         let mut optimizer = plugins.optimizer(&plan.optim, &Value::Object(plan.optim_settings.clone()))?;
-        if episodes > 0 {
+        if episodes > 0 || !t.stage_overrides.is_empty() {
             let negatives = if episode == 0 { "BM25 negatives" } else { "ANCE negatives" };
             // With overrides the stage says what it trains with.
             let with = if t.stage_overrides.is_empty() { String::new() } else { format!(", {} with {}", plan.optim, Value::Object(plan.model_settings.clone())) };

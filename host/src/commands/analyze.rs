@@ -139,7 +139,8 @@ fn gradient_sensitivities(registry: &Registry, recipe: &Recipe, dir: &Path, args
         .collect();
     let texts = passage_texts(&d.corpus, &wanted)?;
 
-    let mut settings = Value::Object(recipe.model.settings.clone());
+    // Not the settings a stage override changes: the checkpoint saved its stage's own.
+    let mut settings = Value::Object(recipe.shared_model_settings());
     settings["model"] = json!(dir);
     settings["device"] = json!(args.device);
     let mut encoder = registry.encoder(&encoder_name, &settings)?;

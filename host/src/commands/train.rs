@@ -35,7 +35,8 @@ pub struct TrainArgs {
     /// The recipe's revision never applies to a `--model`.
     #[arg(long)]
     pub revision: Option<String>,
-    /// Optimizer plugin (adamw, tsage, ...); default: the recipe's.
+    /// Optimizer plugin (adamw, tsage, ...); default: the recipe's. A stage override that
+    /// names an optimizer keeps it for its stages.
     #[arg(long)]
     pub optim: Option<String>,
     /// The TOML recipe.
