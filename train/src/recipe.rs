@@ -218,11 +218,17 @@ impl TrainSection {
     /// the command line) with every override that names the stage applied in order.
     pub fn stage_plan(&self, model_settings: &serde_json::Map<String, Value>, optim: &str, stage: u32) -> StagePlan {
         let mut plan = StagePlan { model_settings: model_settings.clone(), optim: optim.to_string(), optim_settings: self.optim_settings.clone() };
+        // The optimizer the settings so far are for: `train.optim_settings` are the recipe's
+        // optimizer's, even where --optim runs another.
+        let mut settings_of = self.optim.clone().unwrap_or_else(|| optim.to_string());
         for o in self.stage_overrides.iter().filter(|o| o.stages.contains(&stage)) {
             plan.model_settings.extend(o.model_settings.clone());
-            if let Some(name) = o.optim.as_ref().filter(|name| **name != plan.optim) {
+            if let Some(name) = &o.optim {
                 plan.optim = name.clone();
-                plan.optim_settings.clear();
+                if *name != settings_of {
+                    plan.optim_settings.clear();
+                    settings_of = name.clone();
+                }
             }
             if let Some(settings) = &o.optim_settings {
                 plan.optim_settings.extend(settings.clone());
@@ -452,6 +458,11 @@ mod tests {
         // Naming the stage's own optimizer again keeps its settings so far.
         assert_eq!(plan(2), StagePlan { model_settings: map(json!({"task_prefix": true, "max_length": 64})), optim: "tsage".into(), optim_settings: map(json!({"tau": 1.0, "beta": 0.9})) });
         assert_eq!(recipe.shared_model_settings(), map(json!({"max_length": 64})), "task_prefix differs by stage");
+        // --optim adamw over the recipe's tsage: the entries naming adamw still start afresh
+        // (the recipe's settings are tsage's), the stage without one keeps the recipe's.
+        let cli = |stage| t.stage_plan(&recipe.model.settings, "adamw", stage);
+        assert_eq!(cli(0).optim_settings, map(json!({"weight_decay": 0.0})));
+        assert_eq!((cli(2).optim.as_str(), cli(2).optim_settings), ("tsage", map(json!({"tau": 1.0, "beta": 0.9}))));
         // A key only an override sets would carry over from a stage's saved settings.
         let mut lone = recipe;
         lone.model.settings.remove("task_prefix");

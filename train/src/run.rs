@@ -117,7 +117,12 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     // error before the first stage trains, not after.
     for (stage, plan) in plans.iter().enumerate() {
         if plans[..stage].iter().all(|p| (&p.optim, &p.optim_settings) != (&plan.optim, &plan.optim_settings)) {
-            plugins.optimizer(&plan.optim, &Value::Object(plan.optim_settings.clone())).with_context(|| format!("stage {stage}'s optimizer"))?;
+            let made = plugins.optimizer(&plan.optim, &Value::Object(plan.optim_settings.clone()));
+            if plans.len() > 1 {
+                made.with_context(|| format!("stage {stage}'s optimizer"))?;
+            } else {
+                made?;
+            }
         }
     }
     if t.save_total_limit == Some(0) {
@@ -320,7 +325,12 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
         let mut encoder = plugins.encoder(&spec.encoder, &encoder_settings(spec, plan, &start, false))?;
         let mut optimizer = plugins.optimizer(&plan.optim, &Value::Object(plan.optim_settings.clone()))?;
         if episodes > 0 || !t.stage_overrides.is_empty() {
-            let negatives = if episode == 0 { "BM25 negatives" } else { "ANCE negatives" };
+            let negatives = match episode {
+                _ if t.hard_negatives == 0 => "no hard negatives",
+                0 if spec.examples.is_some() => "the given negatives",
+                0 => "BM25 negatives",
+                _ => "ANCE negatives",
+            };
             // With overrides the stage says what it trains with.
             let with = if t.stage_overrides.is_empty() { String::new() } else { format!(", {} with {}", plan.optim, Value::Object(plan.model_settings.clone())) };
             progress.log(&format!("train: stage {episode} of {episodes} ({negatives}{with}) in {}", stage.display()));
