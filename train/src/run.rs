@@ -117,12 +117,9 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
     // error before the first stage trains, not after.
     for (stage, plan) in plans.iter().enumerate() {
         if plans[..stage].iter().all(|p| (&p.optim, &p.optim_settings) != (&plan.optim, &plan.optim_settings)) {
-            let made = plugins.optimizer(&plan.optim, &Value::Object(plan.optim_settings.clone()));
-            if plans.len() > 1 {
-                made.with_context(|| format!("stage {stage}'s optimizer"))?;
-            } else {
-                made?;
-            }
+            plugins
+                .optimizer(&plan.optim, &Value::Object(plan.optim_settings.clone()))
+                .map_err(|e| if plans.len() > 1 { e.context(format!("stage {stage}'s optimizer")) } else { e })?;
         }
     }
     if t.save_total_limit == Some(0) {
@@ -297,7 +294,7 @@ pub fn run(spec: &RunSpec, plugins: &dyn Plugins, progress: &dyn Progress) -> Re
             progress.log("warning: ANCE episodes with hard_negatives = 0 only repeat training: no negatives are drawn");
         }
         if episode > 0 && t.hard_negatives > 0 {
-            ance_negatives(spec, &layout, episode, &model, &corpus_sha256, &mut tasks, plugins, group.as_mut(), progress)?;
+            ance_negatives(spec, &layout, episode, &plans[episode as usize], &model, &corpus_sha256, &mut tasks, plugins, group.as_mut(), progress)?;
         }
         let wanted: HashSet<&str> =
             tasks.iter().flat_map(|t| &t.examples).flat_map(|e| e.positives.iter().chain(&e.negatives).chain(e.lm_scores.iter().map(|(id, _)| id))).map(String::as_str).collect();
@@ -569,6 +566,7 @@ fn ance_negatives(
     spec: &RunSpec,
     layout: &RunLayout,
     episode: u32,
+    plan: &StagePlan,
     model: &Path,
     corpus_sha256: &str,
     tasks: &mut [TaskData],
@@ -578,9 +576,8 @@ fn ance_negatives(
 ) -> Result<()> {
     let t = &spec.recipe.train;
     let saved = layout.negatives_file(episode);
-    // The miner encodes as the stage it mines for will train (its task prefix, say).
-    let plan = t.stage_plan(&spec.recipe.model.settings, &spec.optim, episode);
-    let settings = encoder_settings(spec, &plan, model, spec.bf16);
+    // The miner encodes as the stage it mines for (`plan`) will train: its task prefix, say.
+    let settings = encoder_settings(spec, plan, model, spec.bf16);
     let identity = encoder_identity(&spec.encoder, &settings)?;
     // Keyed on the miner's weights (their digest), not on the stage's path.
     let mut miner_key = json!({"ance": identity, "task_names": t.task_names});
