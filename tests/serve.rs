@@ -630,6 +630,46 @@ fn a_call_that_timed_out_frees_its_target_slot_at_the_request_timeout() {
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
 }
 
+/// A third-party connector with no timeout of its own, in front of a target that hangs: the
+/// request is answered 504 at its deadline, and a request timeout later the hung call's
+/// --target-concurrency slot is taken back (logged, counted), so the next request reaches the
+/// target while the hung call still runs. A stream that goes quiet after its first piece is
+/// cut with an error event at the request timeout, and its slot comes back the same way.
+/// Before, each hung call kept its slot for good.
+#[test]
+fn a_hung_connector_call_loses_its_target_slot_a_request_timeout_after_its_request_gave_up() {
+    let dir = TempDir::new("serve-hung");
+    let recipe = std::fs::read_to_string(root().join("configs/augment/chat.toml")).unwrap();
+    let settings = recipe.lines().find(|l| l.starts_with("settings = ")).unwrap();
+    let recipe = recipe.replacen("name = \"openai\"", "name = \"echo\"", 1).replacen(settings, "settings = { delay_ms = 0, stall_on = \"please stall\", stall_ms = 60000 }", 1);
+    let cfg = dir.path().join("echo.toml");
+    std::fs::write(&cfg, recipe).unwrap();
+    let plugin = echo_plugin();
+    let serve = Serve::start(&["--plugin", p(&plugin), "--config", p(&cfg), "--request-timeout-s", "1", "--target-concurrency", "1", "--k", "1"], &[]);
+    let chat = |content: &str, stream: bool| post(&serve, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": content}], "stream": stream}));
+    let reclaimed = || get(&serve, "/metrics").body.lines().find_map(|l| l.strip_prefix("rak_upstream_slots_reclaimed_total ")?.parse::<u32>().ok());
+
+    assert_error(&chat("please stall", false), 504, None, "");
+    std::thread::sleep(Duration::from_millis(1500));
+    let r = chat("Who founded the Roman Empire?", false);
+    assert_eq!(r.status, 200, "the hung call still held the only slot: {}\n{}", r.body, serve.log());
+    assert_eq!(r.json()["echo"]["op"], "forward", "{}", r.body);
+    assert_eq!(reclaimed(), Some(1));
+    assert!(serve.log().contains("its --target-concurrency slot is given back"), "{}", serve.log());
+
+    let t = Instant::now();
+    let r = chat("please stall", true);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let (events, _) = sse_events(&r.body);
+    assert_eq!(events.first().map(String::as_str), Some(r#"{"piece":1}"#), "{}", r.body);
+    assert!(events.last().is_some_and(|e| e.contains("so the stream was cut")), "{}", r.body);
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    std::thread::sleep(Duration::from_millis(1500));
+    let r = chat("Who founded the Roman Empire?", false);
+    assert_eq!(r.status, 200, "the quiet stream's call still held the only slot: {}\n{}", r.body, serve.log());
+    assert_eq!(reclaimed(), Some(2));
+}
+
 /// A corpus that does not hold the index's passages (another collection, a shard) is refused
 /// at start, naming the first missing ids and both files, rather than serving passages
 /// without text.

@@ -116,6 +116,15 @@ impl Registry {
         self.plugins.get(name).map(|p| p.header.kind.as_str())
     }
 
+    /// Whether the plugin `name` declares the setting `key` (one that declares no settings
+    /// at all takes any).
+    pub fn takes_setting(&self, name: &str, key: &str) -> bool {
+        self.plugins.get(name).is_some_and(|p| match proxy::settings_schema(p) {
+            serde_json::Value::Object(known) => known.contains_key(key),
+            _ => true,
+        })
+    }
+
     /// A new encoder instance from the plugin `name`.
     pub fn encoder(&self, name: &str, settings: &serde_json::Value) -> Result<Box<dyn Encoder>> {
         let p = self.get(name, "encoder")?;

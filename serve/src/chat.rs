@@ -8,7 +8,7 @@
 
 use crate::api::{json_body, ApiError};
 use crate::routes::{k_and_task, retrieve};
-use crate::Shared;
+use crate::{slot, Shared};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -18,7 +18,7 @@ use axum::Json;
 use rak_retrieval::data::Passage;
 use serde_json::{json, Map, Value};
 use std::convert::Infallible;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 #[derive(Clone, Copy)]
@@ -78,10 +78,11 @@ async fn augmented(state: Shared, body: Body, route: Route) -> Result<Response, 
         return streamed(state, connector, request, retrieval, permit).await;
     }
     let start = Instant::now();
+    let (held, _watcher) = slot::hold(permit, state.opts.request_timeout, state.metrics.clone());
     // Counted as a timeout if the request's deadline cancels this wait.
     let mut unanswered = Unanswered(Some((state.metrics.clone(), start)));
     let reply = crate::routes::blocking(move || {
-        let _permit = permit;
+        let _held = held;
         connector.complete(request)
     })
     .await;
@@ -193,7 +194,8 @@ fn place_passages(req: &mut Map<String, Value>, route: Route, block: &str) {
 
 /// A streamed reply: waits for the target's first piece (or its refusal, which is answered
 /// as a whole response), then sends the retrieval as a comment event and every piece as it
-/// arrives. An error after the first piece ends the stream with an `{"error"}` event.
+/// arrives. An error after the first piece, or a request timeout without one, ends the stream
+/// with an `{"error"}` event.
 async fn streamed(
     state: Shared,
     connector: std::sync::Arc<dyn rak_core::plugin::Connector>,
@@ -206,17 +208,20 @@ async fn streamed(
     let start = Instant::now();
     let runtime = tokio::runtime::Handle::current();
     let patience = state.opts.request_timeout;
+    let (held, watcher) = slot::hold(permit, patience, state.metrics.clone());
     tokio::task::spawn_blocking(move || {
-        // Held until the stream ends: a stream counts toward --target-concurrency throughout.
-        let _permit = permit;
-        // A closed channel (the client went away), or one the client has not read from for a
-        // request timeout, tells the connector to stop reading: a client that stops reading
-        // must not hold a permit for ever.
+        // A closed channel (the client went away, the stream was cut), or one the client has
+        // not read from for a request timeout, tells the connector to stop reading: a client
+        // that stops reading must not hold a slot for ever.
         let mut sink = |piece: &str| runtime.block_on(tx.send_timeout(piece.to_string(), patience)).is_ok();
-        let _ = done_tx.send(connector.stream(request, &mut sink));
+        let result = connector.stream(request, &mut sink);
+        // Held until the stream ends (a stream counts toward --target-concurrency
+        // throughout), and given back before its end is told, so an ended stream holds none.
+        drop(held);
+        let _ = done_tx.send(result);
     });
     let mut unanswered = Unanswered(Some((state.metrics.clone(), start)));
-    let first = tokio::time::timeout(state.opts.request_timeout, async {
+    let first = tokio::time::timeout(patience, async {
         tokio::select! {
             biased;
             piece = rx.recv() => Ok(piece),
@@ -228,7 +233,7 @@ async fn streamed(
     let first = match first {
         Err(_) => {
             state.metrics.observe_upstream(start.elapsed().as_secs_f64(), Some("timeout"));
-            return Err(ApiError::timeout(format!("the target LM sent nothing within the request timeout ({:.0} s)", state.opts.request_timeout.as_secs_f64())));
+            return Err(ApiError::timeout(format!("the target LM sent nothing within the request timeout ({:.0} s)", patience.as_secs_f64())));
         }
         Ok(Ok(Some(piece))) => piece,
         // Ended without a piece: a refusal, an error, or an empty stream.
@@ -238,31 +243,39 @@ async fn streamed(
     state.metrics.observe_upstream(start.elapsed().as_secs_f64(), None);
     let comment = format!("rak-retrieval {}", serde_json::to_string(&retrieval).unwrap_or_default());
     let head = futures_util::stream::iter([Ok::<Event, Infallible>(Event::default().comment(comment)), Ok(Event::default().data(first))]);
-    let metrics = state.metrics.clone();
-    let rest = futures_util::stream::unfold(Next::Pieces(rx, done_rx), move |next| next_piece(next, metrics.clone()));
+    let pieces = Pieces { rx, done: done_rx, _watcher: watcher, patience, metrics: state.metrics.clone() };
+    let rest = futures_util::stream::unfold(Some(pieces), next_piece);
     Ok(Sse::new(futures_util::StreamExt::chain(head, rest)).into_response())
 }
 
-/// Where a stream stands after its first piece.
-enum Next {
-    Pieces(mpsc::Receiver<String>, oneshot::Receiver<anyhow::Result<Value>>),
-    End,
+/// A stream after its first piece.
+struct Pieces {
+    rx: mpsc::Receiver<String>,
+    done: oneshot::Receiver<anyhow::Result<Value>>,
+    /// Dropped with the stream (ended, cut, or its client gone): a call still running then
+    /// gets a request timeout more to end before its slot is taken back.
+    _watcher: slot::Watcher,
+    /// The longest wait for a piece.
+    patience: Duration,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
 }
 
 /// The next event of a stream: a piece, or after the last one the error that cut it (counted),
-/// or the end.
-async fn next_piece(next: Next, metrics: std::sync::Arc<crate::metrics::Metrics>) -> Option<(Result<Event, Infallible>, Next)> {
-    let Next::Pieces(mut rx, done) = next else { return None };
-    if let Some(piece) = rx.recv().await {
-        return Some((Ok(Event::default().data(piece)), Next::Pieces(rx, done)));
-    }
-    let err = match done.await {
-        Ok(Ok(v)) => v.get("error").cloned(),
-        Ok(Err(e)) => Some(json!({"kind": "error", "message": format!("{e:#}")})),
-        Err(_) => None,
-    }?;
-    metrics.count_upstream_error(err["kind"].as_str().unwrap_or("error"));
-    Some((Ok(Event::default().data(json!({"error": upstream_error(&err).body()["error"]}).to_string())), Next::End))
+/// or the end. A target quiet for a request timeout is cut, as its first piece would have been.
+async fn next_piece(next: Option<Pieces>) -> Option<(Result<Event, Infallible>, Option<Pieces>)> {
+    let mut p = next?;
+    let next = tokio::time::timeout(p.patience, p.rx.recv()).await;
+    let err = match next {
+        Ok(Some(piece)) => return Some((Ok(Event::default().data(piece)), Some(p))),
+        Ok(None) => match p.done.await {
+            Ok(Ok(v)) => v.get("error").cloned(),
+            Ok(Err(e)) => Some(json!({"kind": "error", "message": format!("{e:#}")})),
+            Err(_) => None,
+        }?,
+        Err(_) => json!({"kind": "timeout", "message": format!("it sent nothing for {:.0} s (the request timeout), so the stream was cut", p.patience.as_secs_f64())}),
+    };
+    p.metrics.count_upstream_error(err["kind"].as_str().unwrap_or("error"));
+    Some((Ok(Event::default().data(json!({"error": upstream_error(&err).body()["error"]}).to_string())), None))
 }
 
 /// A stream that ended before its first piece, answered as a whole response.

@@ -18,6 +18,7 @@ mod batch;
 mod chat;
 mod metrics;
 mod routes;
+mod slot;
 
 pub use batch::BatchOptions;
 
@@ -50,7 +51,9 @@ pub struct Options {
     /// Largest request body read (larger: 413).
     pub max_body_bytes: usize,
     /// How long one request may take once its head is read (past it: 504); for a stream,
-    /// until its first piece. Also how long its head may take to arrive (past it, the
+    /// until its first piece, and then between two pieces (past it, the stream is cut). A call
+    /// to the target still running a request timeout after its request gave up loses its
+    /// `target_concurrency` slot. Also how long its head may take to arrive (past it, the
     /// connection is closed), so the two bound a request from its first byte.
     pub request_timeout: Duration,
     /// After SIGTERM, how long requests in flight may still take before the server exits
@@ -103,7 +106,8 @@ pub(crate) struct AppState {
     format_passages: Box<dyn Fn(&[&Passage]) -> String + Send + Sync>,
     metrics: Arc<Metrics>,
     next_id: AtomicU64,
-    /// Permits for calls to the target, held until a call (or its stream) ends.
+    /// Permits for calls to the target, held until a call (or its stream) ends, or a request
+    /// timeout after its request gave up ([`slot`]).
     target_permits: Arc<tokio::sync::Semaphore>,
     /// Bound to a loopback address: requests must name a loopback host (DNS rebinding).
     loopback: bool,

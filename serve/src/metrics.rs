@@ -53,6 +53,7 @@ struct Tables {
     upstream: Option<Histogram>,
     upstream_errors: BTreeMap<String, u64>,
     abandoned: u64,
+    reclaimed_slots: u64,
 }
 
 /// Every metric the server keeps.
@@ -85,6 +86,11 @@ impl Metrics {
         if texts > 0 {
             self.tables().abandoned += texts as u64;
         }
+    }
+
+    /// A target slot taken back from a call that outlived its request (see `slot`).
+    pub fn count_reclaimed_slot(&self) {
+        self.tables().reclaimed_slots += 1;
     }
 
     /// Texts in one encoder call.
@@ -129,6 +135,8 @@ impl Metrics {
         for (kind, n) in &t.upstream_errors {
             let _ = writeln!(out, "rak_upstream_errors_total{{kind=\"{kind}\"}} {n}");
         }
+        out.push_str("# HELP rak_upstream_slots_reclaimed_total Target slots (--target-concurrency) taken back from calls still running a request timeout after their request gave up.\n# TYPE rak_upstream_slots_reclaimed_total counter\n");
+        let _ = writeln!(out, "rak_upstream_slots_reclaimed_total {}", t.reclaimed_slots);
         out
     }
 }

@@ -80,10 +80,12 @@ pub struct ServeArgs {
     /// Largest request body, in bytes (larger: 413).
     #[arg(long, default_value_t = 2 << 20)]
     pub max_body_bytes: usize,
-    /// Seconds a request may take, from its first byte (a stream: until its first piece);
-    /// past it: 504. Also the longest the request's head may take to arrive, and a call to an
-    /// openai target's timeout at most (its `timeout_s` is capped at it, so a call that timed
-    /// out here does not hold its --target-concurrency slot past it).
+    /// Seconds a request may take, from its first byte (a stream: until its first piece, then
+    /// between pieces); past it: 504 (a stream is cut). Also the longest the request's head may
+    /// take to arrive, and a call to an openai target's timeout at most (its `timeout_s` is
+    /// capped at it, so a call that timed out here does not hold its --target-concurrency slot
+    /// past it); any other connector's call still running this long after its request gave
+    /// up loses its slot (logged, and counted in /metrics).
     #[arg(long, default_value_t = 60.0)]
     pub request_timeout_s: f64,
     /// After SIGTERM, seconds the requests in flight may still take before the server exits
@@ -205,11 +207,17 @@ pub fn run(registry: &Registry, args: &ServeArgs) -> Result<()> {
     let (connector, target_model) = match &target_name {
         Some(name) => {
             let mut settings = cfg.as_ref().map(|c| c.target_settings()).transpose()?.unwrap_or_else(|| json!({}));
-            if let Some(url) = &args.base_url {
-                settings["base_url"] = json!(url);
-            }
-            if settings.get("base_url").is_none() {
-                bail!("the target needs --base-url (or target.settings.base_url in the recipe)");
+            // A connector without a base_url setting (a third party's that finds its LM
+            // otherwise) is given none.
+            if registry.takes_setting(name, "base_url") {
+                if let Some(url) = &args.base_url {
+                    settings["base_url"] = json!(url);
+                }
+                if settings.get("base_url").is_none() {
+                    bail!("the target needs --base-url (or target.settings.base_url in the recipe)");
+                }
+            } else if args.base_url.is_some() {
+                bail!("--base-url: the target's connector {name:?} has no base_url setting (`host plugins inspect FILE` lists its settings)");
             }
             if let Some(m) = &args.target_model {
                 settings["model"] = json!(m);
