@@ -249,6 +249,14 @@ fn taser_specialises_every_third_block_and_routes_by_role() {
     assert!(max_abs(&again.encode(&t, Role::Query, None, false).unwrap(), &q1) < 1e-6);
     assert!(max_abs(&again.encode(&t, Role::Passage, None, false).unwrap(), &p1) < 1e-6);
 
+    // TASER's [CLS] default yields to what a checkpoint saved: one trained with mean pooling
+    // (a stage override) loads with it.
+    let mean = reg.encoder("taser", &json!({"model": m, "pooling": "mean", "normalize": true})).unwrap();
+    let dir = TempDir::new("taser-save-mean");
+    mean.save(dir.path()).unwrap();
+    let info = reg.encoder("taser", &json!({"model": dir.path()})).unwrap().info().unwrap();
+    assert_eq!((&info["pooling"], &info["normalize"]), (&json!("mean"), &json!(true)), "{info}");
+
     let mut t2 = reg.encoder("taser", &json!({"model": m, "taser_every": 2})).unwrap();
     assert_eq!(t2.info().unwrap()["parameters"].as_i64().unwrap(), base + 3 * ffn);
     let _ = t2.encode(&t, Role::Query, None, false).unwrap();

@@ -5,6 +5,7 @@
 
 use anyhow::{bail, Result};
 use rak_core::encoders::bert::{BertEncoder, BertEncoderSettings};
+use rak_core::models::pooling::Pooling;
 use rak_core::plugin::PluginInfo;
 use serde_json::{json, Value};
 
@@ -35,21 +36,17 @@ impl PluginInfo for Taser {
         })
     }
 
-    fn create(mut settings: Value) -> Result<Self> {
+    fn create(settings: Value) -> Result<Self> {
         if settings.get("passage_model").is_some() {
             bail!("taser shares one encoder between queries and passages: remove \"passage_model\"");
         }
         if settings.get("taser_every").and_then(Value::as_i64).is_some_and(|t| t < 1) {
             bail!("taser_every must be at least 1");
         }
-        // TASER embeds with [CLS] unless told otherwise, whatever sentence-transformers says.
-        if settings.get("pooling").is_none() {
-            settings["pooling"] = json!("cls");
-        }
-        if settings.get("normalize").is_none() {
-            settings["normalize"] = json!(false);
-        }
-        let defaults = BertEncoderSettings { taser_every: Some(DEFAULT_EVERY), ..Default::default() };
+        // TASER embeds with [CLS] unless told otherwise, whatever sentence-transformers says:
+        // as defaults, below what the checkpoint saved (a stage that trained with mean pooling
+        // saved it, and its checkpoint must load so).
+        let defaults = BertEncoderSettings { taser_every: Some(DEFAULT_EVERY), pooling: Some(Pooling::Cls), normalize: Some(false), ..Default::default() };
         Ok(Taser(BertEncoder::create(settings, defaults)?))
     }
 }
