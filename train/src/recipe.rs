@@ -152,8 +152,9 @@ pub struct TrainSection {
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct StageOverride {
-    /// The stages it applies to: 0 is the BM25 stage, E the E-th ANCE episode.
-    pub stages: Vec<u32>,
+    /// The stages it applies to: 0 is the BM25 stage, E the E-th ANCE episode, -1 the last
+    /// stage; or ranges of them (`"0..-2"`: every stage but the last).
+    pub stages: Vec<StageRef>,
     /// Encoder settings over `[model] settings` (e.g. `{ task_prefix = false }`).
     #[serde(default)]
     pub model_settings: serde_json::Map<String, Value>,
@@ -162,6 +163,59 @@ pub struct StageOverride {
     pub optim: Option<String>,
     /// Optimizer settings, over the stage's so far (unless `optim` switched optimizer).
     pub optim_settings: Option<serde_json::Map<String, Value>>,
+}
+
+/// Stages an override names: one stage, by its number from the first (0, the BM25 stage; E,
+/// the E-th ANCE episode) or, negative, from the last (-1); or a range `"A..B"` of them, both
+/// ends included, so that a recipe's schedule follows `--ance-episodes` (`"0..-2"`: every
+/// stage but the last). A stage counted from the first must be in the run. A range counted
+/// from the last is cut to the run's stages, and may name none: every stage but the last of
+/// a one-stage run is no stage.
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
+#[serde(untagged, expecting = "a stage number (0: the BM25 stage, -1: the last stage) or a range such as \"0..-2\"")]
+pub enum StageRef {
+    One(i64),
+    Range(String),
+}
+
+impl StageRef {
+    /// The stages it names in a run of stages 0 to `last` (a range that is empty names none),
+    /// or why it names stages the run does not have.
+    pub fn resolve(&self, last: u32) -> std::result::Result<std::ops::RangeInclusive<i64>, String> {
+        let last = i64::from(last);
+        let stages = format!("the run has stages 0 to {last} (ance_episodes = {last}, from train.ance_episodes or --ance-episodes)");
+        let index = |n: i64| if n < 0 { last + 1 + n } else { n };
+        match self {
+            StageRef::One(n) => {
+                let i = index(*n);
+                if !(0..=last).contains(&i) {
+                    let counted = if *n < 0 { " (counted back from the last, -1)" } else { "" };
+                    return Err(format!("names stage {n}{counted}, but {stages}; entries are counted from 0"));
+                }
+                Ok(i..=i)
+            }
+            StageRef::Range(text) => {
+                let ends = text.split_once("..").map(|(a, b)| (a.trim().parse::<i64>(), b.trim().parse::<i64>()));
+                let Some((Ok(a), Ok(b))) = ends else {
+                    return Err(format!("names {text:?}, which is neither a stage number nor a range \"A..B\" of them (e.g. \"0..-2\": every stage but the last)"));
+                };
+                if let Some(n) = [a, b].into_iter().find(|&n| n > last) {
+                    return Err(format!("names stage {n} in {text:?}, but {stages}"));
+                }
+                if a >= 0 && b >= 0 && a > b {
+                    return Err(format!("names {text:?}, a range that runs backwards (both ends are included: \"{b}..{a}\"?)"));
+                }
+                Ok(index(a).max(0)..=index(b))
+            }
+        }
+    }
+}
+
+impl StageOverride {
+    /// Whether it applies to `stage` of a run of stages 0 to `last` (checked by `validate`).
+    pub fn names(&self, stage: u32, last: u32) -> bool {
+        self.stages.iter().any(|r| r.resolve(last).is_ok_and(|stages| stages.contains(&i64::from(stage))))
+    }
 }
 
 /// What one stage trains with, once the overrides that name it are applied.
@@ -221,7 +275,7 @@ impl TrainSection {
         // The optimizer the settings so far are for: `train.optim_settings` are the recipe's
         // optimizer's, even where --optim runs another.
         let mut settings_of = self.optim.clone().unwrap_or_else(|| optim.to_string());
-        for o in self.stage_overrides.iter().filter(|o| o.stages.contains(&stage)) {
+        for o in self.stage_overrides.iter().filter(|o| o.names(stage, self.ance_episodes)) {
             plan.model_settings.extend(o.model_settings.clone());
             if let Some(name) = &o.optim {
                 plan.optim = name.clone();
@@ -317,14 +371,10 @@ impl TrainSection {
         for (i, o) in t.stage_overrides.iter().enumerate() {
             let key = format!("train.stage_overrides[{i}]");
             if o.stages.is_empty() {
-                bail!("{key}.stages is empty (entries are counted from 0): name the stages it is for (0: the BM25 stage, E: the E-th ANCE episode)");
+                bail!("{key}.stages is empty (entries are counted from 0): name the stages it is for (0: the BM25 stage, E: the E-th ANCE episode, -1: the last stage, \"0..-2\": every stage but the last)");
             }
-            if let Some(s) = o.stages.iter().find(|&&s| s > t.ance_episodes) {
-                bail!(
-                    "{key}.stages names stage {s}, but the run has stages 0 to {} (ance_episodes = {}, from train.ance_episodes or --ance-episodes); entries are counted from 0",
-                    t.ance_episodes,
-                    t.ance_episodes
-                );
+            if let Some(why) = o.stages.iter().find_map(|r| r.resolve(t.ance_episodes).err()) {
+                bail!("{key}.stages {why}");
             }
             if let Some(k) = ["model", "device", "bf16"].iter().find(|k| o.model_settings.contains_key(**k)) {
                 bail!("{key}.model_settings sets {k:?}, which the run decides for every stage (the model and --device on the command line, --bf16)");
@@ -471,15 +521,62 @@ mod tests {
 
         let fails = |o: StageOverride, episodes: u32, needle: &str| {
             // The first entry is fine: the error names the second by its place.
-            let first = StageOverride { stages: vec![0], ..Default::default() };
+            let first = StageOverride { stages: vec![StageRef::One(0)], ..Default::default() };
             let t = TrainSection { ance_episodes: episodes, stage_overrides: vec![first, o], ..Default::default() };
             let e = format!("{:#}", t.validate().unwrap_err());
             assert!(e.contains(needle), "expected {needle:?} in {e:?}");
         };
         fails(StageOverride::default(), 1, "train.stage_overrides[1].stages is empty");
-        fails(StageOverride { stages: vec![0, 3], ..Default::default() }, 2, "train.stage_overrides[1].stages names stage 3, but the run has stages 0 to 2 (ance_episodes = 2, from train.ance_episodes or --ance-episodes)");
-        let bf16 = StageOverride { stages: vec![1], model_settings: map(json!({"bf16": true})), ..Default::default() };
+        fails(StageOverride { stages: vec![StageRef::One(0), StageRef::One(3)], ..Default::default() }, 2, "train.stage_overrides[1].stages names stage 3, but the run has stages 0 to 2 (ance_episodes = 2, from train.ance_episodes or --ance-episodes)");
+        let bf16 = StageOverride { stages: vec![StageRef::One(1)], model_settings: map(json!({"bf16": true})), ..Default::default() };
         fails(bf16, 1, "model_settings sets \"bf16\"");
+        let range = |r: &str| StageOverride { stages: vec![StageRef::Range(r.into())], ..Default::default() };
+        fails(StageOverride { stages: vec![StageRef::One(-4)], ..Default::default() }, 2, "stages names stage -4 (counted back from the last, -1), but the run has stages 0 to 2");
+        fails(range("0..3"), 2, "stages names stage 3 in \"0..3\", but the run has stages 0 to 2");
+        fails(range("2..1"), 2, "a range that runs backwards");
+        fails(range("0-2"), 2, "neither a stage number nor a range");
+    }
+
+    /// Stages counted back from the last follow --ance-episodes: the TACO schedule's "T-SAGE
+    /// in the last episode only" is one recipe for any number of episodes.
+    #[test]
+    fn stages_counted_from_the_last_follow_the_number_of_episodes() {
+        let recipe = |episodes: u32| -> Recipe {
+            let text = format!(
+                r#"
+                [model]
+                settings = {{ task_prefix = true }}
+                [data]
+                corpus = "c.jsonl"
+                [train]
+                optim = "tsage"
+                ance_episodes = {episodes}
+                [[train.stage_overrides]]
+                stages = ["0..-2"]
+                optim = "adamw"
+                [[train.stage_overrides]]
+                stages = [0, -1]
+                model_settings = {{ task_prefix = false }}
+                "#
+            );
+            let r: Recipe = toml::from_str(&text).unwrap();
+            r.validate().unwrap();
+            r
+        };
+        let plans = |episodes: u32| -> Vec<(String, Value)> {
+            let r = recipe(episodes);
+            (0..=episodes).map(|s| r.train.stage_plan(&r.model.settings, "tsage", s)).map(|p| (p.optim, p.model_settings["task_prefix"].clone())).collect()
+        };
+        let (adam, tsage) = ("adamw".to_string(), "tsage".to_string());
+        assert_eq!(plans(3), vec![(adam.clone(), json!(false)), (adam.clone(), json!(true)), (adam.clone(), json!(true)), (tsage.clone(), json!(false))]);
+        assert_eq!(plans(1), vec![(adam, json!(false)), (tsage.clone(), json!(false))]);
+        // One stage: it is the last, so "every stage but the last" names none.
+        assert_eq!(plans(0), vec![(tsage, json!(false))]);
+        // As written, so a resume compares the recipe's own words.
+        let saved = serde_json::to_value(&recipe(3).train.stage_overrides[0].stages).unwrap();
+        assert_eq!(saved, json!(["0..-2"]));
+        let e = toml::from_str::<Recipe>("[data]\ncorpus = \"c\"\n[[train.stage_overrides]]\nstages = [1.5]\n").unwrap_err().to_string();
+        assert!(e.contains("a stage number (0: the BM25 stage, -1: the last stage) or a range"), "{e}");
     }
 
     /// The recipe's revision goes with the recipe's model only: a model given on the command
